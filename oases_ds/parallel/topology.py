@@ -1,0 +1,78 @@
+"""Pure rank arithmetic for a (data-parallel x tensor-parallel) grid.
+
+Kept free of ``torch.distributed`` so that the mapping can be unit-tested and
+reasoned about without processes (STYLE lesson 5).  The layout follows Megatron:
+tensor-parallel ranks are adjacent (``rank = dp * tp_size + tp``), so a TMP group
+is a contiguous block of ranks and lands on one node when nodes hold whole TMP
+groups -- the fast links are spent on the chatty TMP collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Coord:
+    """Position of one rank in the grid."""
+
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A ``world_size = dp_size * tp_size`` grid of ranks.
+
+    Attributes:
+        world_size: total number of ranks.
+        tp_size: tensor-model-parallel degree (ranks that share one layer).
+    """
+
+    world_size: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tp_size}")
+        if self.world_size % self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} does not divide world size {self.world_size}; "
+                f"launch a multiple of {self.tp_size} processes or change tensor_parallel_size"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    def coord(self, rank: int) -> Coord:
+        self._check_rank(rank)
+        return Coord(dp=rank // self.tp_size, tp=rank % self.tp_size)
+
+    def rank(self, coord: Coord) -> int:
+        if not (0 <= coord.dp < self.dp_size and 0 <= coord.tp < self.tp_size):
+            raise ValueError(f"{coord} outside a {self.dp_size}x{self.tp_size} grid")
+        return coord.dp * self.tp_size + coord.tp
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        """Every TMP group, each a list of global ranks (one group per DP index)."""
+        return [[d * self.tp_size + t for t in range(self.tp_size)] for d in range(self.dp_size)]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        """Every DP group, each a list of global ranks (one group per TMP index)."""
+        return [[d * self.tp_size + t for d in range(self.dp_size)] for t in range(self.tp_size)]
+
+    def sub_tp_group_ranks(self, degree: int) -> list[list[int]]:
+        """Groups of ``degree`` adjacent ranks inside each TMP group.
+
+        A layer planned with TMP degree ``degree < tp_size`` runs ``tp_size // degree``
+        replicas inside each TMP group; these are the groups that shard one replica.
+        """
+        if degree < 1 or self.tp_size % degree:
+            raise ValueError(f"degree {degree} must divide tensor_parallel_size {self.tp_size}")
+        return [grp[i : i + degree] for grp in self.tp_group_ranks() for i in range(0, self.tp_size, degree)]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
