@@ -1,0 +1,315 @@
+"""GPT, BERT and LLaMA described once and built, for a TMP group, as an operator sequence.
+
+The three families differ only in a few switches (norm type, pre/post-LN,
+causal mask, MLP kind, positions, head), so one builder serves all of them.
+Per transformer layer the sequence is (paper Section IV, the ``(F_i, C_i, F_j)``
+pattern once for attention and once for the MLP)::
+
+    attn_in   (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
+    attn_copy            fwd id / bwd AllReduce of dh
+    qkv       (x, h)     -> (x, q, k, v)   column-parallel, heads local, RoPE
+    core      (x, q,k,v) -> (x, ctx)       softmax(qk^T)v, attention dropout
+    proj      (x, ctx)   -> (x, y_part)    row-parallel summand
+    attn_reduce          fwd AllReduce / bwd id
+    attn_out  (x, y)     -> (x', h')       bias, dropout, residual, norm
+    mlp_copy             fwd id / bwd AllReduce
+    mlp       (x, h)     -> (x, y_part)    column- then row-parallel
+    mlp_reduce           fwd AllReduce / bwd id
+    mlp_out   (x, y)     -> (x'',)         bias, dropout, residual (+ norm post-LN)
+
+Parameter names equal those of a plain unsharded model (``layers.0.attn.q.weight``
+...), and every parameter's ``tp_dim`` says how it is split, so full state dicts
+can be sharded into and gathered out of any TMP degree.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.ops import Acts, CommOp, ComputeOp, Op, OpContext
+from oases_ds.parallel.collectives import Group, group_rank, group_size
+from oases_ds.parallel.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    attention_core,
+    rotary_tables,
+    vocab_parallel_cross_entropy,
+)
+from oases_ds.parallel.random import keyed_dropout, mix_key
+
+IGNORE_INDEX = -100
+# Dropout sites: fixed integers so that a reference model can use the same keys.
+SITE_EMBED = 0
+
+
+def dropout_site(layer: int, which: str) -> int:
+    """Key site of a dropout call: ``which`` in {"attn_probs", "attn_out", "mlp_out"}."""
+    return 1 + 3 * layer + ("attn_probs", "attn_out", "mlp_out").index(which)
+
+
+def init_full_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Deterministic full (unsharded) initial value of parameter ``name``.
+
+    Depends only on (seed, name, shape), so every TMP degree -- and an independent
+    reference model -- starts from the same global weights.  Norm weights are near
+    one, everything else small and non-zero, so every gradient path is exercised.
+    """
+    gen = torch.Generator().manual_seed(mix_key(seed, zlib.crc32(name.encode())))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if "norm" in name and name.endswith("weight"):
+        return 1.0 + 0.1 * noise
+    return 0.02 * noise if name.endswith("weight") else 0.01 * noise
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_group: Group, mlp_group: Group) -> None:
+        super().__init__()
+        bias = cfg.family != "llama"
+        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.family == "llama" else (
+            lambda: LayerNorm(cfg.hidden_size, cfg.norm_eps)
+        )
+        self.attn_norm = norm()
+        self.mlp_norm = norm()
+        H = cfg.hidden_size
+        self.attn = nn.Module()
+        self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.k = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.v = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.o = RowParallelLinear(H, H, attn_group, bias)
+        self.mlp = nn.Module()
+        if cfg.family == "llama":
+            self.mlp.gate = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
+            self.mlp.up = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
+            self.mlp.down = RowParallelLinear(cfg.ffn, H, mlp_group, bias=False)
+        else:
+            self.mlp.fc1 = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias)
+            self.mlp.fc2 = RowParallelLinear(cfg.ffn, H, mlp_group, bias)
+
+
+class OperatorModel(nn.Module):
+    """A transformer of one family, sharded for a TMP group, with its operator sequence.
+
+    Args:
+        cfg: the model.
+        group: TMP group (``None``: unsharded, one rank).
+        seed: initial weights come from :func:`init_full_parameter` with this seed.
+        layer_groups: optional per-layer (attention group, MLP group) for
+            heterogeneous plans; defaults to ``group`` everywhere.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        group: Group = None,
+        seed: int = 0,
+        layer_groups: list[tuple[Group, Group]] | None = None,
+    ) -> None:
+        super().__init__()
+        cfg.check_tp(group_size(group))
+        self.cfg = cfg
+        self.group = group
+        groups = layer_groups or [(group, group)] * cfg.num_layers
+        if len(groups) != cfg.num_layers:
+            raise ValueError(f"layer_groups has {len(groups)} entries for {cfg.num_layers} layers")
+        for attn_group, mlp_group in groups:
+            cfg.check_tp(group_size(attn_group))
+            cfg.check_tp(group_size(mlp_group))
+        self.layer_groups = groups
+        H = cfg.hidden_size
+        self.embed = nn.Module()
+        self.embed.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
+        if cfg.family != "llama":
+            self.embed.pos = nn.Parameter(torch.empty(cfg.seq_len, H))
+            self.embed.pos.tp_dim = None  # type: ignore[attr-defined]
+        if cfg.family == "bert":
+            self.embed.norm = LayerNorm(H, cfg.norm_eps)
+        self.layers = nn.ModuleList(_Layer(cfg, a, m) for a, m in groups)
+        self.head = nn.Module()
+        if cfg.family == "bert":
+            self.head.dense = nn.Linear(H, H)
+            for p in self.head.dense.parameters():
+                p.tp_dim = None  # type: ignore[attr-defined]
+            self.head.norm = LayerNorm(H, cfg.norm_eps)
+        else:
+            self.head.norm = RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(H, cfg.norm_eps)
+        self.head.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert")
+        self.reset_parameters(seed)
+        self.ops: list[Op] = self._build_ops()
+
+    # -- weights -----------------------------------------------------------------
+    def full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        """Unsharded shape of a parameter."""
+        dim = getattr(param, "tp_dim", None)
+        shape = list(param.shape)
+        if dim is not None:
+            shape[dim] *= group_size(self._group_of(name))
+        return tuple(shape)
+
+    def _group_of(self, name: str) -> Group:
+        if name.startswith("layers."):
+            idx = int(name.split(".")[1])
+            return self.layer_groups[idx][0 if ".attn." in name else 1]
+        return self.group
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor for parameter ``name``."""
+        param = dict(self.named_parameters())[name]
+        dim = getattr(param, "tp_dim", None)
+        if dim is None:
+            return full
+        group = self._group_of(name)
+        return full.chunk(group_size(group), dim=dim)[group_rank(group)]
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        for name, param in self.named_parameters():
+            param.copy_(self.shard_of(name, init_full_parameter(name, self.full_shape(name, param), seed)))
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (e.g. from a reference model), keeping this rank's shards."""
+        for name, param in self.named_parameters():
+            param.copy_(self.shard_of(name, full[name].to(param.dtype)))
+
+    # -- operators ---------------------------------------------------------------
+    def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None) -> torch.Tensor:
+        """Dropout keyed by the global sample index (and global head index if sharded)."""
+        if offsets is None:
+            offsets = (ctx.sample_offset,) + (0,) * (x.dim() - 1)
+            full = (ctx.global_batch,) + tuple(x.shape[1:])
+        return keyed_dropout(x, self.cfg.dropout, ctx.rng.key(site), offsets, full, ctx.training)
+
+    def _build_ops(self) -> list[Op]:
+        cfg = self.cfg
+        pre_ln = cfg.family != "bert"
+        ops: list[Op] = []
+
+        def compute(name: str, layer: int, block: str, fn: Callable[[OpContext, Acts], Acts], **kw) -> None:
+            ops.append(ComputeOp(name, layer, block, fn, **kw))
+
+        # Embedding: vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT).
+        compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
+
+        def embed_out(c: OpContext, a: Acts) -> Acts:
+            x = a[0]
+            if cfg.family != "llama":
+                x = x + self.embed.pos[: x.shape[1]]
+            if cfg.family == "bert":
+                x = self.embed.norm(x)
+            return (self._dropout(c, x, SITE_EMBED),)
+
+        ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
+        compute("embed_out", -1, "embed", embed_out)
+        cos_sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu")) if cfg.family == "llama" else None
+
+        for i, layer in enumerate(self.layers):
+            attn_group, mlp_group = self.layer_groups[i]
+            ops.extend(self._layer_ops(i, layer, attn_group, pre_ln, cos_sin))
+
+        def head_in(c: OpContext, a: Acts) -> Acts:
+            x = a[0]
+            if cfg.family == "bert":
+                return (self.head.norm(F.gelu(self.head.dense(x))),)
+            return (self.head.norm(x),)
+
+        def loss(c: OpContext, a: Acts) -> Acts:
+            logits = self.head.decoder.partial(a[0])
+            labels = c.batch["labels"]
+            group = self.group
+
+            def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+                return c.comm.all_reduce(t, group, "loss", op).wait()
+
+            vocab_start = group_rank(group) * self.head.decoder.out_local
+            per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, all_reduce)
+            valid = (labels != IGNORE_INDEX).to(per_token.dtype)
+            return ((per_token * valid).sum() * c.loss_scale,)
+
+        L = cfg.num_layers
+        compute("head_in", L, "head", head_in)
+        ops.append(CommOp("head_copy", L, "head", 0, None, "all_reduce", self.group))
+        compute("loss", L, "head", loss, is_loss=True)
+        return ops
+
+    def _layer_ops(self, i: int, layer: _Layer, attn_group: Group, pre_ln: bool, cos_sin) -> list[Op]:
+        cfg = self.cfg
+        out: list[Op] = []
+        nh_local = layer.attn.q.out_local // cfg.head_dim
+        head_offset = group_rank(attn_group) * nh_local
+
+        def add(name: str, block: str, fn) -> None:
+            out.append(ComputeOp(f"L{i}.{name}", i, block, fn))
+
+        def attn_in(c: OpContext, a: Acts) -> Acts:
+            x = a[0]
+            return (x, layer.attn_norm(x)) if pre_ln else (x, x)
+
+        def qkv(c: OpContext, a: Acts) -> Acts:
+            x, h = a
+            b, s, _ = h.shape
+
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t.view(b, s, nh_local, cfg.head_dim).transpose(1, 2)
+
+            q, k, v = heads(layer.attn.q.partial(h)), heads(layer.attn.k.partial(h)), heads(layer.attn.v.partial(h))
+            if cos_sin is not None:
+                cos, sin = (t[:s].to(q.device) for t in cos_sin)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return (x, q, k, v)
+
+        def core(c: OpContext, a: Acts) -> Acts:
+            x, q, k, v = a
+
+            def drop(p: torch.Tensor) -> torch.Tensor:
+                offsets = (c.sample_offset, head_offset, 0, 0)
+                full = (c.global_batch, cfg.num_heads, p.shape[2], p.shape[3])
+                return self._dropout(c, p, dropout_site(i, "attn_probs"), offsets, full)
+
+            return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=drop))
+
+        def proj(c: OpContext, a: Acts) -> Acts:
+            return (a[0], layer.attn.o.partial(a[1]))
+
+        def attn_out(c: OpContext, a: Acts) -> Acts:
+            x, y = a
+            x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"))
+            if pre_ln:
+                return (x, layer.mlp_norm(x))
+            x = layer.attn_norm(x)
+            return (x, x)
+
+        def mlp(c: OpContext, a: Acts) -> Acts:
+            x, h = a
+            if cfg.family == "llama":
+                inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
+                return (x, layer.mlp.down.partial(inner))
+            return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h))))
+
+        def mlp_out(c: OpContext, a: Acts) -> Acts:
+            x, y = a
+            row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
+            x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"))
+            return (x,) if pre_ln else (layer.mlp_norm(x),)
+
+        add("attn_in", "attn", attn_in)
+        out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
+        add("qkv", "attn", qkv)
+        add("core", "attn", core)
+        add("proj", "attn", proj)
+        out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
+        add("attn_out", "attn", attn_out)
+        mlp_group = self.layer_groups[i][1]
+        out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
+        add("mlp", "mlp", mlp)
+        out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
+        add("mlp_out", "mlp", mlp_out)
+        return out

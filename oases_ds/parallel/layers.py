@@ -1,0 +1,196 @@
+"""Megatron-style TMP layers.
+
+Each layer holds only this rank's shard and marks every parameter with
+``tp_dim`` (the dimension that is split over TMP ranks, or ``None`` when the
+parameter is replicated).  Layers expose the *local* computation (``partial``):
+the operator sequence puts the collectives between operators explicitly so the
+executor can overlap them; ``forward`` is the eager form with the collectives
+inlined through the autograd Functions, for evaluation and for users who just
+want a TMP layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from oases_ds.parallel.collectives import (
+    Group,
+    copy_to_tensor_parallel,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel,
+)
+
+
+def _param(shape: tuple[int, ...], tp_dim: int | None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape))
+    p.tp_dim = tp_dim  # type: ignore[attr-defined]
+    return p
+
+
+def _shard(total: int, group: Group, what: str) -> int:
+    size = group_size(group)
+    if total % size:
+        raise ValueError(f"{what}={total} is not divisible by the TMP degree {size}")
+    return total // size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by output rows: each rank owns ``out/t`` outputs."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        self.out_local = _shard(out_features, group, "out_features")
+        self.weight = _param((self.out_local, in_features), 0)
+        self.bias = _param((self.out_local,), 0) if bias else None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.partial(copy_to_tensor_parallel(x, self.group))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by input columns; ``partial`` returns this
+    rank's summand (bias excluded), which an AllReduce completes.  The bias is
+    replicated and added after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        self.in_local = _shard(in_features, group, "in_features")
+        self.weight = _param((out_features, self.in_local), 1)
+        self.bias = _param((out_features,), None) if bias else None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_bias(reduce_from_tensor_parallel(self.partial(x), self.group))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; tokens outside this rank's range
+    contribute zeros, so an AllReduce of ``partial`` gives the full lookup."""
+
+    def __init__(self, vocab_size: int, dim: int, group: Group) -> None:
+        super().__init__()
+        self.group = group
+        self.vocab_local = _shard(vocab_size, group, "vocab_size")
+        self.start = group_rank(group) * self.vocab_local
+        self.weight = _param((self.vocab_local, dim), 0)
+
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.vocab_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_parallel(self.partial(tokens), self.group)
+
+
+AllReduceFn = Callable[[torch.Tensor, dist.ReduceOp.RedOpType], torch.Tensor]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary.
+
+    Forward: three small AllReduces (max, sum of exp, target logit) over the TMP
+    group; backward is local (softmax minus one-hot on this rank's slice).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start: int, all_reduce: AllReduceFn):  # type: ignore[override]
+        logits = logits.float()
+        logits_max = all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        vocab_local = logits.shape[-1]
+        local = labels - vocab_start
+        outside = (local < 0) | (local >= vocab_local)
+        local = local.masked_fill(outside, 0)
+        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target = all_reduce(target, dist.ReduceOp.SUM)
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM)
+        loss = sum_exp.log() - target
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1), 1.0)
+        grad -= onehot * (~outside).unsqueeze(-1).to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, all_reduce: AllReduceFn
+) -> torch.Tensor:
+    """Per-token loss for vocab-sharded ``logits``.  ``labels`` < 0 are ignored
+    by the caller (their loss is computed on a clamped label and masked out)."""
+    return _VocabParallelCrossEntropy.apply(logits, labels.clamp(min=0), vocab_start, all_reduce)
+
+
+class LayerNorm(nn.Module):
+    """Replicated LayerNorm (weight and bias identical on every TMP rank)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), None)
+        self.bias = _param((dim,), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Replicated RMSNorm (LLaMA): ``x / rms(x) * weight``, no bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0):
+    """cos/sin tables of shape (seq, head_dim/2) for rotary position embeddings."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (even, odd) of the last dim of ``x`` (b, heads, seq, head_dim)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2)
+
+
+def attention_core(q, k, v, causal: bool, dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over (b, heads, seq, d); returns (b, seq, heads*d)."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = q.shape[-2]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = dropout(scores.softmax(dim=-1))
+    out = probs @ v
+    return out.transpose(1, 2).flatten(2)

@@ -1,0 +1,134 @@
+"""Every collective the executor issues goes through a :class:`Communicator`.
+
+It does two things a raw process group does not:
+
+* **Accounting.**  Calls and payload bytes per (phase, kind), so tests can check
+  that Megatron's schedule sends three AllReduces' worth of bytes per TMP block
+  and Oases' fine-grained recomputation sends two.
+* **Link emulation** (optional, for benchmarks).  On one box the "link" between
+  ranks is shared memory, far faster than the PCIe / Ethernet links Oases is
+  for.  With a :class:`LinkModel`, a collective's handle completes no earlier
+  than a real link of that bandwidth and latency would allow: the real
+  collective still runs (its result is what is used) and ``wait`` then sleeps
+  -- without burning CPU -- until the link's deadline.  Messages share the link,
+  so a message starts only when the previous one has left it.  Results produced
+  under emulation must say so (see :attr:`Communicator.emulated`).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from oases_ds.parallel.collectives import Group, Pending, group_size, start_all_gather, start_all_reduce
+
+PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync")
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A point-to-point link: ``bandwidth_gbps`` (gigabits/s per direction) and latency.
+
+    Ring collectives are modelled as in the NCCL docs: an AllReduce of ``S``
+    bytes over ``n`` ranks puts ``2 (n-1)/n * S`` bytes on each rank's link, an
+    AllGather of a result of ``S`` bytes ``(n-1)/n * S``.
+    """
+
+    bandwidth_gbps: float
+    latency_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0:
+            raise ValueError(f"link.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if self.latency_us < 0:
+            raise ValueError(f"link.latency_us must be >= 0, got {self.latency_us}")
+
+    def wire_bytes(self, kind: str, nbytes: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        factor = 2.0 * (ranks - 1) / ranks if kind == "all_reduce" else (ranks - 1) / ranks
+        return factor * nbytes
+
+    def seconds(self, kind: str, nbytes: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.latency_us * 1e-6 + self.wire_bytes(kind, nbytes, ranks) * 8 / (self.bandwidth_gbps * 1e9)
+
+
+@dataclass
+class CommStats:
+    """Calls and payload bytes per (phase, kind) of collective."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, phase: str, kind: str, nbytes: int) -> None:
+        self.calls[(phase, kind)] += 1
+        self.bytes[(phase, kind)] += nbytes
+
+    def bytes_in(self, phase: str, kind: str | None = None) -> int:
+        return sum(v for (p, k), v in self.bytes.items() if p == phase and (kind is None or k == kind))
+
+    def calls_in(self, phase: str, kind: str | None = None) -> int:
+        return sum(v for (p, k), v in self.calls.items() if p == phase and (kind is None or k == kind))
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {f"{p}/{k}": {"calls": self.calls[(p, k)], "bytes": b} for (p, k), b in sorted(self.bytes.items())}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+class _EmulatedPending(Pending):
+    def __init__(self, inner: Pending, deadline: float) -> None:
+        super().__init__(None, inner.wait)
+        self._deadline = deadline
+
+    def wait(self) -> torch.Tensor:
+        result = super().wait()
+        delay = self._deadline - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return result
+
+
+class Communicator:
+    """Starts collectives, counts them, and (optionally) holds them to a link model."""
+
+    def __init__(self, link: LinkModel | None = None) -> None:
+        self.link = link
+        self.stats = CommStats()
+        self._link_free_at = 0.0
+
+    @property
+    def emulated(self) -> bool:
+        return self.link is not None
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: Group, phase: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Pending:
+        return self._wrap("all_reduce", tensor, group, phase, start_all_reduce(tensor, group, op))
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, dim: int, phase: str) -> Pending:
+        return self._wrap("all_gather", tensor, group, phase, start_all_gather(tensor, group, dim))
+
+    def _wrap(self, kind: str, tensor: torch.Tensor, group: Group, phase: str, pending: Pending) -> Pending:
+        ranks = group_size(group)
+        if ranks == 1:
+            return pending
+        nbytes = tensor.numel() * tensor.element_size()
+        if kind == "all_gather":
+            nbytes *= ranks  # size of the gathered result
+        self.stats.add(phase, kind, nbytes)
+        if self.link is None:
+            return pending
+        start = max(time.perf_counter(), self._link_free_at)
+        self._link_free_at = start + self.link.seconds(kind, nbytes, ranks)
+        return _EmulatedPending(pending, self._link_free_at)

@@ -1,0 +1,248 @@
+"""Runs a schedule's instruction stream over an operator sequence.
+
+The executor knows nothing about schedules: it maps each instruction type to a
+handler (as DeepSpeed's PipelineEngine does) and keeps the per-(op, sub-batch)
+buffers the instructions read and write.  Computation runs on the calling
+thread; collectives are started asynchronously and waited for at Sync, so they
+progress on the process group's own thread (gloo) or stream (NCCL) while the
+other sub-batch computes.
+
+Every operator runs under its own small autograd graph: its inputs are detached
+leaves, its outputs are handed on detached.  Backward of an operator is
+``autograd.backward(outputs, output_grads)`` and yields the input gradients,
+which is what lets the schedule put a collective -- or another sub-batch's work --
+between any two operators.  A buffer is freed right after its last read
+(:func:`~oases_ds.schedule.dataflow.last_reads`), so a recomputing schedule
+really holds only its checkpoints.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from oases_ds.models.ops import Acts, CommOp, ComputeOp, OpContext
+from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.runtime.comm import Communicator
+from oases_ds.runtime.timeline import Timeline
+from oases_ds.schedule.dataflow import last_reads
+from oases_ds.schedule.generators import Schedule
+from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every tensor of ``batch`` along dim 0 into ``parts`` equal sub-batches."""
+    size = batch["tokens"].shape[0]
+    if size % parts:
+        raise ValueError(
+            f"oases.sub_batches={parts} does not divide the micro-batch size {size}; "
+            f"use a micro-batch size that is a multiple of {parts}"
+        )
+    return [{k: v.chunk(parts, dim=0)[j] for k, v in batch.items()} for j in range(parts)]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+class Executor:
+    """Executes one schedule on one model; reusable across steps.
+
+    Args:
+        model: the operator model (this rank's shards).
+        schedule: instruction list from :func:`~oases_ds.schedule.generators.build_schedule`.
+        comm: communicator (accounting, optional link emulation).
+        rng: dropout key source, advanced by the caller once per optimizer step.
+        record: keep a timeline of every instruction.
+    """
+
+    def __init__(
+        self,
+        model: OperatorModel,
+        schedule: Schedule,
+        comm: Communicator | None = None,
+        rng: RNGTracker | None = None,
+        record: bool = True,
+    ) -> None:
+        self.model = model
+        self.ops = model.ops
+        self.schedule = schedule
+        self.comm = comm or Communicator()
+        self.rng = rng or RNGTracker()
+        self.record = record
+        self.timeline = Timeline()
+        self._frees = last_reads(schedule.instructions, self.ops)
+        self._handlers: dict[type, Callable[[Instruction], None]] = {
+            Forward: self._forward,
+            Recompute: self._recompute,
+            Backward: self._backward,
+            StartAsync: self._start,
+            Sync: self._sync,
+        }
+        self._buffers: dict[tuple, object] = {}
+        self._ctx: list[OpContext] = []
+        self._rng_states: dict[tuple[int, int], tuple[int, int]] = {}
+        self._losses: list[torch.Tensor] = []
+
+    # -- public ------------------------------------------------------------------
+    def run(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; parameter ``.grad`` accumulates.
+
+        Args:
+            batch: "tokens" and "labels" (b, s) for this rank (identical on all TMP
+                ranks of a group).
+            sample_offset / global_batch: where this micro-batch sits in the step's
+                global batch (keys dropout; default: this rank alone).
+        Returns the micro-batch's mean loss (detached).
+        """
+        self._prepare(batch, sample_offset, global_batch, training=True)
+        self.timeline.clear()
+        for idx, ins in enumerate(self.schedule.instructions):
+            self._handlers[type(ins)](ins)
+            for buf in self._frees[idx]:
+                self._buffers.pop(buf, None)
+        leftover = list(self._buffers)
+        self._buffers.clear()
+        if leftover:
+            raise RuntimeError(f"schedule left buffers alive: {leftover[:4]}")
+        return torch.stack(self._losses).sum()
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
+        """Loss of ``batch`` without dropout or gradients (collectives synchronous)."""
+        ctxs = self._prepare(batch, sample_offset, global_batch, training=False, parts=1)
+        acts: Acts = ()
+        for op in self.ops:
+            if isinstance(op, CommOp):
+                if op.forward is not None:
+                    acts = _replace(acts, op.index, op.start(self.comm, acts[op.index], "forward", "forward").wait())
+            else:
+                acts = op.fn(ctxs[0], acts)
+        return acts[0].detach()
+
+    # -- set-up --------------------------------------------------------------------
+    def _prepare(self, batch, sample_offset, global_batch, training: bool, parts: int | None = None) -> list[OpContext]:
+        parts = parts or self.schedule.sub_batches
+        subs = split_batch(batch, parts)
+        b = batch["tokens"].shape[0]
+        tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+        if tokens == 0:
+            raise ValueError("batch has no labelled tokens (every label is the ignore index)")
+        self._ctx = [
+            OpContext(
+                batch=sub,
+                sample_offset=sample_offset + j * (b // parts),
+                global_batch=global_batch or b,
+                loss_scale=1.0 / tokens,
+                rng=self.rng,
+                comm=self.comm,
+                training=training,
+            )
+            for j, sub in enumerate(subs)
+        ]
+        self._buffers = {("act", 0, mb): () for mb in range(parts)}
+        self._losses = []
+        self._rng_states = {}
+        return self._ctx
+
+    # -- handlers ------------------------------------------------------------------
+    def _timed(self, ins: Instruction, lane: str, fn: Callable[[], None]) -> None:
+        if not self.record:
+            fn()
+            return
+        t0 = time.perf_counter()
+        fn()
+        self.timeline.add(str(ins), lane, ins.mb, t0, time.perf_counter())
+
+    def _run_compute(self, ins: Instruction, keep_graph: bool, phase: str) -> None:
+        op = self.ops[ins.op]
+        inputs = self._buffers[("act", ins.op, ins.mb)]
+        if isinstance(op, CommOp):  # identity in this direction
+            self._buffers[("act", ins.op + 1, ins.mb)] = inputs
+            return
+        ctx = self._ctx[ins.mb]
+        ctx.phase = phase
+        key = (ins.op, ins.mb)
+        if phase == "forward":
+            self._rng_states[key] = self.rng.capture()
+        else:  # replay exactly the dropout its forward saw
+            saved = self.rng.capture()
+            self.rng.restore(self._rng_states[key])
+        if keep_graph:
+            leaves = tuple(_leaf(t) for t in inputs)
+            with torch.enable_grad():
+                outputs = op.fn(ctx, leaves)
+            self._buffers[("graph", ins.op, ins.mb)] = (leaves, outputs)
+            passed = tuple(t.detach() for t in outputs)
+        else:
+            with torch.no_grad():
+                passed = op.fn(ctx, inputs)
+        if phase != "forward":
+            self.rng.restore(saved)
+        if op.is_loss and phase == "forward":
+            self._losses.append(passed[0].detach())
+        self._buffers[("act", ins.op + 1, ins.mb)] = passed
+
+    def _forward(self, ins: Forward) -> None:
+        self._timed(ins, "compute", lambda: self._run_compute(ins, ins.keep_graph, "forward"))
+
+    def _recompute(self, ins: Recompute) -> None:
+        self._timed(ins, "compute", lambda: self._run_compute(ins, True, "recompute"))
+
+    def _backward(self, ins: Backward) -> None:
+        self._timed(ins, "compute", lambda: self._run_backward(ins))
+
+    def _run_backward(self, ins: Backward) -> None:
+        op = self.ops[ins.op]
+        if isinstance(op, CommOp):
+            self._buffers[("grad", ins.op, ins.mb)] = self._buffers[("grad", ins.op + 1, ins.mb)]
+            return
+        leaves, outputs = self._buffers[("graph", ins.op, ins.mb)]
+        if op.is_loss:
+            torch.autograd.backward(outputs[0])
+        else:
+            grads = self._buffers[("grad", ins.op + 1, ins.mb)]
+            pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._buffers[("grad", ins.op, ins.mb)] = tuple(l.grad if l.requires_grad else None for l in leaves)
+
+    def _start(self, ins: StartAsync) -> None:
+        op = self.ops[ins.op]
+        assert isinstance(op, CommOp)
+        t0 = time.perf_counter()
+        src = ("grad", ins.op + 1, ins.mb) if ins.phase == "backward" else ("act", ins.op, ins.mb)
+        acts = self._buffers[src]
+        direction = "backward" if ins.phase == "backward" else "forward"
+        pending = op.start(self.comm, acts[op.index], direction, ins.phase)
+        self._buffers[("comm", ins.op, ins.mb, ins.phase)] = (pending, acts, t0)
+
+    def _sync(self, ins: Sync) -> None:
+        op = self.ops[ins.op]
+        pending, acts, started = self._buffers[("comm", ins.op, ins.mb, ins.phase)]
+        t0 = time.perf_counter()
+        result = pending.wait()
+        t1 = time.perf_counter()
+        if self.record:
+            self.timeline.add(str(ins), "wait", ins.mb, t0, t1)
+            self.timeline.add(f"C{ins.op}.{ins.mb}:{ins.phase}", "comm", ins.mb, started, t1)
+        dst = ("grad", ins.op, ins.mb) if ins.phase == "backward" else ("act", ins.op + 1, ins.mb)
+        self._buffers[dst] = _replace(acts, op.index, result)
+
+
+def _replace(acts: Acts, index: int, value: torch.Tensor) -> Acts:
+    return acts[:index] + (value,) + acts[index + 1 :]
+
+
+def average_data_parallel_grads(model: torch.nn.Module, dp_group: dist.ProcessGroup | None) -> None:
+    """Mean of parameter gradients over the DP group (what DeepSpeed does for the engine)."""
+    size = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if size == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(size)

@@ -1,0 +1,70 @@
+"""Which buffers each instruction reads and writes.
+
+One definition serves two users: the invariant checker (no buffer is read
+before it is written) and the executor (a buffer is freed right after its last
+read, so a schedule keeps exactly the activations it says it keeps).
+
+Buffers, per operator index ``i`` and sub-batch ``mb``:
+
+* ``("act", i, mb)``   input tuple of op ``i`` (= output of op ``i-1``)
+* ``("grad", i, mb)``  gradient w.r.t. that input
+* ``("graph", i, mb)`` op ``i``'s autograd graph (inputs that require grad + outputs)
+* ``("comm", i, mb, phase)`` an in-flight collective
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from oases_ds.models.ops import CommOp, Op
+from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
+
+Buffer = tuple
+
+
+def initial_buffers(sub_batches: int) -> set[Buffer]:
+    """Buffers that exist before the first instruction: the (empty) input of op 0."""
+    return {("act", 0, mb) for mb in range(sub_batches)}
+
+
+def effects(ins: Instruction, ops: Sequence[Op]) -> tuple[list[Buffer], list[Buffer]]:
+    """(reads, writes) of one instruction."""
+    i, mb = ins.op, ins.mb
+    op = ops[i]
+    is_compute = not isinstance(op, CommOp)
+    if isinstance(ins, (Forward, Recompute)):
+        writes = [("act", i + 1, mb)]
+        if is_compute and (isinstance(ins, Recompute) or ins.keep_graph):
+            writes.append(("graph", i, mb))
+        return [("act", i, mb)], writes
+    if isinstance(ins, Backward):
+        reads = [] if getattr(op, "is_loss", False) else [("grad", i + 1, mb)]
+        if is_compute:
+            reads.append(("graph", i, mb))
+        return reads, [("grad", i, mb)]
+    if isinstance(ins, StartAsync):
+        src = ("grad", i + 1, mb) if ins.phase == "backward" else ("act", i, mb)
+        return [src], [("comm", i, mb, ins.phase)]
+    if isinstance(ins, Sync):
+        dst = ("grad", i, mb) if ins.phase == "backward" else ("act", i + 1, mb)
+        return [("comm", i, mb, ins.phase)], [dst]
+    raise TypeError(f"unknown instruction {ins!r}")
+
+
+def last_reads(instructions: Sequence[Instruction], ops: Sequence[Op]) -> list[list[Buffer]]:
+    """For each instruction, the buffers that die with it: those it reads for the
+    last time before they are overwritten or the schedule ends, and those it writes
+    that nobody reads (the loss op's output, the token gradient).  The executor
+    frees them right after the instruction."""
+    frees: list[list[Buffer]] = [[] for _ in instructions]
+    read_later: set[Buffer] = set()
+    for idx in reversed(range(len(instructions))):
+        reads, writes = effects(instructions[idx], ops)
+        for buf in writes:
+            if buf not in read_later:
+                frees[idx].append(buf)
+            read_later.discard(buf)
+        for buf in reads:
+            if buf not in read_later:
+                frees[idx].append(buf)
+                read_later.add(buf)
+    return frees
