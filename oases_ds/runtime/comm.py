@@ -129,6 +129,14 @@ class Communicator:
         self.stats.add(phase, kind, nbytes)
         if self.link is None:
             return pending
-        start = max(time.perf_counter(), self._link_free_at)
+        return _EmulatedPending(pending, self.reserve(kind, nbytes, ranks))
+
+    def reserve(self, kind: str, nbytes: int, ranks: int, now: float | None = None) -> float:
+        """Book the link for one message and return when it has crossed it.
+
+        Messages share the link: one starts when both it was issued and the
+        previous one has left the link."""
+        assert self.link is not None
+        start = max(time.perf_counter() if now is None else now, self._link_free_at)
         self._link_free_at = start + self.link.seconds(kind, nbytes, ranks)
-        return _EmulatedPending(pending, self._link_free_at)
+        return self._link_free_at

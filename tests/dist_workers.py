@@ -1,0 +1,135 @@
+"""Functions that run inside rank processes started by ``oases_ds.launcher.launch``.
+
+They return plain numbers; the tests assert on them in the parent process.
+"""
+from __future__ import annotations
+
+import torch
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
+from oases_ds.parallel.collectives import start_all_gather, start_all_reduce
+from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.runtime.comm import Communicator
+from oases_ds.runtime.executor import Executor, average_data_parallel_grads
+from oases_ds.schedule.generators import ScheduleOptions, build_schedule
+
+# (label, schedule name, options): the five schedules plus Oases' two ablations.
+VARIANTS = [
+    ("none", "none", ScheduleOptions()),
+    ("megatron", "megatron", ScheduleOptions()),
+    ("megatron_selective", "megatron_selective", ScheduleOptions()),
+    ("split_overlap", "split_overlap", ScheduleOptions()),
+    ("oases", "oases", ScheduleOptions()),
+    ("oases-no-cross-pass", "oases", ScheduleOptions(cross_pass=False)),
+    ("oases-no-fine-grained", "oases", ScheduleOptions(fine_grained_recompute=False)),
+]
+
+
+def tiny_config(family: str, dropout: float = 0.1) -> ModelConfig:
+    return ModelConfig(family=family, vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=8, dropout=dropout)
+
+
+def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A deterministic global batch; every sample has the same number of labelled
+    tokens, so a mean over DP ranks equals the mean over the global batch."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    if cfg.family == "bert":
+        tokens = torch.randint(1, cfg.vocab_size, (size, cfg.seq_len), generator=gen)
+        labels = torch.full_like(tokens, IGNORE_INDEX)
+        picked = torch.arange(cfg.seq_len) % 3 == 0
+        labels[:, picked] = tokens[:, picked]
+        tokens = tokens.masked_fill(picked, 0)  # 0 is the [MASK] token
+        return {"tokens": tokens, "labels": labels}
+    seq = torch.randint(0, cfg.vocab_size, (size, cfg.seq_len + 1), generator=gen)
+    return {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+
+
+def gather_full_grads(model: OperatorModel, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        dim = getattr(p, "tp_dim", None)
+        out[name] = p.grad if dim is None else start_all_gather(p.grad, ctx.tp_group, dim).wait()
+    return out
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
+    """||a - ref|| / max(||ref||, floor).
+
+    The floor (1e-4 x the norm of the whole reference gradient) covers gradients
+    that are zero in exact arithmetic -- the attention key bias, since softmax
+    ignores a constant shift -- whose fp32 round-off (~1e-10) has no meaningful
+    relative size.  Every gradient larger than the floor is compared relatively."""
+    return float((a - ref).norm() / max(float(ref.norm()), floor))
+
+
+def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05) -> dict:
+    """Train every schedule variant for ``steps`` SGD steps and compare, after every
+    step, gathered gradients and the loss with the unsharded reference."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from reference_models import ReferenceModel
+
+    ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
+    dp, dp_rank = ctx.dp_size, ctx.dp_rank
+    results: dict = {}
+    for family in families:
+        cfg = tiny_config(family)
+        ref = ReferenceModel(cfg, seed=7)
+        ref_rng = RNGTracker(seed=11)
+        opt = torch.optim.SGD(ref.parameters(), lr=lr)
+        ref_grads, ref_losses = [], []
+        for step in range(steps):
+            batch = make_batch(cfg, micro_batch * dp, step)
+            opt.zero_grad()
+            loss = ref(batch["tokens"], batch["labels"], ref_rng)
+            loss.backward()
+            ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+            ref_losses.append(float(loss.detach()))
+            opt.step()
+            ref_rng.advance()
+        for label, name, options in VARIANTS:
+            model = OperatorModel(cfg, group=ctx.tp_group, seed=7)
+            rng = RNGTracker(seed=11)
+            ex = Executor(model, build_schedule(name, model.ops, options), Communicator(), rng)
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            worst_grad, worst_loss, worst_param = 0.0, 0.0, None
+            for step in range(steps):
+                full = make_batch(cfg, micro_batch * dp, step)
+                local = {k: v[dp_rank * micro_batch : (dp_rank + 1) * micro_batch] for k, v in full.items()}
+                opt.zero_grad()
+                loss = ex.run(local, sample_offset=dp_rank * micro_batch, global_batch=micro_batch * dp)
+                average_data_parallel_grads(model, ctx.dp_group)
+                grads = gather_full_grads(model, ctx)
+                floor = 1e-4 * float(torch.cat([g.flatten() for g in ref_grads[step].values()]).norm())
+                errs = {n: rel_err(grads[n], g, floor) for n, g in ref_grads[step].items()}
+                worst_name = max(errs, key=errs.get)
+                if errs[worst_name] > worst_grad:
+                    worst_grad, worst_param = errs[worst_name], (worst_name, float(ref_grads[step][worst_name].norm()))
+                mean_loss = float(start_all_reduce(loss, ctx.dp_group).wait()) / dp
+                worst_loss = max(worst_loss, abs(mean_loss - ref_losses[step]) / abs(ref_losses[step]))
+                opt.step()
+                rng.advance()
+            results[(family, label)] = {"grad_err": worst_grad, "loss_err": worst_loss, "last_loss": mean_loss, "worst_param": worst_param}
+    return results
+
+
+def comm_worker(tp: int, micro_batch: int) -> dict:
+    """Bytes per phase of one step of megatron and oases on a GPT."""
+    ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
+    cfg = tiny_config("gpt")
+    out = {}
+    for name in ("megatron", "oases", "split_overlap"):
+        model = OperatorModel(cfg, group=ctx.tp_group, seed=1)
+        comm = Communicator()
+        ex = Executor(model, build_schedule(name, model.ops), comm, RNGTracker())
+        ex.run(make_batch(cfg, micro_batch, 0))
+        out[name] = {
+            phase: (comm.stats.bytes_in(phase, "all_reduce"), comm.stats.calls_in(phase, "all_reduce"))
+            for phase in ("forward", "recompute", "backward", "loss")
+        }
+    out["allreduce_payload"] = micro_batch * cfg.seq_len * cfg.hidden_size * 4
+    out["layers"] = cfg.num_layers
+    return out

@@ -1,0 +1,135 @@
+"""Plain single-process PyTorch GPT / BERT / LLaMA: the ground truth for parity tests.
+
+Written against the model *definition* (ModelConfig docs), not against the TMP
+code: standard ``nn.Linear``/``nn.Embedding`` modules, full heads, no operator
+sequence, no collectives.  Shared with the library are only the two things that
+*define* the model's numbers rather than compute them: the deterministic
+initial weights (``init_full_parameter``) and the keyed dropout masks
+(``keyed_dropout`` with the same site numbers), so that gradients can be
+compared element by element.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.transformer import IGNORE_INDEX, SITE_EMBED, dropout_site, init_full_parameter
+from oases_ds.parallel.random import RNGTracker, keyed_dropout
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + self.eps))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H, bias = cfg.hidden_size, cfg.family != "llama"
+        make_norm = (lambda: _RMSNorm(H, cfg.norm_eps)) if cfg.family == "llama" else (
+            lambda: nn.LayerNorm(H, eps=cfg.norm_eps)
+        )
+        self.attn_norm, self.mlp_norm = make_norm(), make_norm()
+        self.attn = nn.ModuleDict({n: nn.Linear(H, H, bias=bias) for n in ("q", "k", "v", "o")})
+        if cfg.family == "llama":
+            self.mlp = nn.ModuleDict(
+                {"gate": nn.Linear(H, cfg.ffn, bias=False), "up": nn.Linear(H, cfg.ffn, bias=False),
+                 "down": nn.Linear(cfg.ffn, H, bias=False)}
+            )
+        else:
+            self.mlp = nn.ModuleDict({"fc1": nn.Linear(H, cfg.ffn), "fc2": nn.Linear(cfg.ffn, H)})
+
+
+class ReferenceModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed = nn.Module()
+        self.embed.word = nn.Embedding(cfg.vocab_size, H)
+        if cfg.family != "llama":
+            self.embed.pos = nn.Parameter(torch.zeros(cfg.seq_len, H))
+        if cfg.family == "bert":
+            self.embed.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+        self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
+        self.head = nn.Module()
+        if cfg.family == "bert":
+            self.head.dense = nn.Linear(H, H)
+            self.head.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+        else:
+            self.head.norm = _RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.norm_eps)
+        self.head.decoder = nn.Linear(H, cfg.vocab_size, bias=cfg.family == "bert")
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(init_full_parameter(name, tuple(p.shape), seed))
+
+    def _drop(self, x, rng: RNGTracker, site: int, training: bool, sample_offset: int, global_batch: int):
+        offsets = (sample_offset,) + (0,) * (x.dim() - 1)
+        full = (global_batch,) + tuple(x.shape[1:])
+        return keyed_dropout(x, self.cfg.dropout, rng.key(site), offsets, full, training)
+
+    def _rope(self, x):  # x: (b, heads, s, d)
+        d, s = x.shape[-1], x.shape[-2]
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        ang = torch.arange(s, dtype=torch.float32)[:, None] * freqs[None, :]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        rot1 = x1 * ang.cos() - x2 * ang.sin()
+        rot2 = x1 * ang.sin() + x2 * ang.cos()
+        return torch.stack([rot1, rot2], dim=-1).reshape(x.shape)
+
+    def _attention(self, blk, h, i, rng, training, off, gb):
+        cfg = self.cfg
+        b, s, H = h.shape
+        nh, d = cfg.num_heads, cfg.head_dim
+        q = blk.attn["q"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
+        k = blk.attn["k"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
+        v = blk.attn["v"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
+        if cfg.family == "llama":
+            q, k = self._rope(q), self._rope(k)
+        att = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+        if cfg.family != "bert":
+            causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+            att = att.masked_fill(~causal, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self._drop(att, rng, dropout_site(i, "attn_probs"), training, off, gb)
+        out = torch.einsum("bhqk,bhkd->bhqd", att, v).permute(0, 2, 1, 3).reshape(b, s, H)
+        return blk.attn["o"](out)
+
+    def _mlp(self, blk, h):
+        if self.cfg.family == "llama":
+            return blk.mlp["down"](F.silu(blk.mlp["gate"](h)) * blk.mlp["up"](h))
+        return blk.mlp["fc2"](F.gelu(blk.mlp["fc1"](h)))
+
+    def forward(self, tokens, labels, rng: RNGTracker, training: bool = True, sample_offset: int = 0, global_batch: int | None = None):
+        """Mean token loss (labels == -100 ignored)."""
+        cfg = self.cfg
+        gb = global_batch or tokens.shape[0]
+        args = (rng, training, sample_offset, gb)
+        x = self.embed.word(tokens)
+        if cfg.family != "llama":
+            x = x + self.embed.pos[: tokens.shape[1]]
+        if cfg.family == "bert":
+            x = self.embed.norm(x)
+        x = self._drop(x, rng, SITE_EMBED, training, sample_offset, gb)
+        for i, blk in enumerate(self.layers):
+            if cfg.family == "bert":  # post-LN
+                x = blk.attn_norm(x + self._drop(self._attention(blk, x, i, *args), rng, dropout_site(i, "attn_out"), training, sample_offset, gb))
+                x = blk.mlp_norm(x + self._drop(self._mlp(blk, x), rng, dropout_site(i, "mlp_out"), training, sample_offset, gb))
+            else:  # pre-LN
+                x = x + self._drop(self._attention(blk, blk.attn_norm(x), i, *args), rng, dropout_site(i, "attn_out"), training, sample_offset, gb)
+                x = x + self._drop(self._mlp(blk, blk.mlp_norm(x)), rng, dropout_site(i, "mlp_out"), training, sample_offset, gb)
+        if cfg.family == "bert":
+            x = self.head.norm(F.gelu(self.head.dense(x)))
+        else:
+            x = self.head.norm(x)
+        logits = self.head.decoder(x)
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX)
