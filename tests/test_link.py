@@ -1,0 +1,50 @@
+"""Link emulation: ring-collective byte counts, link sharing, and (with processes)
+that a handle never completes before its link deadline.  Only lower bounds on
+time are asserted -- those hold on a loaded machine too."""
+import pytest
+
+import dist_workers  # noqa: F401  (tests dir on sys.path for the rank processes)
+from oases_ds.launcher import launch
+from oases_ds.runtime.comm import Communicator, LinkModel
+
+
+def test_ring_volumes():
+    link = LinkModel(bandwidth_gbps=8.0, latency_us=0.0)  # 1 GB/s
+    assert link.wire_bytes("all_reduce", 1000, 4) == pytest.approx(1500)  # 2 (n-1)/n
+    assert link.wire_bytes("all_gather", 1000, 4) == pytest.approx(750)  # (n-1)/n
+    assert link.seconds("all_reduce", 10**9, 2) == pytest.approx(1.0)
+    assert link.seconds("all_reduce", 10**9, 1) == 0.0
+
+
+def test_messages_share_the_link():
+    comm = Communicator(LinkModel(bandwidth_gbps=8.0, latency_us=100.0))
+    first = comm.reserve("all_reduce", 10**6, 2, now=0.0)
+    second = comm.reserve("all_reduce", 10**6, 2, now=0.0)  # issued together: waits for the first
+    assert first == pytest.approx(1e-4 + 1e-3)
+    assert second == pytest.approx(2 * first)
+    late = comm.reserve("all_reduce", 10**6, 2, now=10.0)  # link idle again
+    assert late == pytest.approx(10.0 + first)
+
+
+def link_worker() -> dict:
+    import time
+
+    import torch
+
+    from oases_ds.parallel.context import ParallelContext
+
+    ctx = ParallelContext.build(tensor_parallel_size=2, timeout_s=60)
+    link = LinkModel(bandwidth_gbps=0.08, latency_us=0.0)  # 10 MB/s
+    comm = Communicator(link)
+    x = torch.full((25_000,), float(ctx.rank + 1))  # 100 kB -> 2*(1/2)*100kB / 10MB/s = 10 ms
+    t0 = time.perf_counter()
+    result = comm.all_reduce(x, ctx.tp_group, "forward").wait()
+    return {"elapsed": time.perf_counter() - t0, "expected": link.seconds("all_reduce", 100_000, 2),
+            "value": float(result[0])}
+
+
+@pytest.mark.distributed
+def test_emulated_collective_completes_no_earlier_than_the_link_allows():
+    for r in launch(link_worker, 2, timeout_s=120):
+        assert r["value"] == 3.0  # the real collective ran and its result is used
+        assert r["elapsed"] >= r["expected"] * 0.999
