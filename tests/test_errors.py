@@ -13,7 +13,7 @@ from oases_ds.schedule.generators import build_schedule
     "cfg, tp, field",
     [
         (dict(num_heads=6, hidden_size=48), 4, "model.num_heads=6"),
-        (dict(ffn_size=66, hidden_size=32, num_heads=2), 4, "model.ffn_size=66"),
+        (dict(ffn_size=66, hidden_size=32, num_heads=4), 4, "model.ffn_size=66"),
         (dict(vocab_size=30, hidden_size=32, num_heads=4), 4, "model.vocab_size=30"),
     ],
 )
