@@ -32,11 +32,18 @@ from torch import nn
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, Op, OpContext
-from oases_ds.parallel.collectives import Group, group_rank, group_size
+from oases_ds.parallel.collectives import (
+    Group,
+    copy_to_tensor_parallel,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel,
+)
 from oases_ds.parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
     RMSNorm,
+    mark_parallel,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rotary,
@@ -44,7 +51,8 @@ from oases_ds.parallel.layers import (
     rotary_tables,
     vocab_parallel_cross_entropy,
 )
-from oases_ds.parallel.random import keyed_dropout, mix_key
+from oases_ds.parallel.random import RNGTracker, keyed_dropout, mix_key
+from oases_ds.runtime.comm import Communicator
 
 IGNORE_INDEX = -100
 # Dropout sites: fixed integers so that a reference model can use the same keys.
@@ -128,8 +136,7 @@ class OperatorModel(nn.Module):
         self.embed = nn.Module()
         self.embed.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
         if cfg.family != "llama":
-            self.embed.pos = nn.Parameter(torch.empty(cfg.seq_len, H))
-            self.embed.pos.tp_dim = None  # type: ignore[attr-defined]
+            self.embed.pos = mark_parallel(nn.Parameter(torch.empty(cfg.seq_len, H)), None)
         if cfg.family == "bert":
             self.embed.norm = LayerNorm(H, cfg.norm_eps)
         self.layers = nn.ModuleList(_Layer(cfg, a, m) for a, m in groups)
@@ -137,13 +144,39 @@ class OperatorModel(nn.Module):
         if cfg.family == "bert":
             self.head.dense = nn.Linear(H, H)
             for p in self.head.dense.parameters():
-                p.tp_dim = None  # type: ignore[attr-defined]
+                mark_parallel(p, None)
             self.head.norm = LayerNorm(H, cfg.norm_eps)
         else:
             self.head.norm = RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(H, cfg.norm_eps)
         self.head.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert")
         self.reset_parameters(seed)
+        self.rng = RNGTracker(seed=seed)
         self.ops: list[Op] = self._build_ops()
+
+    def forward(
+        self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None
+    ) -> torch.Tensor:
+        """Eager mean loss of ``batch``: the operator sequence in order, collectives
+        synchronous through the autograd region Functions.  This is what a plain
+        DeepSpeedEngine (Oases switched off) and evaluation run."""
+        labels = batch["labels"]
+        tokens = int((labels != IGNORE_INDEX).sum())
+        if tokens == 0:
+            raise ValueError("batch has no labelled tokens (every label is the ignore index)")
+        ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], 1.0 / tokens, self.rng,
+                        Communicator(), training=self.training)
+        acts: Acts = ()
+        for op in self.ops:
+            if isinstance(op, CommOp):
+                x = acts[op.index]
+                if op.forward == "all_reduce":
+                    x = reduce_from_tensor_parallel(x, op.group)
+                if op.backward == "all_reduce":
+                    x = copy_to_tensor_parallel(x, op.group)
+                acts = acts[: op.index] + (x,) + acts[op.index + 1 :]
+            else:
+                acts = op.fn(ctx, acts)
+        return acts[0]
 
     # -- weights -----------------------------------------------------------------
     def full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:

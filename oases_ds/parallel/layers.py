@@ -27,10 +27,18 @@ from oases_ds.parallel.collectives import (
 )
 
 
-def _param(shape: tuple[int, ...], tp_dim: int | None) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape))
+def mark_parallel(p: nn.Parameter, tp_dim: int | None) -> nn.Parameter:
+    """Record how ``p`` is split.  ``tensor_model_parallel`` is the Megatron attribute
+    DeepSpeed reads so that gradient-norm clipping counts a replicated parameter once
+    per TMP group and a sharded one once per shard."""
     p.tp_dim = tp_dim  # type: ignore[attr-defined]
+    p.tensor_model_parallel = tp_dim is not None  # type: ignore[attr-defined]
+    p.model_parallel = tp_dim is not None  # type: ignore[attr-defined]
     return p
+
+
+def _param(shape: tuple[int, ...], tp_dim: int | None) -> nn.Parameter:
+    return mark_parallel(nn.Parameter(torch.empty(shape)), tp_dim)
 
 
 def _shard(total: int, group: Group, what: str) -> int:

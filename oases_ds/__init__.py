@@ -1,0 +1,107 @@
+"""Oases: overlapped, automatically planned tensor-model-parallel training for DeepSpeed.
+
+``oases_ds.initialize`` is a drop-in for ``deepspeed.initialize``: same
+arguments, same return tuple.  With ``"oases": {"enabled": true, ...}`` in the
+DeepSpeed config it returns an :class:`~oases_ds.engine.OasesEngine`; without it,
+a plain ``DeepSpeedEngine``, so one script runs either way.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+from typing import Any
+
+from oases_ds.config import OasesConfig, OasesConfigError, check_deepspeed_section, parse_oases_section
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.transformer import OperatorModel
+from oases_ds.parallel.context import ParallelContext
+
+__all__ = ["initialize", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
+__version__ = "0.1.0"
+
+
+def _load_config(args: Any, config: Any, config_params: Any) -> dict:
+    config = config if config is not None else config_params
+    if config is None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+    if config is None:
+        raise OasesConfigError("no DeepSpeed config: pass config=<dict or path> or args.deepspeed_config")
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise OasesConfigError(f"config must be a dict or a JSON path, got {type(config).__name__}")
+    return copy.deepcopy(config)
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+    parallel_context: ParallelContext | None = None,
+):
+    """Same signature and return tuple as ``deepspeed.initialize``.
+
+    ``model`` is a :class:`ModelConfig` (Oases builds this rank's shard of it) or an
+    :class:`OperatorModel` already built on ``parallel_context``'s TMP group.
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+    """
+    import deepspeed
+    from deepspeed import comm as ds_comm
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
+
+    cfg = _load_config(args, config, config_params)
+    oases = parse_oases_section(cfg.pop("oases", None))
+    avoid_cpu_jit_builds(cfg)
+    if args is not None and getattr(args, "deepspeed_config", None):
+        args = copy.copy(args)
+        args.deepspeed_config = None  # the dict we pass wins; DeepSpeed refuses both
+    port = distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT
+    common = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+                  lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn)
+    if not oases.enabled:
+        if isinstance(model, ModelConfig):
+            model = OperatorModel(model, group=None, seed=oases.seed)
+        return deepspeed.initialize(model=model, mpu=mpu, config=cfg, mesh_param=mesh_param, distributed_port=port, **common)
+
+    from oases_ds.engine import OasesEngine
+
+    check_deepspeed_section(cfg)
+    if mpu is not None:
+        raise OasesConfigError("mpu: Oases builds its own groups from oases.tensor_parallel_size; do not pass mpu")
+    ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(), distributed_port=port,
+                             dist_init_required=dist_init_required,
+                             timeout=datetime.timedelta(seconds=oases.process_group_timeout_s))
+    ctx = parallel_context or ParallelContext.build(oases.tensor_parallel_size, oases.process_group_timeout_s)
+    if ctx.tp_size != oases.tensor_parallel_size:
+        raise OasesConfigError(
+            f"oases.tensor_parallel_size={oases.tensor_parallel_size} but parallel_context has TMP size {ctx.tp_size}"
+        )
+    if isinstance(model, ModelConfig):
+        model = OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
+        model.rng.seed = oases.seed
+    elif not isinstance(model, OperatorModel):
+        raise OasesConfigError(
+            f"model: Oases needs an oases_ds.ModelConfig (or an OperatorModel), got {type(model).__name__}"
+        )
+    model_mpu = ctx.mpu()
+    config_class = DeepSpeedConfig(cfg, model_mpu)
+    engine = OasesEngine(model=model, mpu=model_mpu, config=cfg, config_class=config_class, oases=oases,
+                         parallel_context=ctx, **common)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,102 @@
+"""The ``"oases"`` section of a DeepSpeed JSON config, validated.
+
+DeepSpeed silently ignores top-level keys it does not know, so a typo such as
+``"sub_batch": 4`` would otherwise run the default schedule without a word.
+Every key here is checked (unknown keys are errors) and every error is one line
+naming the field and what to change.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oases_ds.runtime.comm import LinkModel
+from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
+
+
+class OasesConfigError(ValueError):
+    """The DeepSpeed config asks for something Oases cannot do; one line says what."""
+
+
+class LinkConfig(BaseModel):
+    """Emulated link between TMP ranks (benchmarks only; results say "emulated")."""
+
+    model_config = ConfigDict(extra="forbid")
+    bandwidth_gbps: float = Field(gt=0, description="link bandwidth in Gbit/s per direction")
+    latency_us: float = Field(default=0.0, ge=0, description="per-message latency in microseconds")
+
+    def model(self) -> LinkModel:
+        return LinkModel(self.bandwidth_gbps, self.latency_us)
+
+
+class OasesConfig(BaseModel):
+    """Oases switches.  Defaults reproduce the paper's method (cross-pass schedule,
+    fine-grained recomputation, two sub-batches).
+
+    Attributes:
+        enabled: use the Oases engine; off returns a plain DeepSpeedEngine.
+        tensor_parallel_size: TMP degree; must divide the world size and the model.
+        schedule: one of none, megatron, megatron_selective, split_overlap, oases.
+        sub_batches: sub-batches per micro-batch (split_overlap, oases).
+        cross_pass: oases only -- interleave recompute and backward across passes.
+        fine_grained_recompute: oases only -- checkpoint right after forward AllReduces.
+        seed: initial weights and dropout keys.
+        process_group_timeout_s: every process group's timeout (no hangs on a dead rank).
+        link: optional emulated link for benchmarks.
+        record_timeline: keep the executor timeline (exposed comm, traces).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    schedule: Literal["none", "megatron", "megatron_selective", "split_overlap", "oases"] = "oases"
+    sub_batches: int = Field(default=2, ge=1)
+    cross_pass: bool = True
+    fine_grained_recompute: bool = True
+    seed: int = 1234
+    process_group_timeout_s: float = Field(default=300.0, gt=0)
+    link: LinkConfig | None = None
+    record_timeline: bool = True
+
+    def schedule_options(self) -> ScheduleOptions:
+        return ScheduleOptions(self.sub_batches, self.cross_pass, self.fine_grained_recompute)
+
+
+assert set(SCHEDULES) == set(OasesConfig.model_fields["schedule"].annotation.__args__)  # type: ignore[union-attr]
+
+
+def one_line(err: ValidationError, prefix: str) -> str:
+    """First pydantic error as ``prefix.field: message (got value)``."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    got = f" (got {first['input']!r})" if "input" in first and first["type"] != "missing" else ""
+    hint = "; remove it or check its spelling" if first["type"] == "extra_forbidden" else ""
+    return f"{prefix}.{loc}: {first['msg']}{got}{hint}"
+
+
+def parse_oases_section(section: Any) -> OasesConfig:
+    """Validate the ``"oases"`` section (``None`` means disabled)."""
+    if section is None:
+        return OasesConfig()
+    if isinstance(section, bool):
+        return OasesConfig(enabled=section)
+    if not isinstance(section, dict):
+        raise OasesConfigError(f"oases: expected an object such as {{\"enabled\": true}}, got {section!r}")
+    try:
+        return OasesConfig(**section)
+    except ValidationError as err:
+        raise OasesConfigError(one_line(err, "oases")) from None
+
+
+def check_deepspeed_section(config: dict) -> None:
+    """Refuse DeepSpeed features the Oases engine does not drive: ZeRO >= 2 partitions
+    gradients inside backward hooks, which the executor's per-operator backward would
+    fire out of order; fp16 loss scaling is not wired through the schedule."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1):
+        raise OasesConfigError(f"zero_optimization.stage={stage} is not supported with oases; use 0 or 1")
+    if (config.get("fp16") or {}).get("enabled", False):
+        raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
+    if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):
+        raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set oases.tensor_parallel_size")
