@@ -295,7 +295,7 @@ class OperatorModel(nn.Module):
 
             q, k, v = heads(layer.attn.q.partial(h)), heads(layer.attn.k.partial(h)), heads(layer.attn.v.partial(h))
             if cos_sin is not None:
-                cos, sin = (t[:s].to(q.device) for t in cos_sin)
+                cos, sin = (t[:s].to(device=q.device, dtype=q.dtype) for t in cos_sin)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return (x, q, k, v)
 
