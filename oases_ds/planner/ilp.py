@@ -12,8 +12,15 @@ plain Python.  Formulation, with blocks b = attn0, mlp0, attn1, mlp1, ...:
 * minimise sum of node costs (``BlockCost.step_ms``) + edge costs (``reshard_ms``),
   subject to sum of per-block memory <= limit.
 
-Backend: SCIP by default; see ``benchmarks/planner_solve_time.py`` for the
-measurements behind that choice (any name in :data:`BACKENDS` may be passed).
+Why a memory bound makes it slow: the LP may split every block between two
+uniform paths (say half degree 4, half degree 8) and pay no reshard at all,
+while an integer plan pays two edges per run of changed layers; with identical
+layers many plans tie, so branch and bound must close that gap by search.
+Measured by ``benchmarks/planner_solve_time.py`` (T=32, 6 degrees, binding
+limit, 2 shared cores): SCIP proved every case, 2.0-5.2 s up to 128 layers;
+CBC is fastest unbounded (0.05-0.3 s) but ran past 60 s at 96 layers; HiGHS
+and CP-SAT (8 workers) took 13 s at 128.  Hence SCIP by default; any name in
+:data:`BACKENDS` may be passed.
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ def solve(
     solver = pywraplp.Solver.CreateSolver(backend) if backend in BACKENDS else None
     if solver is None:
         raise PlanSolverError(f"OR-Tools backend {backend!r} unavailable; try one of {sorted(BACKENDS)}")
+    solver.SuppressOutput()
     if BACKENDS[backend]:
         solver.SetSolverSpecificParametersAsString(BACKENDS[backend])
     solver.SetTimeLimit(int(time_limit_s * 1000))
