@@ -1,0 +1,184 @@
+"""Profiled costs of one transformer layer at every TMP degree, and the reshard model.
+
+The planner never runs a model: it reads a :class:`CostTable` produced once per
+(model, cluster, schedule, devices) by the profiler and saved as JSON, so the
+solver can be tested on CPU with synthetic numbers and a profile is reused
+across runs (:meth:`CostTable.key`).  Every time is per training step of one
+micro-batch on one device, in milliseconds; every size is per device, in bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+from oases_ds.planner.jsonio import atomic_write_json, read_dataclass_fields
+
+BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
+"""Block kinds in the order they run inside one layer."""
+
+SUB_BATCHES = 2
+"""Sub-batches per micro-batch (DESIGN: the overlapped schedule splits each in two);
+each is resharded separately, so an edge pays its collective this many times."""
+
+SLICE_MS = 0.005
+"""Cost of taking a local slice of a tensor: no communication, only a copy."""
+
+
+def check_degree(field: str, degree: object, devices: int) -> None:
+    """Raise unless ``degree`` is a power of two dividing ``devices``.
+
+    Power-of-two degrees are the only ones profiled (paper, Section V-C) and the
+    only ones whose sub-groups nest inside each other (``Topology.sub_tp_group_ranks``).
+    """
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(f"{field}: degree must be a positive int, got {degree!r}")
+    if degree & (degree - 1) or devices % degree:
+        raise ValueError(f"{field}: degree {degree} must be a power of two dividing devices={devices}")
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Cost of one attention or MLP block at one TMP degree, per device and step."""
+
+    fwd_ms: float
+    """Forward compute."""
+    bwd_ms: float
+    """Backward compute including the recompute pass (full recomputation), under
+    the overlapped schedule being planned for."""
+    comm_fwd_ms: float
+    """TMP communication left exposed in forward after overlap with the other sub-batch."""
+    comm_bwd_ms: float
+    """TMP communication left exposed in backward after overlap."""
+    state_bytes: float
+    """Parameters + gradients + optimizer state held by one device (shrinks with t)."""
+    act_bytes: float
+    """Activations saved for the backward pass (checkpointed block inputs)."""
+    grad_sync_ms: float
+    """All-reduce of this block's gradients across its ``T/t`` replicas; a lower
+    degree means more replicas of larger shards, which is the price of less TMP traffic."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"BlockCost.{field.name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def step_ms(self) -> float:
+        """Node cost in the ILP objective: everything this block adds to a step."""
+        return self.fwd_ms + self.bwd_ms + self.comm_fwd_ms + self.comm_bwd_ms + self.grad_sync_ms
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.act_bytes
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Profile of one layer under each TMP degree, plus what the edge model needs."""
+
+    model: str
+    cluster: str
+    """Cluster / link label, e.g. ``"3090-pcie"``."""
+    schedule: str
+    """Schedule the times were measured under (``"oases"``, ``"megatron"``, ...)."""
+    devices: int
+    """T: size of the TMP group the planner divides among blocks."""
+    degrees: tuple[int, ...]
+    """Profiled TMP degrees, increasing powers of two dividing ``devices``."""
+    blocks: dict[str, dict[int, BlockCost]]
+    """Block kind -> degree -> cost; every kind in :data:`BLOCK_KINDS` at every degree."""
+    layers: int
+    """Transformer layers; each is an attn block followed by an mlp block."""
+    reshard_bytes: float
+    """Bytes of one block-boundary activation for a whole sub-batch (all replicas together)."""
+    bandwidth_gbps: float
+    """Link bandwidth for resharding collectives, in gigabits per second."""
+    latency_us: float
+    """Per-collective link latency, in microseconds."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"CostTable.devices must be >= 1, got {self.devices}")
+        if self.layers < 1:
+            raise ValueError(f"CostTable.layers must be >= 1, got {self.layers}")
+        object.__setattr__(self, "degrees", tuple(self.degrees))
+        if not self.degrees or list(self.degrees) != sorted(set(self.degrees)):
+            raise ValueError(f"CostTable.degrees must be non-empty, increasing and unique, got {self.degrees}")
+        for degree in self.degrees:
+            check_degree("CostTable.degrees", degree, self.devices)
+        if sorted(self.blocks) != sorted(BLOCK_KINDS):
+            raise ValueError(f"CostTable.blocks must have kinds {list(BLOCK_KINDS)}, got {sorted(self.blocks)}")
+        for kind, by_degree in self.blocks.items():
+            if sorted(by_degree) != list(self.degrees):
+                raise ValueError(
+                    f"CostTable.blocks[{kind!r}] has degrees {sorted(by_degree)}, expected {list(self.degrees)}"
+                )
+        if self.bandwidth_gbps <= 0:
+            raise ValueError(f"CostTable.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if self.reshard_bytes < 0 or self.latency_us < 0:
+            raise ValueError(
+                f"CostTable.reshard_bytes and latency_us must be >= 0, got {self.reshard_bytes}, {self.latency_us}"
+            )
+
+    def key(self) -> str:
+        """Identity of the profile: a table is reusable for any run sharing this key."""
+        return f"{self.model}|{self.cluster}|{self.schedule}|{self.devices}"
+
+    def block_kinds(self) -> list[str]:
+        """Kind of each block in execution order: attn0, mlp0, attn1, mlp1, ..."""
+        return list(BLOCK_KINDS) * self.layers
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        payload = dataclasses.asdict(self)
+        payload["degrees"] = list(self.degrees)
+        payload["blocks"] = {
+            kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
+            for kind, by_degree in self.blocks.items()
+        }
+        atomic_write_json(path, payload)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> CostTable:
+        data = read_dataclass_fields(path, cls)
+        data["blocks"] = {
+            kind: {int(degree): BlockCost(**cost) for degree, cost in by_degree.items()}
+            for kind, by_degree in data["blocks"].items()
+        }
+        return cls(**data)
+
+
+def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:
+    """Ring AllGather among ``ranks`` producing ``gathered_bytes`` on each: every rank
+    receives the ``(ranks-1)/ranks`` it lacks, after one link latency."""
+    bytes_per_ms = table.bandwidth_gbps * 1e9 / 8 / 1e3
+    return table.latency_us / 1e3 + (ranks - 1) / ranks * gathered_bytes / bytes_per_ms
+
+
+def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
+    """Edge cost (forward + backward) between a block at degree ``t_from`` and the next at ``t_to``.
+
+    At degree t the T devices form T/t replicas; each replica works on t/T of the
+    sub-batch and holds that share of the boundary activation replicated on its
+    t ranks (Megatron blocks end in an AllReduce).  Sub-groups nest, so with
+    ``small = min(t_from, t_to)``, ``big = max(...)`` and ``k = big // small``:
+
+    * big -> small: each device already holds a superset of the rows it needs,
+      forward is a local slice.  Its backward must hand every rank of the big
+      group the full gradient, an AllGather among k ranks.
+    * small -> big: forward gathers the k smaller shares, an AllGather among k
+      ranks; backward keeps the local rows of the replicated gradient, a slice.
+
+    So either direction costs one slice and one AllGather of the big group's
+    share ``reshard_bytes * big / T``, once per sub-batch.  The gathered block
+    input is what the next block checkpoints, so recompute does not repeat the
+    gather.  The time is charged as fully exposed: the schedule has no compute
+    of the same sub-batch to hide it behind.
+    """
+    if t_from == t_to:
+        return 0.0
+    small, big = sorted((t_from, t_to))
+    gathered_bytes = table.reshard_bytes * big / table.devices
+    return SUB_BATCHES * (SLICE_MS + allgather_ms(table, big // small, gathered_bytes))

@@ -1,0 +1,130 @@
+"""The Oases planner ILP (paper eqs. 5-6): one TMP degree per block, minimum step time.
+
+The only module that imports OR-Tools, so everything else in the planner is
+plain Python.  Formulation, with blocks b = attn0, mlp0, attn1, mlp1, ...:
+
+* ``choose[b][t]`` binary: block b runs at degree t; exactly one t per block.
+* ``switch[b][a][t]`` >= 0: block b at degree a and block b+1 at degree t.  The
+  product of two choices is linearised by the flow equalities
+  ``sum_t switch[b][a][t] = choose[b][a]`` and ``sum_a switch[b][a][t] = choose[b+1][t]``,
+  tighter than the textbook ``y >= x1 + x2 - 1``: without the memory row the LP
+  is a shortest path through a layered graph and already integral.
+* minimise sum of node costs (``BlockCost.step_ms``) + edge costs (``reshard_ms``),
+  subject to sum of per-block memory <= limit.
+
+Why a memory bound makes it slow: the LP may split every block between two
+uniform paths (say half degree 4, half degree 8) and pay no reshard at all,
+while an integer plan pays two edges per run of changed layers; with identical
+layers many plans tie, so branch and bound must close that gap by search.
+Measured by ``benchmarks/planner_solve_time.py`` (T=32, 6 degrees, binding
+limit, 2 shared cores): SCIP proved every case, 2.0-5.2 s up to 128 layers;
+CBC is fastest unbounded (0.05-0.3 s) but ran past 60 s at 96 layers; HiGHS
+and CP-SAT (8 workers) took 13 s at 128.  Hence SCIP by default; any name in
+:data:`BACKENDS` may be passed.
+"""
+from __future__ import annotations
+
+import time
+
+from ortools.linear_solver import pywraplp
+
+from oases_ds.planner.costs import CostTable, reshard_ms
+from oases_ds.planner.plan import Plan
+from oases_ds.planner.simulate import check_memory_feasible, sequence_memory_bytes
+
+BACKENDS: dict[str, str] = {"SCIP": "", "CBC": "", "HIGHS": "", "CP_SAT": "num_workers: 8"}
+"""pywraplp backend name -> solver-specific parameters."""
+
+DEFAULT_BACKEND = "SCIP"
+
+
+class PlanSolverError(RuntimeError):
+    """The solver stopped without proving an optimum (time limit, numerical trouble)."""
+
+
+_STATUS_NAMES = {
+    pywraplp.Solver.OPTIMAL: "OPTIMAL",
+    pywraplp.Solver.FEASIBLE: "FEASIBLE (time limit before proof)",
+    pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
+    pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+    pywraplp.Solver.ABNORMAL: "ABNORMAL",
+    pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED",
+}
+
+
+def solve(
+    table: CostTable,
+    memory_limit_bytes: float | None,
+    time_limit_s: float = 10,
+    backend: str = DEFAULT_BACKEND,
+) -> Plan:
+    """Optimal plan for ``table`` within ``memory_limit_bytes`` per device (None: unbounded).
+
+    Raises :class:`PlanInfeasibleError` when no plan fits and :class:`PlanSolverError`
+    unless the solver proves optimality (zero relative gap) within ``time_limit_s``.
+    """
+    check_memory_feasible(table, memory_limit_bytes)
+    started = time.perf_counter()
+    solver = pywraplp.Solver.CreateSolver(backend) if backend in BACKENDS else None
+    if solver is None:
+        raise PlanSolverError(f"OR-Tools backend {backend!r} unavailable; try one of {sorted(BACKENDS)}")
+    solver.SuppressOutput()
+    if BACKENDS[backend]:
+        solver.SetSolverSpecificParametersAsString(BACKENDS[backend])
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+
+    kinds = table.block_kinds()
+    degrees = table.degrees
+    choose = [{t: solver.BoolVar(f"choose_b{block}_t{t}") for t in degrees} for block in range(len(kinds))]
+    for block, options in enumerate(choose):
+        solver.Add(solver.Sum(options.values()) == 1, f"one_degree_b{block}")
+
+    switch = []
+    for block in range(len(kinds) - 1):
+        pairs = {(a, t): solver.NumVar(0.0, 1.0, f"switch_b{block}_{a}to{t}") for a in degrees for t in degrees}
+        for degree in degrees:
+            solver.Add(solver.Sum(pairs[degree, t] for t in degrees) == choose[block][degree])
+            solver.Add(solver.Sum(pairs[a, degree] for a in degrees) == choose[block + 1][degree])
+        switch.append(pairs)
+
+    node_cost = solver.Sum(
+        table.blocks[kind][t].step_ms * choose[block][t] for block, kind in enumerate(kinds) for t in degrees
+    )
+    edge_cost = solver.Sum(
+        reshard_ms(table, a, t) * var for pairs in switch for (a, t), var in pairs.items() if a != t
+    )
+    solver.Minimize(node_cost + edge_cost)
+
+    if memory_limit_bytes is not None:
+        # Normalised by the limit so the row's coefficients are O(1), not O(1e10).
+        scale = max(memory_limit_bytes, 1.0)
+        solver.Add(
+            solver.Sum(
+                table.blocks[kind][t].memory_bytes / scale * choose[block][t]
+                for block, kind in enumerate(kinds)
+                for t in degrees
+            )
+            <= memory_limit_bytes / scale,
+            "memory_limit",
+        )
+
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, 0.0)
+    status = solver.Solve(params)
+    solver_ms = (time.perf_counter() - started) * 1e3
+    if status != pywraplp.Solver.OPTIMAL:
+        raise PlanSolverError(
+            f"{backend} stopped with status {_STATUS_NAMES.get(status, status)} after {solver_ms:.0f} ms "
+            f"(time_limit_s={time_limit_s}) for {table.key()}, {table.layers} layers"
+        )
+
+    block_degrees = [max(options, key=lambda t: options[t].solution_value()) for options in choose]
+    return Plan.from_block_degrees(
+        block_degrees,
+        table.devices,
+        predicted_step_ms=solver.Objective().Value(),
+        solver_ms=solver_ms,
+        solver_name=f"ortools-{backend}",
+        memory_bytes=sequence_memory_bytes(table, block_degrees),
+        table_key=table.key(),
+    )

@@ -1,0 +1,95 @@
+"""The planner's output: a TMP degree for every attention and MLP block.
+
+A plan is the hand-off between the solver and the runtime that builds the
+model, so it is saved as JSON, validated on load, and carries where it came
+from (cost-table key, solver, its predicted step time) for the benchmark reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from oases_ds.planner.costs import check_degree
+from oases_ds.planner.jsonio import atomic_write_json, read_dataclass_fields
+
+
+class PlanInfeasibleError(ValueError):
+    """No assignment of degrees fits the memory limit."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer TMP degrees for a TMP group of ``devices`` devices.
+
+    Degree lists are stored as tuples so the frozen plan really is immutable.
+    """
+
+    attn_degrees: tuple[int, ...]
+    mlp_degrees: tuple[int, ...]
+    devices: int
+    predicted_step_ms: float | None = None
+    """Objective value of the plan under its cost table; None for a hand-made plan."""
+    solver_ms: float = 0.0
+    solver_name: str = "manual"
+    memory_bytes: float | None = None
+    """Per-device state + activation bytes under the cost table."""
+    table_key: str | None = None
+    """:meth:`CostTable.key` of the profile the plan was solved against."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"Plan.devices must be >= 1, got {self.devices}")
+        object.__setattr__(self, "attn_degrees", tuple(self.attn_degrees))
+        object.__setattr__(self, "mlp_degrees", tuple(self.mlp_degrees))
+        if len(self.attn_degrees) != len(self.mlp_degrees) or not self.attn_degrees:
+            raise ValueError(
+                f"Plan.attn_degrees and Plan.mlp_degrees must be non-empty and equally long, "
+                f"got {len(self.attn_degrees)} and {len(self.mlp_degrees)}"
+            )
+        for name in ("attn_degrees", "mlp_degrees"):
+            for layer, degree in enumerate(getattr(self, name)):
+                check_degree(f"Plan.{name}[{layer}]", degree, self.devices)
+
+    @property
+    def layers(self) -> int:
+        return len(self.attn_degrees)
+
+    def block_degrees(self) -> list[int]:
+        """Degrees in execution order attn0, mlp0, attn1, ... (the solver's block index)."""
+        return [degree for pair in zip(self.attn_degrees, self.mlp_degrees) for degree in pair]
+
+    @classmethod
+    def from_block_degrees(cls, block_degrees: Sequence[int], devices: int, **provenance: object) -> Plan:
+        """Inverse of :meth:`block_degrees`; ``provenance`` fills the optional fields."""
+        return cls(
+            attn_degrees=tuple(block_degrees[0::2]),
+            mlp_degrees=tuple(block_degrees[1::2]),
+            devices=devices,
+            **provenance,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def uniform(cls, devices: int, layers: int, degree: int) -> Plan:
+        """Megatron's plan: the same degree everywhere, the baseline the planner must beat."""
+        return cls((degree,) * layers, (degree,) * layers, devices, solver_name="uniform")
+
+    def as_table(self) -> str:
+        """Text form in the shape of the paper's Table II, runs of equal layers collapsed."""
+        rows: list[str] = []
+        start = 0
+        for layer in range(1, self.layers + 1):
+            pair = (self.attn_degrees[start], self.mlp_degrees[start])
+            if layer == self.layers or (self.attn_degrees[layer], self.mlp_degrees[layer]) != pair:
+                span = f"{start}" if layer - 1 == start else f"{start}-{layer - 1}"
+                rows.append(f"layers {span}: attn {pair[0]}, mlp {pair[1]}")
+                start = layer
+        return "\n".join(rows)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        atomic_write_json(path, dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Plan:
+        return cls(**read_dataclass_fields(path, cls))

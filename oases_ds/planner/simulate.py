@@ -1,0 +1,81 @@
+"""The planner's cost model evaluated for a given plan, and a brute-force oracle.
+
+This is the one definition of a plan's cost: the ILP encodes the same sum
+(node costs + edge costs) and the tests hold it to this value, so a change in
+the cost model cannot silently diverge between solver and prediction.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from oases_ds.planner.costs import CostTable, reshard_ms
+from oases_ds.planner.plan import Plan, PlanInfeasibleError
+
+
+def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
+    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...)."""
+    nodes = sum(table.blocks[kind][degree].step_ms for kind, degree in zip(table.block_kinds(), block_degrees))
+    edges = sum(reshard_ms(table, a, b) for a, b in zip(block_degrees, block_degrees[1:]))
+    return nodes + edges
+
+
+def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> float:
+    return sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
+
+
+def _check_plan_fits_table(table: CostTable, plan: Plan) -> None:
+    if plan.devices != table.devices or plan.layers != table.layers:
+        raise ValueError(
+            f"plan is for devices={plan.devices}, layers={plan.layers}; "
+            f"table {table.key()} has devices={table.devices}, layers={table.layers}"
+        )
+    if unprofiled := sorted(set(plan.block_degrees()) - set(table.degrees)):
+        raise ValueError(f"plan uses degrees {unprofiled} not profiled in table {table.key()}")
+
+
+def predict_step_ms(table: CostTable, plan: Plan) -> float:
+    """Predicted step time of ``plan``: what the ILP minimises."""
+    _check_plan_fits_table(table, plan)
+    return sequence_step_ms(table, plan.block_degrees())
+
+
+def predict_memory_bytes(table: CostTable, plan: Plan) -> float:
+    _check_plan_fits_table(table, plan)
+    return sequence_memory_bytes(table, plan.block_degrees())
+
+
+def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) -> None:
+    """Raise :class:`PlanInfeasibleError` when even the leanest plan exceeds the limit.
+
+    Memory is a sum over blocks with no edge terms, so the leanest plan takes
+    each block's smallest footprint independently; this exact test lets the
+    error state the number a user needs instead of a bare solver status.
+    """
+    if memory_limit_bytes is None:
+        return
+    minimum = sum(min(cost.memory_bytes for cost in table.blocks[kind].values()) for kind in table.block_kinds())
+    if minimum > memory_limit_bytes:
+        raise PlanInfeasibleError(
+            f"no plan fits: the minimum memory any plan needs is {minimum:.6g} bytes per device, "
+            f"limit is {memory_limit_bytes:.6g} bytes ({table.key()})"
+        )
+
+
+def brute_force(table: CostTable, memory_limit_bytes: float | None) -> Plan:
+    """Exhaustive search, exponential in blocks: only the test oracle for small tables."""
+    check_memory_feasible(table, memory_limit_bytes)
+    feasible = (
+        sequence
+        for sequence in itertools.product(table.degrees, repeat=2 * table.layers)
+        if memory_limit_bytes is None or sequence_memory_bytes(table, sequence) <= memory_limit_bytes
+    )
+    best = min(feasible, key=lambda sequence: sequence_step_ms(table, sequence))
+    return Plan.from_block_degrees(
+        best,
+        table.devices,
+        predicted_step_ms=sequence_step_ms(table, best),
+        solver_name="brute_force",
+        memory_bytes=sequence_memory_bytes(table, best),
+        table_key=table.key(),
+    )
