@@ -1,0 +1,169 @@
+"""``oases-train``: train a model family from the Hydra configs in ``configs/``.
+
+Started plainly it launches ``nprocs`` rank processes itself (CPU: gloo); started
+by ``torchrun`` or the ``deepspeed`` launcher it runs as one rank.  Rank 0
+prints progress (step, loss, tokens/s, TMP bytes, exposed communication) and a
+summary.  Hydra lives here and in ``configs/`` only; the library takes typed
+configs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from oases_ds.cli.common import CONFIG_DIR, fail, strip_launcher_args
+
+
+def ds_config(cfg: dict) -> dict:
+    """The DeepSpeed JSON this run would use (with its "oases" section)."""
+    sched, link = cfg["schedule"], cfg["cluster"].get("link")
+    return {
+        "train_micro_batch_size_per_gpu": cfg["micro_batch"],
+        "gradient_accumulation_steps": cfg["grad_accum"],
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg["lr"], "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg["lr"],
+                                                       "warmup_num_steps": cfg["warmup_steps"]}},
+        "zero_optimization": {"stage": cfg["zero_stage"]},
+        "bf16": {"enabled": cfg["bf16"]},
+        "oases": {
+            "enabled": True,
+            "tensor_parallel_size": cfg["tensor_parallel_size"],
+            "schedule": sched["name"],
+            "sub_batches": sched["sub_batches"],
+            "cross_pass": sched["cross_pass"],
+            "fine_grained_recompute": sched["fine_grained_recompute"],
+            "seed": cfg["seed"],
+            "process_group_timeout_s": cfg["timeout_s"],
+            **({"link": link} if link else {}),
+        },
+    }
+
+
+def validate(cfg: dict) -> None:
+    """Fail before launching anything, with one line naming the field."""
+    from oases_ds.config import check_deepspeed_section, parse_oases_section
+    from oases_ds.data import DataConfig
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.parallel.topology import Topology
+
+    model = ModelConfig(**cfg["model"])
+    ds = ds_config(cfg)
+    oases = parse_oases_section(ds["oases"])
+    check_deepspeed_section(ds)
+    DataConfig(**cfg["data"])
+    world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
+    Topology(world, oases.tensor_parallel_size)
+    model.check_tp(oases.tensor_parallel_size)
+    if cfg["micro_batch"] % oases.sub_batches:
+        raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by schedule.sub_batches={oases.sub_batches}")
+    for key in ("steps", "micro_batch", "grad_accum", "log_every"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+
+
+def train_rank(cfg: dict) -> dict[str, Any]:
+    """Everything one rank does; returns rank 0's summary (other ranks: their final loss)."""
+    import torch
+
+    import oases_ds
+    from oases_ds.data import DataConfig, TokenBatches
+    from oases_ds.models.config import ModelConfig
+
+    model_cfg = ModelConfig(**cfg["model"])
+    engine, *_ = oases_ds.initialize(model=model_cfg, config=ds_config(cfg))
+    ctx = engine.parallel_context
+    data = TokenBatches(DataConfig(**cfg["data"]), model_cfg.vocab_size, model_cfg.seq_len, masked_lm=model_cfg.family == "bert")
+    ckpt = cfg["checkpoint"]
+    if ckpt["resume"] and ckpt["dir"] and os.path.exists(os.path.join(ckpt["dir"], "latest")):
+        engine.load_checkpoint(ckpt["dir"])
+    is_main = torch.distributed.get_rank() == 0
+    gas, micro, dp = cfg["grad_accum"], cfg["micro_batch"], ctx.dp_size
+    slots = gas * dp
+    history, start_step = [], engine.global_steps
+    link = cfg["cluster"].get("link")
+    if is_main:
+        label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
+        print(f"oases-train: {model_cfg.family} h={model_cfg.hidden_size} L={model_cfg.num_layers} | "
+              f"{torch.distributed.get_world_size()} ranks = TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
+              f"{label} | from step {start_step}", flush=True)
+    t_start = time.perf_counter()
+    for step in range(start_step, cfg["steps"]):
+        parts = [data.batch(step, slots, a * dp + ctx.dp_rank, micro) for a in range(gas)]
+        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        loss = float(engine.train_batch(batch))
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower lr or check the data")
+        stats = dict(engine.last_stats, step=step + 1)
+        history.append(stats)
+        if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
+            print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
+                  f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}", flush=True)
+        if ckpt["dir"] and ckpt["every"] and (step + 1) % ckpt["every"] == 0:
+            engine.save_checkpoint(ckpt["dir"])
+    if ckpt["dir"] and history:
+        engine.save_checkpoint(ckpt["dir"])
+    eval_batch = data.batch(10**6, dp, ctx.dp_rank, micro)  # a fixed batch no step trains on
+    eval_loss = float(engine.eval_batch(eval_batch))
+    if cfg["trace"] and is_main:
+        engine.save_trace(cfg["trace"])
+    elapsed = time.perf_counter() - t_start
+    done = history[-1] if history else {}
+    summary = {
+        "steps_run": len(history), "global_steps": engine.global_steps, "first_loss": history[0]["loss"] if history else None,
+        "final_loss": done.get("loss"), "eval_loss": eval_loss, "elapsed_s": elapsed,
+        "median_tokens_per_s": sorted(h["tokens_per_s"] for h in history)[len(history) // 2] if history else 0.0,
+        "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
+    }
+    if is_main and cfg["stats_out"]:
+        from oases_ds.runtime.timeline import write_json_atomic
+
+        write_json_atomic(cfg["stats_out"], {"summary": summary, "history": history, "config": cfg})
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    if not summary.get("steps_run"):
+        print(f"nothing to train: already at step {summary['global_steps']}")
+        return
+    print(f"done: {summary['steps_run']} steps in {summary['elapsed_s']:.1f}s | loss {summary['first_loss']:.4f} -> "
+          f"{summary['final_loss']:.4f} | held-out loss {summary['eval_loss']:.4f} | "
+          f"median {summary['median_tokens_per_s']:,.0f} tok/s | schedule {summary['schedule']}", flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
+    try:
+        validate(cfg)
+    except ValueError as err:
+        fail(str(err))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / deepspeed launcher
+        summary = train_rank(cfg)
+        if int(os.environ["RANK"]) == 0:
+            print_summary(summary)
+        return
+    from oases_ds.launcher import LaunchError, launch
+
+    env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    try:
+        summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env)
+    except LaunchError as err:
+        fail(str(err).strip().splitlines()[-1] + "  (full traceback above)" if "\n" in str(err) else str(err), detail=str(err))
+    print_summary(summaries[0])
+
+
+def entry() -> None:
+    strip_launcher_args()
+    main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,29 @@
+"""Oases: overlapped and planned tensor-model parallelism for DeepSpeed, Lightning and Hydra."""
+from setuptools import find_packages, setup
+
+setup(
+    name="oases-ds",
+    version="0.1.0",
+    description="Overlapped, ILP-planned tensor model parallelism for training transformers on commodity servers",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["oases_ds", "oases_ds.*", "lightning_strategy", "lightning_strategy.*"]),
+    install_requires=[
+        # torch is not pinned here: GPU users bring their CUDA build, CPU users take the [cpu] extra.
+        "torch>=2.1",
+        "deepspeed>=0.19.8,<0.20",  # OasesEngine relies on private hooks tested with 0.19.8
+        "lightning>=2.6,<2.7",
+        "ortools>=9.10",
+        "hydra-core>=1.3,<1.4",
+        "pydantic>=2",
+        "numpy",
+        "matplotlib",
+    ],
+    extras_require={
+        # The CPU wheel of this pinned version; an unpinned torch resolves to a multi-GB CUDA build.
+        "cpu": ["torch==2.13.0"],
+        "test": ["pytest>=7"],
+    },
+    entry_points={"console_scripts": ["oases-train=oases_ds.cli.train:entry"]},
+)

@@ -1,0 +1,57 @@
+"""oases-train as a user runs it (a subprocess, its own rank processes)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "oases_ds.cli.train", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["oases", "megatron"])
+def test_train_loss_falls_on_embedded_text(tmp_path, schedule):
+    out = tmp_path / "stats.json"
+    proc = run(f"schedule={schedule}", "steps=25", "log_every=5", "model.num_layers=2", f"stats_out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 25 steps" in proc.stdout and f"schedule {schedule}" in proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["final_loss"] < summary["first_loss"] - 1.0  # bytes: ~5.5 -> below 4.5
+
+
+@pytest.mark.distributed
+def test_checkpoint_resume_from_the_cli(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["model=gpt_tiny", "log_every=1", f"checkpoint.dir={ckpt}"]
+    full = run(*common[:2], "steps=4", f"stats_out={tmp_path / 'full.json'}")
+    first = run(*common, "steps=2")
+    resumed = run(*common, "steps=4", "checkpoint.resume=true", f"stats_out={tmp_path / 'resumed.json'}")
+    for proc in (full, first, resumed):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "from step 2" in resumed.stdout
+    whole = [h["loss"] for h in json.loads((tmp_path / "full.json").read_text())["history"]]
+    tail = [h["loss"] for h in json.loads((tmp_path / "resumed.json").read_text())["history"]]
+    assert tail == whole[2:]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("tensor_parallel_size=3", "error: tensor_parallel_size=3 does not divide world size 2"),
+        ("model.num_heads=3", "error: model.num_heads=3 does not divide model.hidden_size=128"),
+        ("micro_batch=7", "error: micro_batch=7 is not divisible by schedule.sub_batches=2"),
+        ("schedule.name=gpipe", "error: oases.schedule: Input should be"),
+        ("zero_stage=3", "error: zero_optimization.stage=3 is not supported with oases; use 0 or 1"),
+    ],
+)
+def test_bad_config_is_one_clear_line(override, message):
+    proc = run(override, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
