@@ -1,0 +1,179 @@
+"""Rank functions for the Lightning tests (run under oases_ds.launcher, which sets
+torchrun-style env vars: Lightning sees an already-launched job and starts no processes)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dist_workers import make_batch, tiny_config
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+SEED = 7
+MICRO = 4
+SAMPLES = 8  # two batches of MICRO per epoch
+EPOCHS = 2
+
+
+def dataset(step: int = 0, size: int = SAMPLES) -> list[dict[str, torch.Tensor]]:
+    full = make_batch(tiny_config("gpt"), size, step)
+    return [{k: v[i] for k, v in full.items()} for i in range(size)]
+
+
+def full_params(model, group) -> dict[str, torch.Tensor]:
+    """Parameters gathered over the TMP shards."""
+    from oases_ds.parallel.collectives import start_all_gather
+
+    out = {}
+    for name, p in model.named_parameters():
+        dim = getattr(p, "tp_dim", None)
+        t = p.detach().float()
+        out[name] = t.clone() if dim is None else start_all_gather(t, group, dim).wait()
+    return out
+
+
+def _module_class():
+    from lightning_strategy import OasesLightningModule
+
+    class TinyGPT(OasesLightningModule):
+        def __init__(self) -> None:
+            super().__init__(tiny_config("gpt"))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(dataset(), batch_size=self.batch_size)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(dataset(step=99, size=MICRO), batch_size=MICRO)
+
+    return TinyGPT
+
+
+def _recorder():
+    import lightning.pytorch as pl
+
+    class Record(pl.Callback):
+        """Losses and stats after every optimizer step; val loss after every validation."""
+
+        def __init__(self, save_at_epoch_end: str | None = None) -> None:
+            self.losses, self.val_losses, self.steps = [], [], []
+            self.save_at_epoch_end = save_at_epoch_end
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step > (self.steps[-1] if self.steps else 0):
+                self.steps.append(trainer.global_step)
+                self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+        def on_validation_epoch_end(self, trainer, module):
+            if not trainer.sanity_checking:
+                self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+        def on_train_epoch_end(self, trainer, module):
+            if self.save_at_epoch_end and trainer.current_epoch == 0:
+                trainer.save_checkpoint(self.save_at_epoch_end)
+
+    return Record
+
+
+def _trainer(strategy, record, log_dir: str, epochs: int = EPOCHS, accumulate: int = 1):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, gradient_clip_val=0.05,
+        accumulate_grad_batches=accumulate, callbacks=[record], logger=CSVLogger(log_dir), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, deterministic=False,
+    )
+
+
+def lightning_runs(work_dir: str) -> dict:
+    """Everything the Lightning tests check, in one pair of processes:
+
+    * "trainer": Trainer(strategy="oases") (TMP from the config file named by
+      PL_DEEPSPEED_CONFIG_PATH), 2 epochs x 2 steps, with validation, saving a
+      checkpoint at the end of epoch 0;
+    * "resumed": a fresh Trainer resumed from that checkpoint for epoch 1;
+    * "accumulate": accumulate_grad_batches=2 over half-size batches, 1 epoch;
+    * "direct": the same steps (same samples in the order Lightning's sampler
+      gives) through oases_ds.initialize + engine.train_batch.
+    """
+    import lightning_strategy
+    import oases_ds
+    from lightning_strategy import OasesStrategy
+
+    TinyGPT, Record = _module_class(), _recorder()
+    ckpt = os.path.join(work_dir, "epoch0.ckpt")
+    out: dict = {}
+
+    def run(name, strategy, record, batch_size=MICRO, accumulate=1, ckpt_path=None):
+        module = TinyGPT()
+        module.batch_size = batch_size
+        trainer = _trainer(strategy, record, os.path.join(work_dir, name), accumulate=accumulate,
+                           epochs=1 if accumulate > 1 else EPOCHS)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        engine = trainer.strategy.deepspeed_engine
+        out[name] = {
+            "params": full_params(module.model, trainer.strategy.parallel_context.tp_group),
+            "losses": record.losses, "steps": record.steps, "val_losses": record.val_losses,
+            "global_step": trainer.global_step, "engine_steps": engine.global_steps,
+            "gas": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
+            "prog_bar": sorted(trainer.progress_bar_metrics), "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
+            "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
+        }
+
+    assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the TMP degree"
+    run("trainer", "oases", Record(save_at_epoch_end=ckpt))
+    out["listing"] = sorted(os.listdir(ckpt))
+    del os.environ["PL_DEEPSPEED_CONFIG_PATH"]  # from here on, the constructor arguments
+    run("resumed", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), ckpt_path=ckpt)
+    run("accumulate", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), batch_size=MICRO // 2, accumulate=2)
+
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+           "oases": {"enabled": True, "tensor_parallel_size": 2, "seed": SEED}}
+    engine, *_ = oases_ds.initialize(
+        model=tiny_config("gpt"), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), config=cfg)
+    full = make_batch(tiny_config("gpt"), SAMPLES, 0)
+    ctx = engine.parallel_context
+    # Lightning's own training sampler: shuffled, seed 0, reseeded per epoch, split by DP rank.
+    sampler = torch.utils.data.DistributedSampler(range(SAMPLES), num_replicas=ctx.dp_size, rank=ctx.dp_rank,
+                                                  shuffle=True, seed=0)
+    params, losses, val = [], [], []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        for b in range(SAMPLES // MICRO):
+            idx = order[b * MICRO : (b + 1) * MICRO]
+            losses.append(float(engine.train_batch({k: v[idx] for k, v in full.items()})))
+            params.append(full_params(engine.module, engine.parallel_context.tp_group))
+        val.append(float(engine.eval_batch(make_batch(tiny_config("gpt"), MICRO, 99))))
+    out["direct"] = {"params": params, "losses": losses, "val_losses": val}
+    return out
+
+
+def protocol_error_run() -> str:
+    """A plain LightningModule under strategy="oases": the error, as a string."""
+    import lightning.pytorch as pl
+    import lightning_strategy  # noqa: F401  (registers "oases")
+
+    class Plain(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(strategy="oases", accelerator="cpu", devices=2, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
+    except Exception as err:  # noqa: BLE001 -- the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
