@@ -94,8 +94,15 @@ def initialize(
             f"oases.tensor_parallel_size={oases.tensor_parallel_size} but parallel_context has TMP size {ctx.tp_size}"
         )
     if isinstance(model, ModelConfig):
-        model = OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
-        model.rng.seed = oases.seed
+        if oases.plan:
+            from oases_ds.planner.plan import Plan
+
+            try:
+                model = OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed)
+            except ValueError as err:
+                raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
+        else:
+            model = OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
     elif not isinstance(model, OperatorModel):
         raise OasesConfigError(
             f"model: Oases needs an oases_ds.ModelConfig (or an OperatorModel), got {type(model).__name__}"

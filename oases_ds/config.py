@@ -7,9 +7,10 @@ naming the field and what to change.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
@@ -45,6 +46,8 @@ class OasesConfig(BaseModel):
         process_group_timeout_s: every process group's timeout (no hangs on a dead rank).
         link: optional emulated link for benchmarks.
         record_timeline: keep the executor timeline (exposed comm, traces).
+        plan: JSON plan (from ``oases-plan``) giving each attention / MLP block its
+            own TMP degree; default: every block at ``tensor_parallel_size``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +61,14 @@ class OasesConfig(BaseModel):
     process_group_timeout_s: float = Field(default=300.0, gt=0)
     link: LinkConfig | None = None
     record_timeline: bool = True
+    plan: str | None = None
+
+    @field_validator("plan")
+    @classmethod
+    def _plan_exists(cls, path: str | None) -> str | None:
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"plan file {path!r} not found; write one with oases-plan")
+        return path
 
     def schedule_options(self) -> ScheduleOptions:
         return ScheduleOptions(self.sub_batches, self.cross_pass, self.fine_grained_recompute)

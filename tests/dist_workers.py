@@ -47,10 +47,12 @@ def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[st
 
 
 def gather_full_grads(model: OperatorModel, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """Unsharded gradients: each sharded parameter gathered over its block's group."""
     out = {}
     for name, p in model.named_parameters():
         dim = getattr(p, "tp_dim", None)
-        out[name] = p.grad if dim is None else start_all_gather(p.grad, ctx.tp_group, dim).wait()
+        grad = p.grad.clone()  # a snapshot: a one-rank "gather" returns its input
+        out[name] = grad if dim is None else start_all_gather(grad, model._group_of(name), dim).wait()
     return out
 
 
@@ -64,7 +66,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
     return float((a - ref).norm() / max(float(ref.norm()), floor))
 
 
-def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05) -> dict:
+def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05,
+                  plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None, variants: list[str] | None = None) -> dict:
     """Train every schedule variant for ``steps`` SGD steps and compare, after every
     step, gathered gradients and the loss with the unsharded reference."""
     import sys, os
@@ -91,7 +94,14 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
             opt.step()
             ref_rng.advance()
         for label, name, options in VARIANTS:
-            model = OperatorModel(cfg, group=ctx.tp_group, seed=7)
+            if variants is not None and label not in variants:
+                continue
+            if plan is None:
+                model = OperatorModel(cfg, group=ctx.tp_group, seed=7)
+            else:
+                from oases_ds.planner.plan import Plan
+
+                model = OperatorModel.for_plan(cfg, ctx, Plan(plan[0], plan[1], devices=tp), seed=7)
             rng = RNGTracker(seed=11)
             ex = Executor(model, build_schedule(name, model.ops, options), Communicator(), rng)
             opt = torch.optim.SGD(model.parameters(), lr=lr)

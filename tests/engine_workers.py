@@ -10,7 +10,9 @@ from dist_workers import make_batch, tiny_config  # noqa: F401 (re-exported for 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def ds_config(micro: int, gas: int, zero: int = 0, clip: float = 0.05, oases: dict | None = None, bf16: bool = False) -> dict:
+def ds_config(micro: int, gas: int, zero: int = 0, clip: float | None = None, oases: dict | None = None, bf16: bool = False) -> dict:
+    if clip is None:
+        clip = float(os.environ.get("OASES_TEST_CLIP", "0.05"))
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
@@ -73,18 +75,18 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in engine.module.named_parameters():
         dim = getattr(p, "tp_dim", None)
-        t = p.detach().float()
-        out[name] = t.clone() if dim is None else start_all_gather(t, ctx.tp_group, dim).wait()
+        t = p.detach().float().clone()  # a snapshot: a one-rank "gather" returns its input
+        out[name] = t if dim is None else start_all_gather(t, engine.module._group_of(name), dim).wait()
     return out
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
-              bf16: bool = False, optimizer: str = "sgd") -> dict:
+              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None) -> dict:
     """OasesEngine on this rank's TMP shard and DP share; returns full params after each step."""
     import oases_ds
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
-               "process_group_timeout_s": 120}
+               "process_group_timeout_s": 120, **({"plan": plan} if plan else {})}
     cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}

@@ -23,12 +23,12 @@ from typing import Callable, Literal
 
 import torch
 
-from oases_ds.parallel.collectives import Group, Pending
+from oases_ds.parallel.collectives import Group, Pending, split_for_rank
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.comm import Communicator
 
 Acts = tuple[torch.Tensor, ...]
-Collective = Literal["all_reduce", "all_gather"] | None
+Collective = Literal["all_reduce", "all_gather", "split"] | None
 
 
 @dataclass
@@ -83,7 +83,8 @@ class CommOp:
 
     Attributes:
         forward: collective run in forward (and re-run in a recomputation that
-            includes this operator); ``None`` means identity.
+            includes this operator); ``None`` means identity; ``"split"`` keeps
+            this rank's slice along ``dim`` (the partner of an AllGather).
         backward: collective run on the gradient; ``None`` means identity.
         group: the process group; size one makes every collective an identity.
         dim: concatenation dimension of an AllGather.
@@ -105,6 +106,9 @@ class CommOp:
             return comm.all_reduce(tensor, self.group, phase)
         if collective == "all_gather":
             return comm.all_gather(tensor, self.group, self.dim, phase)
+        if collective == "split":  # local: keep this rank's share, nothing crosses a link
+            piece = split_for_rank(tensor, self.group, self.dim)
+            return Pending(None, lambda: piece)
         raise ValueError(f"{self.name} has no {direction} collective")
 
 

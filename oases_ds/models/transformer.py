@@ -11,11 +11,19 @@ pattern once for attention and once for the MLP)::
     core      (x, q,k,v) -> (x, ctx)       softmax(qk^T)v, attention dropout
     proj      (x, ctx)   -> (x, y_part)    row-parallel summand
     attn_reduce          fwd AllReduce / bwd id
-    attn_out  (x, y)     -> (x', h')       bias, dropout, residual, norm
+    attn_out  (x, y)     -> (x',)          bias, dropout, residual (+ norm post-LN)
+    mlp_in    (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
     mlp_copy             fwd id / bwd AllReduce
     mlp       (x, h)     -> (x, y_part)    column- then row-parallel
     mlp_reduce           fwd AllReduce / bwd id
     mlp_out   (x, y)     -> (x'',)         bias, dropout, residual (+ norm post-LN)
+
+A plan may give each attention and MLP block its own TMP degree ``t`` (paper
+Section V): the block then runs ``T/t`` replicas inside the TMP group of ``T``
+ranks, each on its share of the sub-batch.  Between blocks of different degree a
+``reshard`` operator moves the single-tensor activation ``(x,)``: towards a
+smaller degree it keeps this replica's slice of the batch (backward: AllGather of
+the gradient); towards a larger one it AllGathers the slices (backward: slice).
 
 Parameter names equal those of a plain unsharded model (``layers.0.attn.q.weight``
 ...), and every parameter's ``tp_dim`` says how it is split, so full state dicts
@@ -24,7 +32,7 @@ can be sharded into and gathered out of any TMP degree.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +40,11 @@ from torch import nn
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, Op, OpContext
+from oases_ds.parallel.context import BlockLayout
 from oases_ds.parallel.collectives import (
+    GatherFromTensorParallel,
     Group,
+    SplitToTensorParallel,
     copy_to_tensor_parallel,
     group_rank,
     group_size,
@@ -53,6 +64,10 @@ from oases_ds.parallel.layers import (
 )
 from oases_ds.parallel.random import RNGTracker, keyed_dropout, mix_key
 from oases_ds.runtime.comm import Communicator
+
+if TYPE_CHECKING:
+    from oases_ds.parallel.context import ParallelContext
+    from oases_ds.planner.plan import Plan
 
 IGNORE_INDEX = -100
 # Dropout sites: fixed integers so that a reference model can use the same keys.
@@ -110,8 +125,10 @@ class OperatorModel(nn.Module):
         cfg: the model.
         group: TMP group (``None``: unsharded, one rank).
         seed: initial weights come from :func:`init_full_parameter` with this seed.
-        layer_groups: optional per-layer (attention group, MLP group) for
-            heterogeneous plans; defaults to ``group`` everywhere.
+        layouts: optional per-layer (attention, MLP) :class:`BlockLayout` for
+            heterogeneous plans (see :meth:`for_plan`); default: every block on ``group``.
+        reshard_group: ``(small, large) -> group`` moving activations between
+            degrees; required when ``layouts`` mix degrees.
     """
 
     def __init__(
@@ -119,19 +136,23 @@ class OperatorModel(nn.Module):
         cfg: ModelConfig,
         group: Group = None,
         seed: int = 0,
-        layer_groups: list[tuple[Group, Group]] | None = None,
+        layouts: list[tuple[BlockLayout, BlockLayout]] | None = None,
+        reshard_group: Callable[[int, int], Group] | None = None,
     ) -> None:
         super().__init__()
         cfg.check_tp(group_size(group))
         self.cfg = cfg
         self.group = group
-        groups = layer_groups or [(group, group)] * cfg.num_layers
-        if len(groups) != cfg.num_layers:
-            raise ValueError(f"layer_groups has {len(groups)} entries for {cfg.num_layers} layers")
-        for attn_group, mlp_group in groups:
-            cfg.check_tp(group_size(attn_group))
-            cfg.check_tp(group_size(mlp_group))
-        self.layer_groups = groups
+        full = BlockLayout(group_size(group), group)
+        self.layouts = layouts or [(full, full)] * cfg.num_layers
+        if len(self.layouts) != cfg.num_layers:
+            raise ValueError(f"plan has {len(self.layouts)} layers but model.num_layers={cfg.num_layers}")
+        for attn, mlp in self.layouts:
+            cfg.check_tp(attn.degree)
+            cfg.check_tp(mlp.degree)
+        self._full = full
+        self._reshard_group = reshard_group
+        groups = [(a.group, m.group) for a, m in self.layouts]
         H = cfg.hidden_size
         self.embed = nn.Module()
         self.embed.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
@@ -140,6 +161,7 @@ class OperatorModel(nn.Module):
         if cfg.family == "bert":
             self.embed.norm = LayerNorm(H, cfg.norm_eps)
         self.layers = nn.ModuleList(_Layer(cfg, a, m) for a, m in groups)
+        self._mark_replicated_shards()
         self.head = nn.Module()
         if cfg.family == "bert":
             self.head.dense = nn.Linear(H, H)
@@ -171,12 +193,57 @@ class OperatorModel(nn.Module):
                 x = acts[op.index]
                 if op.forward == "all_reduce":
                     x = reduce_from_tensor_parallel(x, op.group)
+                elif op.forward == "all_gather":
+                    x = GatherFromTensorParallel.apply(x, op.group, op.dim)
+                elif op.forward == "split":
+                    x = SplitToTensorParallel.apply(x, op.group, op.dim)
                 if op.backward == "all_reduce":
                     x = copy_to_tensor_parallel(x, op.group)
                 acts = acts[: op.index] + (x,) + acts[op.index + 1 :]
             else:
                 acts = op.fn(ctx, acts)
         return acts[0]
+
+    @classmethod
+    def for_plan(cls, cfg: ModelConfig, ctx: "ParallelContext", plan: "Plan", seed: int = 0) -> "OperatorModel":
+        """Build this rank's part of ``cfg`` with the per-block TMP degrees of ``plan``."""
+        if plan.devices != ctx.tp_size:
+            raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
+        if plan.layers != cfg.num_layers:
+            raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
+        layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
+        return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group)
+
+    def _mark_replicated_shards(self) -> None:
+        """A block at degree ``t < T`` has ``T/t`` copies of each shard.  DeepSpeed's
+        gradient-norm clipping counts a parameter marked ``tensor_model_parallel`` on
+        every TMP rank and an unmarked one only on TMP rank 0, so marking the shards
+        on replica 0 only makes every shard count exactly once."""
+        for i, layer in enumerate(self.layers):
+            for layout, module in zip(self.layouts[i], (layer.attn, layer.mlp)):
+                if layout.replicas > 1:
+                    for p in module.parameters():
+                        p.tensor_model_parallel = p.model_parallel = layout.replica == 0  # type: ignore[attr-defined]
+
+    @property
+    def max_replicas(self) -> int:
+        """Most copies any block runs: each sub-batch must split evenly among them."""
+        return max(max(a.replicas, m.replicas) for a, m in self.layouts)
+
+    def replica_groups(self) -> list[tuple[list[nn.Parameter], Group]]:
+        """Parameters whose gradient must be summed over the copies of their block
+        (each copy saw only its share of the batch), with the group of those copies."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            for layout, kind, module in zip(self.layouts[i], ("attn", "mlp"), (layer.attn, layer.mlp)):
+                if layout.replicas > 1:
+                    params = list(module.parameters())
+                    if kind == "attn":
+                        params += list(layer.attn_norm.parameters())
+                    else:
+                        params += list(layer.mlp_norm.parameters())
+                    out.append((params, self._reshard_group(layout.degree, self._full.degree)))
+        return out
 
     # -- weights -----------------------------------------------------------------
     def full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -188,9 +255,11 @@ class OperatorModel(nn.Module):
         return tuple(shape)
 
     def _group_of(self, name: str) -> Group:
+        """Group a parameter is sharded over: its block's group (norms follow their block)."""
         if name.startswith("layers."):
             idx = int(name.split(".")[1])
-            return self.layer_groups[idx][0 if ".attn." in name else 1]
+            attn = ".attn." in name or ".attn_norm." in name
+            return self.layouts[idx][0 if attn else 1].group
         return self.group
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -214,10 +283,11 @@ class OperatorModel(nn.Module):
             param.copy_(self.shard_of(name, full[name].to(param.dtype)))
 
     # -- operators ---------------------------------------------------------------
-    def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None) -> torch.Tensor:
-        """Dropout keyed by the global sample index (and global head index if sharded)."""
+    def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None, replica: int = 0) -> torch.Tensor:
+        """Dropout keyed by the global sample index (and global head index if sharded);
+        ``replica`` of a reduced-degree block holds the ``replica``-th batch share."""
         if offsets is None:
-            offsets = (ctx.sample_offset,) + (0,) * (x.dim() - 1)
+            offsets = (ctx.sample_offset + replica * x.shape[0],) + (0,) * (x.dim() - 1)
             full = (ctx.global_batch,) + tuple(x.shape[1:])
         return keyed_dropout(x, self.cfg.dropout, ctx.rng.key(site), offsets, full, ctx.training)
 
@@ -244,9 +314,13 @@ class OperatorModel(nn.Module):
         compute("embed_out", -1, "embed", embed_out)
         cos_sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu")) if cfg.family == "llama" else None
 
+        degree = self._full.degree
         for i, layer in enumerate(self.layers):
-            attn_group, mlp_group = self.layer_groups[i]
-            ops.extend(self._layer_ops(i, layer, attn_group, pre_ln, cos_sin))
+            attn, mlp = self.layouts[i]
+            ops.extend(self._reshard(f"L{i}.reshard_attn", i, "attn", degree, attn.degree))
+            ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin))
+            degree = mlp.degree
+        ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self._full.degree))
 
         def head_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
@@ -273,9 +347,22 @@ class OperatorModel(nn.Module):
         compute("loss", L, "head", loss, is_loss=True)
         return ops
 
-    def _layer_ops(self, i: int, layer: _Layer, attn_group: Group, pre_ln: bool, cos_sin) -> list[Op]:
+    def _reshard(self, name: str, layer: int, block: str, src: int, dst: int) -> list[Op]:
+        """Operator moving ``(x,)`` from TMP degree ``src`` to ``dst`` (none if equal)."""
+        if src == dst:
+            return []
+        if self._reshard_group is None:
+            raise ValueError("layouts mix TMP degrees but no reshard_group was given")
+        group = self._reshard_group(min(src, dst), max(src, dst))
+        if dst < src:  # more replicas, each keeps its share of the batch
+            return [CommOp(name, layer, block, 0, "split", "all_gather", group, dim=0)]
+        return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
+
+    def _layer_ops(self, i: int, layer: _Layer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
+                   cos_sin) -> list[Op]:
         cfg = self.cfg
         out: list[Op] = []
+        attn_group = attn_layout.group
         nh_local = layer.attn.q.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
@@ -303,7 +390,7 @@ class OperatorModel(nn.Module):
             x, q, k, v = a
 
             def drop(p: torch.Tensor) -> torch.Tensor:
-                offsets = (c.sample_offset, head_offset, 0, 0)
+                offsets = (c.sample_offset + attn_layout.replica * p.shape[0], head_offset, 0, 0)
                 full = (c.global_batch, cfg.num_heads, p.shape[2], p.shape[3])
                 return self._dropout(c, p, dropout_site(i, "attn_probs"), offsets, full)
 
@@ -314,11 +401,12 @@ class OperatorModel(nn.Module):
 
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
-            x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"))
-            if pre_ln:
-                return (x, layer.mlp_norm(x))
-            x = layer.attn_norm(x)
-            return (x, x)
+            x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica)
+            return (x,) if pre_ln else (layer.attn_norm(x),)
+
+        def mlp_in(c: OpContext, a: Acts) -> Acts:
+            x = a[0]
+            return (x, layer.mlp_norm(x)) if pre_ln else (x, x)
 
         def mlp(c: OpContext, a: Acts) -> Acts:
             x, h = a
@@ -330,7 +418,7 @@ class OperatorModel(nn.Module):
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
             row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
-            x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"))
+            x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica)
             return (x,) if pre_ln else (layer.mlp_norm(x),)
 
         add("attn_in", "attn", attn_in)
@@ -340,7 +428,9 @@ class OperatorModel(nn.Module):
         add("proj", "attn", proj)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
         add("attn_out", "attn", attn_out)
-        mlp_group = self.layer_groups[i][1]
+        out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
+        add("mlp_in", "mlp", mlp_in)
+        mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
         add("mlp", "mlp", mlp)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))

@@ -62,6 +62,7 @@ class ParallelContext:
     device: torch.device
     timeout_s: float = DEFAULT_TIMEOUT_S
     sub_tp_groups: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
+    reshard_groups: dict[tuple[int, int], dist.ProcessGroup | None] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -84,12 +85,15 @@ class ParallelContext:
         tp_group = mine(topo.tp_group_ranks())
         dp_group = mine(topo.dp_group_ranks())
         subs: dict[int, dist.ProcessGroup | None] = {tensor_parallel_size: tp_group}
-        degree = 1
-        while degree < tensor_parallel_size:
-            if tensor_parallel_size % degree == 0:
+        degrees = [d for d in (2**k for k in range(tensor_parallel_size.bit_length())) if tensor_parallel_size % d == 0]
+        for degree in degrees:
+            if degree < tensor_parallel_size:
                 subs[degree] = mine(topo.sub_tp_group_ranks(degree)) if degree > 1 else None
-            degree *= 2
-        return cls(topo, rank, tp_group, dp_group, device or default_device(), timeout_s, subs)
+        reshard = {
+            (small, large): mine(topo.reshard_group_ranks(small, large))
+            for small in degrees for large in degrees if small < large
+        }
+        return cls(topo, rank, tp_group, dp_group, device or default_device(), timeout_s, subs, reshard)
 
     @property
     def coord(self) -> Coord:
@@ -121,8 +125,36 @@ class ParallelContext:
             raise ValueError(f"TMP degree {degree} not available; built for {sorted(self.sub_tp_groups)}")
         return self.sub_tp_groups[degree]
 
+    def layout(self, degree: int) -> "BlockLayout":
+        """Where this rank sits for a block planned at TMP ``degree``."""
+        return BlockLayout(degree, self.sub_group(degree), self.tp_rank // degree, self.tp_size // degree)
+
+    def reshard_group(self, small: int, large: int) -> dist.ProcessGroup | None:
+        """Group exchanging activations between degrees ``small < large`` (see Topology)."""
+        if (small, large) not in self.reshard_groups:
+            raise ValueError(f"no reshard group for degrees {small} -> {large}")
+        return self.reshard_groups[(small, large)]
+
     def mpu(self) -> "MPUAdapter":
         return MPUAdapter(self)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A block at TMP ``degree`` inside a TMP group of ``replicas * degree`` ranks.
+
+    Attributes:
+        degree: ranks sharding the block's parameters.
+        group: those ranks' process group (``None`` for one rank).
+        replica: which of the ``replicas`` copies of the block this rank belongs to;
+            replica ``r`` processes the ``r``-th share of each sub-batch.
+        replicas: copies of the block in the TMP group.
+    """
+
+    degree: int
+    group: dist.ProcessGroup | None
+    replica: int = 0
+    replicas: int = 1
 
 
 class MPUAdapter:

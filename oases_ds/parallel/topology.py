@@ -73,6 +73,30 @@ class Topology:
             raise ValueError(f"degree {degree} must divide tensor_parallel_size {self.tp_size}")
         return [grp[i : i + degree] for grp in self.tp_group_ranks() for i in range(0, self.tp_size, degree)]
 
+    def reshard_group_ranks(self, small: int, large: int) -> list[list[int]]:
+        """Groups that move activations between TMP degrees ``small < large``.
+
+        Under degree ``d`` the ``tp_size`` ranks of a TMP group form ``tp_size/d``
+        replicas of ``d`` adjacent ranks, each holding its share of the batch.  Going
+        from ``large`` to ``small``, a ``large``-replica's share splits among the
+        ``large/small`` ``small``-replicas inside it; the ranks that exchange pieces
+        are those at the same offset within their ``small``-replica:
+        ``{start + o + j * small : j < large/small}``.  The same groups hold the
+        copies of one parameter shard of a degree-``small`` block when
+        ``large == tp_size`` (its gradient is summed over them).
+        """
+        for d in (small, large):
+            if d < 1 or self.tp_size % d:
+                raise ValueError(f"degree {d} must divide tensor_parallel_size {self.tp_size}")
+        if large % small or small >= large:
+            raise ValueError(f"need small < large with small dividing large, got {small}, {large}")
+        groups = []
+        for grp in self.tp_group_ranks():
+            for start in range(0, self.tp_size, large):
+                for offset in range(small):
+                    groups.append([grp[start + offset + j * small] for j in range(large // small)])
+        return groups
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")

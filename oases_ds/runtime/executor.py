@@ -108,7 +108,24 @@ class Executor:
         self._buffers.clear()
         if leftover:
             raise RuntimeError(f"schedule left buffers alive: {leftover[:4]}")
+        self._sum_replica_grads()
         return torch.stack(self._losses).sum()
+
+    def _sum_replica_grads(self) -> None:
+        """Blocks planned below the full TMP degree ran as several replicas, each on its
+        share of the batch: their gradients are partial sums, completed here (one
+        flat AllReduce per replica group)."""
+        for params, group in self.model.replica_groups():
+            with_grad = [p for p in params if p.grad is not None]
+            if not with_grad:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
+            flat = self.comm.all_reduce(flat, group, "grad_sync").wait()
+            offset = 0
+            for p in with_grad:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
@@ -128,6 +145,12 @@ class Executor:
         parts = parts or self.schedule.sub_batches
         subs = split_batch(batch, parts)
         b = batch["tokens"].shape[0]
+        replicas = self.model.max_replicas
+        if (b // parts) % replicas:
+            raise ValueError(
+                f"a sub-batch of {b // parts} samples cannot be shared by the {replicas} replicas of the plan's "
+                f"lowest-degree block; use a micro-batch size divisible by sub_batches x {replicas} = {parts * replicas}"
+            )
         tokens = int((batch["labels"] != IGNORE_INDEX).sum())
         if tokens == 0:
             raise ValueError("batch has no labelled tokens (every label is the ignore index)")
