@@ -63,6 +63,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_strategy.module import OasesLightningModule
 from oases_ds.config import parse_oases_section
+from oases_ds import build_model
 from oases_ds.models.transformer import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.topology import Topology
@@ -80,6 +81,8 @@ class OasesStrategy(DeepSpeedStrategy):
         schedule: Oases schedule (``oases``, ``megatron``, ...); default: the config's, else ``oases``.
         sub_batches: sub-batches per micro-batch; default: the config's, else 2.
         seed: initial weights and dropout keys; default: the config's, else oases_ds' default.
+        plan: a plan JSON (per-block TMP degrees, from the planner); default: every block at
+            ``tensor_parallel_size``.
         config: a full DeepSpeed config (dict or JSON path), optionally with an
             ``"oases"`` section; the arguments above override that section.  Do not
             set ``gradient_accumulation_steps`` (it comes from
@@ -87,8 +90,6 @@ class OasesStrategy(DeepSpeedStrategy):
         zero_stage: ZeRO stage when ``config`` has no ``zero_optimization`` (0 or 1).
         accelerator, parallel_devices, cluster_environment, precision_plugin,
         process_group_backend, logging_level: as for ``DeepSpeedStrategy``.
-
-    Planner plans are not accepted yet: oases_ds' config has no ``plan`` field.
     """
 
     strategy_name = "oases"
@@ -99,6 +100,7 @@ class OasesStrategy(DeepSpeedStrategy):
         schedule: Optional[str] = None,
         sub_batches: Optional[int] = None,
         seed: Optional[int] = None,
+        plan: Optional[str] = None,
         config: Optional[Any] = None,
         zero_stage: int = 0,
         accelerator: Optional[Any] = None,
@@ -115,7 +117,7 @@ class OasesStrategy(DeepSpeedStrategy):
         section = dict(loaded.get("oases") or {})
         section["enabled"] = True
         for key, value in (("tensor_parallel_size", tensor_parallel_size), ("schedule", schedule),
-                           ("sub_batches", sub_batches), ("seed", seed)):
+                           ("sub_batches", sub_batches), ("seed", seed), ("plan", plan)):
             if value is not None:
                 section[key] = value
         self.oases = parse_oases_section(section)  # one-line error on a bad field, before any process starts
@@ -233,9 +235,7 @@ class OasesStrategy(DeepSpeedStrategy):
         old = module.model
         if old is not None and old.group is ctx.tp_group:
             return old
-        shard = self.precision_plugin.convert_module(
-            OperatorModel(module.model_config, group=ctx.tp_group, seed=self.oases.seed)
-        )
+        shard = self.precision_plugin.convert_module(build_model(module.model_config, ctx, self.oases))
         if old is not None:  # a second fit of the same module: keep its trained weights
             shard.load_state_dict(old.state_dict())
         return shard

@@ -18,7 +18,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.transformer import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 
-__all__ = ["initialize", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
+__all__ = ["initialize", "build_model", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
 __version__ = "0.1.0"
 
 
@@ -34,6 +34,19 @@ def _load_config(args: Any, config: Any, config_params: Any) -> dict:
     if not isinstance(config, dict):
         raise OasesConfigError(f"config must be a dict or a JSON path, got {type(config).__name__}")
     return copy.deepcopy(config)
+
+
+def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) -> OperatorModel:
+    """This rank's shard of ``model``: every block at the TMP degree, or at the degrees
+    of ``oases.plan``."""
+    if not oases.plan:
+        return OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
+    from oases_ds.planner.plan import Plan
+
+    try:
+        return OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed)
+    except ValueError as err:
+        raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
 
 
 def initialize(
@@ -94,15 +107,7 @@ def initialize(
             f"oases.tensor_parallel_size={oases.tensor_parallel_size} but parallel_context has TMP size {ctx.tp_size}"
         )
     if isinstance(model, ModelConfig):
-        if oases.plan:
-            from oases_ds.planner.plan import Plan
-
-            try:
-                model = OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed)
-            except ValueError as err:
-                raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
-        else:
-            model = OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
+        model = build_model(model, ctx, oases)
     elif not isinstance(model, OperatorModel):
         raise OasesConfigError(
             f"model: Oases needs an oases_ds.ModelConfig (or an OperatorModel), got {type(model).__name__}"
