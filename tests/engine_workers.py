@@ -66,7 +66,9 @@ def reference_run(family: str, steps: int, batch_size: int, zero: int = 0) -> di
         engine.step()
         losses.append(float(loss.detach()))
         params.append({n[len("ref."):]: p.detach().clone() for n, p in engine.module.named_parameters()})
-    return {"engine": type(engine).__name__, "params": params, "losses": losses}
+    engine.eval()
+    eval_loss = float(engine(make_batch(tiny_config(family), batch_size, 999)))
+    return {"engine": type(engine).__name__, "params": params, "losses": losses, "eval_loss": eval_loss}
 
 
 def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
@@ -84,6 +86,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
               bf16: bool = False, optimizer: str = "sgd", plan: str | None = None) -> dict:
     """OasesEngine on this rank's TMP shard and DP share; returns full params after each step."""
     import oases_ds
+    from oases_ds.parallel.collectives import start_all_reduce
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
                "process_group_timeout_s": 120, **({"plan": plan} if plan else {})}
@@ -103,8 +106,12 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
         loss = engine.train_batch({k: v[idx] for k, v in full.items()})
         losses.append(float(loss))
         params.append(_full_params(engine, ctx))
+    engine.eval()  # DeepSpeedEngine.forward -> the model's eager forward (collectives inline)
+    full = make_batch(tiny_config(family), per_rank * ctx.dp_size, 999)
+    mine = {k: v[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank] for k, v in full.items()}
+    eval_loss = float(start_all_reduce(engine(mine).detach(), ctx.dp_group).wait()) / ctx.dp_size
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
-            "stats": engine.last_stats}
+            "stats": engine.last_stats, "eval_loss": eval_loss}
 
 
 def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:

@@ -46,11 +46,14 @@ def test_tmp2_zero0_matches_plain_deepspeed():
     assert_params_match(out, reference())
     assert out["global_steps"] == STEPS
     assert out["stats"]["tmp_bytes"] > 0 and out["stats"]["tokens_per_s"] > 0
+    # engine.forward (evaluation, dropout off) on the trained shards
+    assert out["eval_loss"] == pytest.approx(reference()["eval_loss"], rel=TOL)
 
 
 def test_tmp2_dp2_zero1_matches_plain_deepspeed():
     out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, GLOBAL_BATCH // 2, 1, 1), timeout_s=600)[0]
     assert_params_match(out, reference())
+    assert out["eval_loss"] == pytest.approx(reference()["eval_loss"], rel=TOL)
 
 
 def test_gradient_accumulation_matches_one_big_batch():
