@@ -36,6 +36,15 @@ def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
     assert (again.measurements["profiled_at"], os.path.getmtime(path)) == stamp
     assert again.layers == 12 and again.blocks == table.blocks
 
+    # What if the link were slower: same measured compute, replayed on a 10 GbE and a 10 Mb/s link.
+    from oases_ds.planner.profile import simulate_profiled_layer
+    from oases_ds.runtime.comm import LinkModel
+
+    fast = simulate_profiled_layer(table, TINY, 2, LinkModel(10.0, 50.0))
+    slow = simulate_profiled_layer(table, TINY, 2, LinkModel(0.01, 50.0))
+    assert fast.compute_ms == pytest.approx(slow.compute_ms) and fast.compute_ms > 0
+    assert slow.exposed_comm_ms > fast.exposed_comm_ms and slow.step_ms > fast.step_ms
+
 
 def test_profile_spec_names_the_field():
     with pytest.raises(ValueError, match="micro_batch=6: the degree-1 share"):

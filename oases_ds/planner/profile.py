@@ -445,3 +445,33 @@ def profile_rows(table: CostTable) -> list[str]:
                 f"{c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
             )
     return lines
+
+
+def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, link: LinkModel) -> Any:
+    """Predict one profiled layer's step at ``degree`` on another link ("what if 10 GbE").
+
+    The per-op compute times the profiler kept (rank 0, per sub-batch) and the
+    collective payload it measured are replayed by
+    :func:`~oases_ds.planner.costmodel.simulate_step` over the same schedule and
+    a one-layer operator sequence; only the link changes.
+    """
+    from oases_ds.models.ops import CommOp
+    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.planner.costmodel import OpCosts, simulate_step
+    from oases_ds.schedule.generators import build_schedule
+
+    evidence = table.measurements.get("degrees", {}).get(str(degree))
+    if evidence is None:
+        raise ValueError(f"table {table.key()} has no profiled measurements for degree {degree}")
+    name, _, options_text = table.schedule.partition("[")
+    if options_text:
+        raise ValueError(f"simulate_profiled_layer supports default schedule options only, got {table.schedule!r}")
+    ops = OperatorModel(dataclasses.replace(model, num_layers=1)).ops  # same sequence at every degree
+    op_ms = evidence["op_ms_rank0"]
+    costs = OpCosts(
+        forward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":F")},
+        backward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":B")},
+        comm_bytes={i: evidence["allreduce_bytes"] for i, op in enumerate(ops) if isinstance(op, CommOp)},
+        default_ranks=degree,
+    )
+    return simulate_step(build_schedule(name, ops), ops, costs, link)
