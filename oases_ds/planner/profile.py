@@ -36,7 +36,7 @@ import dataclasses
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -422,16 +422,6 @@ def table_from_measurements(
             "degrees": evidence,
         },
     )
-
-
-@dataclass(frozen=True)
-class ProfileRow:
-    """One printed line of a profile: a block at a degree."""
-
-    kind: str
-    degree: int
-    cost: BlockCost
-    raw_comm_ms: float = field(default=0.0)
 
 
 def profile_rows(table: CostTable) -> list[str]:
