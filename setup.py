@@ -25,5 +25,7 @@ setup(
         "cpu": ["torch==2.13.0"],
         "test": ["pytest>=7"],
     },
-    entry_points={"console_scripts": ["oases-train=oases_ds.cli.train:entry"]},
+    entry_points={
+        "console_scripts": ["oases-train=oases_ds.cli.train:entry", "oases-plan=oases_ds.cli.plan:entry"]
+    },
 )

@@ -8,7 +8,8 @@ share one profile, as in the paper, which makes the memory-bound problem highly
 symmetric -- the hard case for branch and bound.  The memory limit is set halfway
 between the leanest plan and the unconstrained optimum, so it always binds.
 
-Prints a table and writes ``benchmarks/results/planner_solve_time.json``.
+Prints a table and writes ``benchmarks/results/planner_solve_time.json`` (``--out``).
+Backend ``DP`` is the exact label DP (:mod:`oases_ds.planner.dp`), for comparison.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.planner.costs import BlockCost, CostTable  # noqa: E402
+from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import BACKENDS, solve  # noqa: E402
 from oases_ds.planner.jsonio import atomic_write_json  # noqa: E402
 from oases_ds.planner.simulate import check_memory_feasible, predict_step_ms  # noqa: E402
@@ -96,7 +98,10 @@ def time_solves(table: CostTable, limit: float | None, backend: str, repeats: in
     plan = None
     for _ in range(repeats):
         started = time.perf_counter()
-        plan = solve(table, limit, time_limit_s=time_limit_s, backend=backend)
+        if backend == "DP":
+            plan = solve_dp(table, limit)
+        else:
+            plan = solve(table, limit, time_limit_s=time_limit_s, backend=backend)
         runs.append((time.perf_counter() - started) * 1e3)
     assert plan is not None
     return {
@@ -110,7 +115,9 @@ def time_solves(table: CostTable, limit: float | None, backend: str, repeats: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[24, 48, 96, 128])
-    parser.add_argument("--backends", nargs="+", default=sorted(BACKENDS), choices=sorted(BACKENDS))
+    choices = sorted(BACKENDS) + ["DP"]  # DP: the exact label DP of oases_ds.planner.dp, no OR-Tools
+    parser.add_argument("--backends", nargs="+", default=choices, choices=choices)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit-s", type=float, default=60.0)
     args = parser.parse_args()
@@ -135,7 +142,7 @@ def main() -> None:
                            if row["median_ms"] is not None else f"failed: {row['error']}")
                 print(f"{layers:6d} {bound:8s} {backend:7s} {outcome}", flush=True)
 
-    atomic_write_json(RESULTS, {
+    atomic_write_json(args.out, {
         "date": date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
         "devices": DEVICES,
@@ -144,7 +151,7 @@ def main() -> None:
         "note": "solve() wall time incl. model build; median of repeats; 2 shared CPU cores",
         "rows": rows,
     })
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

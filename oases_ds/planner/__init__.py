@@ -4,6 +4,7 @@
 importing the cost table or a plan does not load OR-Tools.
 """
 from oases_ds.planner.costs import BlockCost, CostTable, reshard_ms
+from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.simulate import brute_force, predict_memory_bytes, predict_step_ms
 
@@ -16,4 +17,5 @@ __all__ = [
     "predict_memory_bytes",
     "predict_step_ms",
     "reshard_ms",
+    "solve_dp",
 ]

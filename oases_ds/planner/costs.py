@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from oases_ds.planner.jsonio import atomic_write_json, read_dataclass_fields
 
@@ -98,6 +99,10 @@ class CostTable:
     """Link bandwidth for resharding collectives, in gigabits per second."""
     latency_us: float
     """Per-collective link latency, in microseconds."""
+    measurements: dict[str, Any] = field(default_factory=dict)
+    """Free-form evidence behind the numbers (raw comm, measured exposed comm,
+    per-op times, how grad sync was obtained), written by the profiler; the
+    solver ignores it.  JSON-ready: string keys only."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:

@@ -1,0 +1,160 @@
+"""``oases-plan``: profile (or reuse) a layer's cost table, solve for per-block TMP degrees, write the plan.
+
+Prints the plan in the shape of the paper's Table II (runs of equal layers
+collapsed), its predicted step time, the solver time, and the best uniform-degree
+plan next to it -- the baseline a plan must beat.  Hydra lives here and in
+``configs/``; the planner library takes typed objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from oases_ds.cli.common import CONFIG_DIR, fail
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(field: str, value: Any) -> float | None:
+    """``None``, a number of bytes, or a string such as ``"2GiB"`` / ``"300 MB"``."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field}={value!r} is not a size; use bytes or e.g. 2GiB, 300MB")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number <= 0:
+        raise ValueError(f"{field} must be > 0, got {value!r}")
+    return number * _UNITS[unit]
+
+
+def _spec(cfg: dict) -> Any:
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.planner.profile import ProfileSpec
+    from oases_ds.runtime.comm import LinkModel
+    from oases_ds.schedule.generators import ScheduleOptions
+
+    sched, cluster, planner = cfg["schedule"], cfg["cluster"], cfg["planner"]
+    link = cluster.get("link")
+    return ProfileSpec(
+        model=ModelConfig(**cfg["model"]),
+        devices=cfg["devices"],
+        micro_batch=cfg["micro_batch"],
+        schedule=sched["name"],
+        options=ScheduleOptions(sched["sub_batches"], sched["cross_pass"], sched["fine_grained_recompute"]),
+        link=LinkModel(**link) if link else None,
+        cluster=cluster["name"],
+        warmup=planner["warmup"],
+        repeats=planner["repeats"],
+        exposed=planner["exposed"],
+        seed=planner["seed"],
+    )
+
+
+def _load_table(cfg: dict) -> tuple[Any, str]:
+    """The cost table and a line saying where it came from."""
+    from oases_ds.planner.costs import CostTable
+    from oases_ds.planner.profile import cache_path, profile
+
+    if cfg["table"]:
+        table = CostTable.from_json(cfg["table"])
+        if cfg["layers"]:
+            table = dataclasses.replace(table, layers=cfg["layers"])
+        return table, f"from {cfg['table']}"
+    spec = _spec(cfg)
+    layers = cfg["layers"] or cfg["model"]["num_layers"]
+    started = time.perf_counter()
+    table, reused = profile(spec, layers, cfg["planner"]["cache_dir"], timeout_s=cfg["timeout_s"])
+    where = cache_path(cfg["planner"]["cache_dir"], spec.key())
+    if reused:
+        return table, f"reused {where}"
+    return table, f"profiled in {time.perf_counter() - started:.1f} s, saved {where}"
+
+
+def _solve(table: Any, limit: float | None, planner: dict) -> Any:
+    if planner["solver"] == "dp":
+        from oases_ds.planner.dp import solve_dp
+
+        return solve_dp(table, limit)
+    if planner["solver"] == "ilp":
+        from oases_ds.planner.ilp import solve
+
+        return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
+    raise ValueError(f"planner.solver={planner['solver']!r} unknown; choose ilp or dp")
+
+
+def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
+    """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None."""
+    from oases_ds.planner.plan import Plan
+    from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
+
+    options = []
+    for degree in table.degrees:
+        plan = Plan.uniform(table.devices, table.layers, degree)
+        if limit is None or predict_memory_bytes(table, plan) <= limit:
+            options.append((predict_step_ms(table, plan), degree))
+    if not options:
+        return None
+    ms, degree = min(options)
+    return degree, ms
+
+
+def run(cfg: dict) -> None:
+    from oases_ds.planner.plan import PlanInfeasibleError
+    from oases_ds.planner.profile import profile_rows
+
+    if cfg["mode"] not in ("plan", "profile"):
+        raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan or profile")
+    limit = parse_bytes("memory_limit", cfg["memory_limit"])
+    table, source = _load_table(cfg)
+    print(f"oases-plan: {table.key()} | {table.layers} layers | {source}", flush=True)
+    print("\n".join(profile_rows(table)))
+    if cfg["mode"] == "profile":
+        return
+    try:
+        plan = _solve(table, limit, cfg["planner"])
+    except PlanInfeasibleError as err:
+        raise ValueError(f"memory_limit: {err}") from None
+    limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
+    print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")
+    print("\n".join(f"  {row}" for row in plan.as_table().splitlines()))
+    print(f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device ({limit_text})")
+    uniform = best_uniform(table, limit)
+    if uniform is None:
+        print("best uniform: none fits the memory limit")
+    else:
+        degree, ms = uniform
+        print(f"best uniform: degree {degree} everywhere, {ms:.3f} ms (plan is {ms / plan.predicted_step_ms:.3f}x faster)")
+    plan.to_json(cfg["out"])
+    print(f"wrote {cfg['out']}")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="plan")
+def main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
+    try:
+        run(cfg)
+    except (ValueError, OSError) as err:
+        fail(str(err))
+    except Exception as err:  # a failed launch: keep the traceback, end with one line
+        from oases_ds.launcher import LaunchError
+
+        if isinstance(err, LaunchError):
+            fail(str(err).strip().splitlines()[-1], detail=str(err))
+        raise
+
+
+def entry() -> None:
+    main()
+
+
+if __name__ == "__main__":
+    entry()

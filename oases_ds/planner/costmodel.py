@@ -1,0 +1,192 @@
+"""What a block costs under a given schedule, and a step simulator for "what if" links.
+
+Two levels, because the planner and the user ask different questions:
+
+* :func:`exposed_comm_ms` is the closed form the planner's node cost uses: from
+  a block's compute and raw TMP communication it predicts the communication the
+  schedule leaves *exposed*.  Overlap is the whole point of Oases, so a plain
+  ``compute + comm`` sum would rank degrees wrongly: under ``oases`` the
+  collective of one sub-batch runs while the other sub-batches compute, so only
+  ``max(0, comm - other sub-batches' compute)`` shows; under ``megatron``
+  every collective blocks and the per-layer recompute repeats the forward
+  AllReduce.
+* :func:`simulate_step` replays a schedule's real instruction stream (from
+  :func:`~oases_ds.schedule.generators.build_schedule`, no processes) on a
+  compute lane and one shared link, with per-op compute times and collective
+  sizes given, so a profile taken on one link predicts a step on another::
+
+      compute  F0 F1 |....| F0' F1' ...      a Sync blocks the compute lane until
+      link        [C0  ][C1  ]               its collective has left the link
+
+  A StartAsync puts its collective on the link once it is issued *and* the
+  previous message has left (messages share the link, as in
+  :class:`~oases_ds.runtime.comm.LinkModel` emulation); a Sync waits for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from oases_ds.models.ops import CommOp, Op
+from oases_ds.runtime.comm import LinkModel
+from oases_ds.schedule.generators import SCHEDULES, Schedule
+from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    """Measured cost of one block for one micro-batch share on one device (ms).
+
+    ``fwd_ms`` is the forward compute and ``recompute_ms`` the part of the
+    backward pass that re-runs it; ``bwd_ms`` is the backward compute *without*
+    the recompute.  ``comm_fwd_ms`` / ``comm_bwd_ms`` are the raw durations of
+    the block's forward and backward collectives, summed over sub-batches, as if
+    nothing overlapped them.
+    """
+
+    fwd_ms: float
+    recompute_ms: float
+    bwd_ms: float
+    comm_fwd_ms: float
+    comm_bwd_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_ms", "recompute_ms", "bwd_ms", "comm_fwd_ms", "comm_bwd_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BlockTiming.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def exposed_comm_ms(timing: BlockTiming, schedule: str, sub_batches: int = 2) -> tuple[float, float]:
+    """(forward, backward) communication the schedule leaves exposed for one block.
+
+    * ``none`` / ``megatron_selective``: synchronous, nothing hidden; neither
+      recompute re-runs a collective (none recomputes nothing, selective only
+      the attention core).
+    * ``megatron``: synchronous, and the layer's recompute repeats the forward
+      AllReduce, so backward exposes ``comm_bwd + comm_fwd``.
+    * ``split_overlap`` (Merak-like): each collective of a sub-batch overlaps the
+      other sub-batches' compute *of the same pass*: forward behind forward,
+      the repeated forward AllReduce behind recompute, backward behind backward.
+    * ``oases``: forward as above; fine-grained recompute drops the repeated
+      AllReduce and the cross-pass schedule hides the backward collective
+      behind the other sub-batches' recompute *and* backward.
+
+    With ``s`` sub-batches the compute that can hide one sub-batch's collective
+    is the other ``(s-1)/s`` of the pass; with ``s == 1`` nothing overlaps.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} unknown; choose one of {', '.join(SCHEDULES)}")
+    if sub_batches < 1:
+        raise ValueError(f"sub_batches must be >= 1, got {sub_batches}")
+    t = timing
+    if schedule in ("none", "megatron_selective"):
+        return t.comm_fwd_ms, t.comm_bwd_ms
+    if schedule == "megatron":
+        return t.comm_fwd_ms, t.comm_bwd_ms + t.comm_fwd_ms
+    others = (sub_batches - 1) / sub_batches
+
+    def hidden_behind(comm: float, compute: float) -> float:
+        return max(0.0, comm - others * compute)
+
+    forward = hidden_behind(t.comm_fwd_ms, t.fwd_ms)
+    if schedule == "split_overlap":
+        backward = hidden_behind(t.comm_fwd_ms, t.recompute_ms) + hidden_behind(t.comm_bwd_ms, t.bwd_ms)
+    else:
+        backward = hidden_behind(t.comm_bwd_ms, t.recompute_ms + t.bwd_ms)
+    return forward, backward
+
+
+# -- step simulator ---------------------------------------------------------------
+@dataclass(frozen=True)
+class OpCosts:
+    """Inputs of the simulator, per operator index, for one sub-batch of the schedule.
+
+    Attributes:
+        forward_ms: Forward (and Recompute) time of each compute op; missing: 0.
+        backward_ms: Backward time of each compute op; missing: 0.
+        comm_bytes: payload of each communication op's collective (the tensor
+            reduced, or the gathered result); missing: no traffic.
+        ranks: ranks in each communication op's group; missing: ``default_ranks``.
+        default_ranks: group size for ops not in ``ranks``.
+        kind: collective kind per op ("all_reduce" or "all_gather"); missing: all_reduce.
+    """
+
+    forward_ms: Mapping[int, float]
+    backward_ms: Mapping[int, float]
+    comm_bytes: Mapping[int, int]
+    default_ranks: int = 2
+    ranks: Mapping[int, int] = field(default_factory=dict)
+    kind: Mapping[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    name: str
+    lane: str
+    """"compute", "comm" (the message on the link) or "wait" (compute lane blocked in a Sync)."""
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class SimResult:
+    step_ms: float
+    compute_ms: float
+    comm_ms: float
+    """Link busy time: every collective's transfer, hidden or not."""
+    exposed_comm_ms: float
+    """Time the compute lane sat in a Sync: the communication overlap did not hide."""
+    events: list[SimEvent]
+
+    def lane(self, lane: str) -> list[SimEvent]:
+        return [e for e in self.events if e.lane == lane]
+
+
+def simulate_step(
+    schedule: Schedule,
+    ops: Sequence[Op],
+    costs: OpCosts,
+    link: LinkModel,
+    compute_scale: Callable[[Instruction], float] | None = None,
+) -> SimResult:
+    """Replay ``schedule`` over ``ops`` with a compute lane and one link; times in ms.
+
+    ``compute_scale`` optionally multiplies an instruction's compute time (a
+    what-if knob, e.g. a faster device); the default is 1.
+    """
+    now = 0.0
+    link_free = 0.0
+    compute = exposed = comm = 0.0
+    in_flight: dict[tuple[int, int, str], float] = {}
+    events: list[SimEvent] = []
+    for ins in schedule.instructions:
+        op = ops[ins.op]
+        if isinstance(ins, (Forward, Recompute, Backward)):
+            if isinstance(op, CommOp):  # identity in this direction: no work
+                continue
+            table = costs.backward_ms if isinstance(ins, Backward) else costs.forward_ms
+            duration = table.get(ins.op, 0.0) * (compute_scale(ins) if compute_scale else 1.0)
+            events.append(SimEvent(str(ins), "compute", now, now + duration))
+            now += duration
+            compute += duration
+        elif isinstance(ins, StartAsync):
+            nbytes = costs.comm_bytes.get(ins.op, 0)
+            ranks = costs.ranks.get(ins.op, costs.default_ranks)
+            seconds = link.seconds(costs.kind.get(ins.op, "all_reduce"), nbytes, ranks) if nbytes else 0.0
+            start = max(now, link_free)
+            end = start + seconds * 1e3
+            link_free = end
+            comm += end - start
+            in_flight[(ins.op, ins.mb, ins.phase)] = end
+            events.append(SimEvent(f"C{ins.op}.{ins.mb}:{ins.phase}", "comm", start, end))
+        elif isinstance(ins, Sync):
+            done = in_flight.pop((ins.op, ins.mb, ins.phase))
+            if done > now:
+                events.append(SimEvent(str(ins), "wait", now, done))
+                exposed += done - now
+                now = done
+        else:  # pragma: no cover - the instruction set is closed
+            raise TypeError(f"unknown instruction {ins!r}")
+    if in_flight:
+        raise ValueError(f"schedule {schedule.name} left collectives unsynced: {sorted(in_flight)[:4]}")
+    return SimResult(step_ms=now, compute_ms=compute, comm_ms=comm, exposed_comm_ms=exposed, events=events)

@@ -1,0 +1,467 @@
+"""Profiler: one transformer layer under every TMP degree, through the real executor.
+
+Why one layer: GPT, BERT and LLaMA repeat one layer, so its cost at each degree
+is the whole profile (paper, Section V-C); the cost table is reused for any
+depth (:func:`profile` only re-labels ``layers``).  Why the real executor and
+not a micro-benchmark: the planner's node cost is the block's time *under the
+schedule*, and only the executor's timeline shows what the schedule hid.
+
+How a degree-t layer is measured on T devices: T rank processes; each builds a
+one-layer :class:`~oases_ds.models.transformer.OperatorModel` on its sub-group
+of ``t`` adjacent ranks (``ParallelContext.sub_group``) and runs the batch share
+``micro_batch * t / T`` -- so the T/t replicas run side by side, as they would
+in a heterogeneous plan.  From the timeline, each instruction is attributed to
+its operator's block (``op.block``); embedding and head ops are left out.
+
+What is measured and what is derived, per block and degree:
+
+* forward, recompute and backward compute: timeline, median over repeats,
+  the slowest rank (it sets the step);
+* raw TMP communication: a blocking AllReduce of the block's collective payload
+  on the degree-t group through the :class:`~oases_ds.runtime.comm.Communicator`
+  (so link emulation applies), times the collectives per block and sub-batch;
+* exposed communication: ``exposed="model"`` (default) puts raw comm and compute
+  through :func:`~oases_ds.planner.costmodel.exposed_comm_ms`; ``"measured"``
+  takes the Sync waits from the timeline.  Both are kept in ``measurements``;
+* gradient sync: an AllReduce of the block's gradient bytes on the *replica
+  group* (same index in each of the T/t replicas), measured, not modelled;
+* memory, from shapes: parameters + gradients + Adam moments (16 bytes per fp32
+  parameter) of the block's shards, and the activations the schedule checkpoints
+  at the block's segment inputs (the transient recompute working set is not
+  counted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms
+from oases_ds.planner.costs import BLOCK_KINDS, BlockCost, CostTable
+from oases_ds.runtime.comm import LinkModel
+from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
+
+BYTES_PER_PARAM_STATE = 16
+"""fp32 parameter + gradient + Adam's two moments."""
+
+_COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
+_WAIT_EVENT = re.compile(r"^W([rb]?)(\d+)\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """Everything a profile depends on; :meth:`key` names it in the cache.
+
+    Attributes:
+        model: the model family and sizes (``num_layers`` is ignored: one layer is run).
+        devices: T, the TMP group the planner divides; one rank process each.
+        micro_batch: samples per micro-batch of the whole TMP group; a degree-t
+            replica runs ``micro_batch * t / T`` of them.
+        schedule / options: the schedule the costs are measured under.
+        link: emulated link (``None``: this machine as it is).
+        cluster: label of the machine / link in the key.
+        warmup / repeats: steps discarded, then steps whose median is kept.
+        exposed: where the exposed-comm node cost comes from, see module doc.
+        seed: weights and data.
+    """
+
+    model: ModelConfig
+    devices: int
+    micro_batch: int
+    schedule: str = "oases"
+    options: ScheduleOptions = ScheduleOptions()
+    link: LinkModel | None = None
+    cluster: str = "local"
+    warmup: int = 2
+    repeats: int = 3
+    exposed: Literal["model", "measured"] = "model"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.devices & (self.devices - 1):
+            raise ValueError(f"planner.devices must be a power of two >= 1, got {self.devices}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule.name={self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(f"planner.warmup must be >= 0 and planner.repeats >= 1, got {self.warmup}, {self.repeats}")
+        if self.exposed not in ("model", "measured"):
+            raise ValueError(f"planner.exposed must be 'model' or 'measured', got {self.exposed!r}")
+        sub = self.sub_batches
+        for degree in self.degrees():
+            self.model.check_tp(degree)
+            share = self.micro_batch * degree / self.devices
+            if share != int(share) or int(share) % sub:
+                raise ValueError(
+                    f"micro_batch={self.micro_batch}: the degree-{degree} share micro_batch*{degree}/{self.devices} "
+                    f"= {share:g} must be a whole multiple of the schedule's {sub} sub-batches; "
+                    f"use a multiple of {self.devices * sub}"
+                )
+
+    @property
+    def sub_batches(self) -> int:
+        return self.options.sub_batches if self.schedule in ("split_overlap", "oases") else 1
+
+    def degrees(self) -> tuple[int, ...]:
+        """Every power of two dividing T, increasing."""
+        out, degree = [], 1
+        while degree <= self.devices:
+            out.append(degree)
+            degree *= 2
+        return tuple(out)
+
+    def model_label(self) -> str:
+        m = self.model
+        return f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
+
+    def schedule_label(self) -> str:
+        if self.options == ScheduleOptions() or self.schedule not in ("oases", "split_overlap"):
+            return self.schedule
+        o = self.options
+        return f"{self.schedule}[sb={o.sub_batches},cross={int(o.cross_pass)},fine={int(o.fine_grained_recompute)}]"
+
+    def cluster_label(self) -> str:
+        if self.link is None:
+            return self.cluster
+        return f"{self.cluster}@{self.link.bandwidth_gbps:g}Gbps+{self.link.latency_us:g}us"
+
+    def key(self) -> str:
+        """Equal to :meth:`CostTable.key` of the table this spec produces."""
+        return f"{self.model_label()}|{self.cluster_label()}|{self.schedule_label()}|{self.devices}"
+
+
+def cache_path(cache_dir: str | Path, key: str) -> Path:
+    """File of a cached table: the key with path-hostile characters replaced."""
+    return Path(cache_dir) / (re.sub(r"[^A-Za-z0-9._=+@,\[\]-]", "_", key) + ".json")
+
+
+def profile(
+    spec: ProfileSpec,
+    layers: int,
+    cache_dir: str | Path | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[CostTable, bool]:
+    """The cost table for ``spec`` labelled for ``layers`` layers, and whether it came from the cache.
+
+    A cached table (same :meth:`ProfileSpec.key`) is reused without launching
+    anything; otherwise T rank processes profile the layer and the table is
+    written to the cache atomically.
+    """
+    path = cache_path(cache_dir, spec.key()) if cache_dir is not None else None
+    if path is not None and path.exists():
+        table = CostTable.from_json(path)
+        if table.key() != spec.key():
+            raise ValueError(f"{path}: holds a profile for {table.key()!r}, expected {spec.key()!r}")
+        return dataclasses.replace(table, layers=layers), True
+    from oases_ds.launcher import launch
+
+    started = time.perf_counter()
+    per_rank = launch(_profile_rank, spec.devices, (spec,), timeout_s=timeout_s, threads_per_rank=1)
+    table = table_from_measurements(spec, per_rank, layers, wall_s=time.perf_counter() - started)
+    if path is not None:
+        table.to_json(path)
+    return table, False
+
+
+# -- what each rank does -----------------------------------------------------------
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _timed_collective(comm: Any, tensor: Any, group: Any, repeats: int, warmup: int) -> float:
+    """Median ms of a blocking AllReduce of ``tensor`` on ``group`` (all its ranks call this)."""
+    import torch.distributed as dist
+
+    times = []
+    for rep in range(warmup + repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        comm.all_reduce(tensor, group, "forward").wait()
+        if rep >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return _median(times)
+
+
+def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any) -> dict[str, float]:
+    """Bytes the schedule saves per block for one sub-batch: the input tuple of each
+    recomputed segment starting in the block, or every op input of a kept segment."""
+    import torch
+
+    from oases_ds.models.ops import CommOp, OpContext
+    from oases_ds.parallel.random import RNGTracker
+    from oases_ds.runtime.comm import Communicator
+    from oases_ds.schedule.generators import fine_grained_segments, layer_segments, selective_segments
+
+    comm = Communicator()
+    ctx = OpContext(sub_batch, 0, sub_batch["tokens"].shape[0], 1.0, RNGTracker(spec.seed), comm, training=False)
+    input_bytes: list[int] = []
+    acts: tuple = ()
+    with torch.no_grad():
+        for op in model.ops:
+            input_bytes.append(sum(t.numel() * t.element_size() for t in acts))
+            if isinstance(op, CommOp):
+                if op.forward is not None:
+                    reduced = op.start(comm, acts[op.index], "forward", "forward").wait()
+                    acts = acts[: op.index] + (reduced,) + acts[op.index + 1 :]
+            else:
+                acts = op.fn(ctx, acts)
+    ops = model.ops
+    if spec.schedule == "none":
+        segments = []
+    elif spec.schedule == "megatron_selective":
+        segments = selective_segments(ops)
+    elif spec.schedule == "oases" and spec.options.fine_grained_recompute:
+        segments = fine_grained_segments(ops)
+    else:
+        segments = layer_segments(ops)
+    saved = {kind: 0.0 for kind in BLOCK_KINDS}
+    covered: set[int] = set()
+    for seg in segments:
+        if seg.recompute:
+            covered.update(range(seg.start, seg.recompute_end))
+            if ops[seg.start].block in saved:
+                saved[ops[seg.start].block] += input_bytes[seg.start]
+    for index, op in enumerate(ops):  # kept ops hold their inputs for Backward
+        if index not in covered and op.block in saved and not isinstance(op, CommOp):
+            saved[op.block] += input_bytes[index]
+    return saved
+
+
+def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
+    """Profile every degree on this rank; returns per-degree measurements."""
+    import torch
+    import torch.distributed as dist
+
+    from oases_ds.models.ops import CommOp
+    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.parallel.context import ParallelContext
+    from oases_ds.parallel.random import RNGTracker
+    from oases_ds.runtime.comm import Communicator
+    from oases_ds.runtime.executor import Executor, split_batch
+    from oases_ds.schedule.generators import build_schedule
+
+    T = spec.devices
+    ctx = ParallelContext.build(tensor_parallel_size=T)
+    rank = ctx.rank
+    one_layer = dataclasses.replace(spec.model, num_layers=1)
+    # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
+    replica_group: dict[int, Any] = {}
+    for degree in spec.degrees():
+        subs = ctx.topology.sub_tp_group_ranks(degree)
+        for p in range(degree):
+            members = [g[p] for g in subs]
+            group = dist.new_group(ranks=members) if len(members) > 1 else None
+            if rank in members:
+                replica_group[degree] = group
+
+    cfg = spec.model
+    sub = spec.sub_batches
+    out: dict[str, Any] = {"rank": rank, "degrees": {}}
+    for degree in spec.degrees():
+        group = ctx.sub_group(degree)
+        share = spec.micro_batch * degree // T
+        gen = torch.Generator().manual_seed(spec.seed + rank // degree)
+        seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen)
+        batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+        model = OperatorModel(one_layer, group=group, seed=spec.seed)
+        schedule = build_schedule(spec.schedule, model.ops, spec.options)
+        executor = Executor(model, schedule, Communicator(spec.link), RNGTracker(spec.seed))
+        block_of = [op.block for op in model.ops]
+
+        per_rep: dict[str, list[float]] = {}
+        op_ms: dict[str, list[float]] = {}
+        for rep in range(spec.warmup + spec.repeats):
+            dist.barrier()
+            executor.run(batch)
+            model.zero_grad(set_to_none=True)
+            if rep < spec.warmup:
+                continue
+            sums: dict[str, float] = {}
+            ops_this_rep: dict[str, float] = {}
+            for event in executor.timeline.events:
+                ms = (event.end - event.start) * 1e3
+                if event.lane == "compute" and (m := _COMPUTE_EVENT.match(event.name)):
+                    letter, op = m.group(1), int(m.group(2))
+                    phase = {"F": "fwd", "f": "fwd", "R": "recompute", "B": "bwd"}[letter]
+                    key = f"{op}:{'B' if phase == 'bwd' else 'F'}" if phase != "recompute" else f"{op}:R"
+                    ops_this_rep[key] = ops_this_rep.get(key, 0.0) + ms
+                    if block_of[op] in BLOCK_KINDS:
+                        name = f"{block_of[op]}.{phase}"
+                        sums[name] = sums.get(name, 0.0) + ms
+                elif event.lane == "wait" and (m := _WAIT_EVENT.match(event.name)):
+                    op = int(m.group(2))
+                    if block_of[op] in BLOCK_KINDS:
+                        name = f"{block_of[op]}.{'exposed_fwd' if m.group(1) == '' else 'exposed_bwd'}"
+                        sums[name] = sums.get(name, 0.0) + ms
+            for kind in BLOCK_KINDS:
+                for part in ("fwd", "recompute", "bwd", "exposed_fwd", "exposed_bwd"):
+                    per_rep.setdefault(f"{kind}.{part}", []).append(sums.get(f"{kind}.{part}", 0.0))
+            for key, ms in ops_this_rep.items():
+                op_ms.setdefault(key, []).append(ms / sub)  # per sub-batch, as the simulator takes it
+        result: dict[str, Any] = {name: _median(values) for name, values in per_rep.items()}
+        result["op_ms"] = {key: _median(values) for key, values in op_ms.items()}
+
+        # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
+        comm = Communicator(spec.link)
+        payload = torch.zeros(share // sub, cfg.seq_len, cfg.hidden_size)
+        result["allreduce_bytes"] = payload.numel() * payload.element_size()
+        result["allreduce_ms"] = _timed_collective(comm, payload, group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+        result["latency_ms"] = (
+            _timed_collective(comm, torch.zeros(1), group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+        )
+        for kind in BLOCK_KINDS:
+            ops = [op for op in model.ops if isinstance(op, CommOp) and op.block == kind]
+            result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
+            result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
+
+        # Memory and gradient sync from parameter shapes.
+        numel = {kind: 0 for kind in BLOCK_KINDS}
+        for name, param in model.named_parameters():
+            if name.startswith("layers.0."):
+                numel["attn" if "attn" in name.split(".")[2] else "mlp"] += param.numel()
+        saved = _checkpoint_bytes(spec, model, split_batch(batch, sub)[0], group)
+        for kind in BLOCK_KINDS:
+            result[f"{kind}.params"] = numel[kind]
+            result[f"{kind}.state_bytes"] = float(numel[kind] * BYTES_PER_PARAM_STATE)
+            result[f"{kind}.act_bytes"] = float(saved[kind] * sub)
+            grads = torch.zeros(numel[kind])
+            replicas = replica_group[degree]
+            result[f"{kind}.grad_sync_ms"] = (
+                _timed_collective(Communicator(spec.link), grads, replicas, spec.repeats, spec.warmup)
+                if replicas is not None
+                else 0.0
+            )
+        out["degrees"][str(degree)] = result
+    return out
+
+
+# -- measurements -> cost table ----------------------------------------------------
+def _slowest(per_rank: list[dict[str, Any]], degree: int, name: str) -> float:
+    return max(float(r["degrees"][str(degree)][name]) for r in per_rank)
+
+
+def table_from_measurements(
+    spec: ProfileSpec, per_rank: list[dict[str, Any]], layers: int, wall_s: float = 0.0
+) -> CostTable:
+    """Cost table from every rank's measurements; times are the slowest rank's."""
+    sub = spec.sub_batches
+    blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
+    evidence: dict[str, Any] = {}
+    for degree in spec.degrees():
+        rank0 = per_rank[0]["degrees"][str(degree)]
+        ar_ms = _slowest(per_rank, degree, "allreduce_ms")
+        evidence[str(degree)] = {"allreduce_ms": ar_ms, "allreduce_bytes": rank0["allreduce_bytes"],
+                                 "op_ms_rank0": rank0["op_ms"], "blocks": {}}
+        for kind in BLOCK_KINDS:
+            def get(part: str) -> float:
+                return _slowest(per_rank, degree, f"{kind}.{part}")
+
+            timing = BlockTiming(
+                fwd_ms=get("fwd"),
+                recompute_ms=get("recompute"),
+                bwd_ms=get("bwd"),
+                comm_fwd_ms=rank0[f"{kind}.collectives_fwd"] * sub * ar_ms,
+                comm_bwd_ms=rank0[f"{kind}.collectives_bwd"] * sub * ar_ms,
+            )
+            measured = (get("exposed_fwd"), get("exposed_bwd"))
+            modelled = exposed_comm_ms(timing, spec.schedule, sub)
+            exposed = modelled if spec.exposed == "model" else measured
+            blocks[kind][degree] = BlockCost(
+                fwd_ms=timing.fwd_ms,
+                bwd_ms=timing.recompute_ms + timing.bwd_ms,
+                comm_fwd_ms=exposed[0],
+                comm_bwd_ms=exposed[1],
+                state_bytes=rank0[f"{kind}.state_bytes"],
+                act_bytes=rank0[f"{kind}.act_bytes"],
+                grad_sync_ms=get("grad_sync_ms"),
+            )
+            evidence[str(degree)]["blocks"][kind] = {
+                **dataclasses.asdict(timing),
+                "exposed_measured_ms": list(measured),
+                "exposed_modelled_ms": list(modelled),
+                "params_per_device": rank0[f"{kind}.params"],
+            }
+    top = spec.devices
+    if spec.link is not None:
+        bandwidth, latency = spec.link.bandwidth_gbps, spec.link.latency_us
+    elif top > 1:  # effective bandwidth of this machine from the largest measured AllReduce
+        ar_ms = _slowest(per_rank, top, "allreduce_ms")
+        wire = 2 * (top - 1) / top * per_rank[0]["degrees"][str(top)]["allreduce_bytes"]
+        latency_ms = _slowest(per_rank, top, "latency_ms")
+        transfer_s = max(ar_ms - latency_ms, 1e-6) * 1e-3  # the latency share is not bandwidth
+        bandwidth = min(wire * 8 / transfer_s / 1e9, 1e4)
+        latency = latency_ms * 1e3
+    else:
+        bandwidth, latency = 1e3, 0.0
+    m = spec.model
+    return CostTable(
+        model=spec.model_label(),
+        cluster=spec.cluster_label(),
+        schedule=spec.schedule_label(),
+        devices=spec.devices,
+        degrees=spec.degrees(),
+        blocks=blocks,
+        layers=layers,
+        reshard_bytes=float(spec.micro_batch // sub * m.seq_len * m.hidden_size * 4),
+        bandwidth_gbps=bandwidth,
+        latency_us=latency,
+        measurements={
+            "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "profile_wall_s": wall_s,
+            "warmup": spec.warmup,
+            "repeats": spec.repeats,
+            "exposed_source": spec.exposed,
+            "link_emulated": spec.link is not None,
+            "bandwidth_source": "link model" if spec.link is not None else "measured AllReduce at degree T",
+            "grad_sync_source": "measured AllReduce on the replica group",
+            "times": "median over repeats; slowest rank; ms per micro-batch share per device",
+            "degrees": evidence,
+        },
+    )
+
+
+def profile_rows(table: CostTable) -> list[str]:
+    """Human-readable per-degree profile, for the CLI."""
+    lines = [f"{'block':5} {'t':>3} {'fwd ms':>8} {'bwd ms':>8} {'exp.comm':>9} {'gradsync':>9} {'state MiB':>10} {'act MiB':>8}"]
+    for kind in BLOCK_KINDS:
+        for degree in table.degrees:
+            c = table.blocks[kind][degree]
+            lines.append(
+                f"{kind:5} {degree:>3} {c.fwd_ms:8.3f} {c.bwd_ms:8.3f} {c.comm_fwd_ms + c.comm_bwd_ms:9.3f} "
+                f"{c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
+            )
+    return lines
+
+
+def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, link: LinkModel) -> Any:
+    """Predict one profiled layer's step at ``degree`` on another link ("what if 10 GbE").
+
+    The per-op compute times the profiler kept (rank 0, per sub-batch) and the
+    collective payload it measured are replayed by
+    :func:`~oases_ds.planner.costmodel.simulate_step` over the same schedule and
+    a one-layer operator sequence; only the link changes.
+    """
+    from oases_ds.models.ops import CommOp
+    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.planner.costmodel import OpCosts, simulate_step
+    from oases_ds.schedule.generators import build_schedule
+
+    evidence = table.measurements.get("degrees", {}).get(str(degree))
+    if evidence is None:
+        raise ValueError(f"table {table.key()} has no profiled measurements for degree {degree}")
+    name, _, options_text = table.schedule.partition("[")
+    if options_text:
+        raise ValueError(f"simulate_profiled_layer supports default schedule options only, got {table.schedule!r}")
+    ops = OperatorModel(dataclasses.replace(model, num_layers=1)).ops  # same sequence at every degree
+    op_ms = evidence["op_ms_rank0"]
+    costs = OpCosts(
+        forward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":F")},
+        backward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":B")},
+        comm_bytes={i: evidence["allreduce_bytes"] for i, op in enumerate(ops) if isinstance(op, CommOp)},
+        default_ranks=degree,
+    )
+    return simulate_step(build_schedule(name, ops), ops, costs, link)

@@ -1,0 +1,102 @@
+"""Cost model of the overlapped schedule and the step simulator, against hand-drawn timelines."""
+from __future__ import annotations
+
+import pytest
+
+from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, simulate_step
+from oases_ds.runtime.comm import LinkModel
+from oases_ds.schedule.generators import ScheduleOptions, build_schedule
+from test_schedules import block_ops
+
+# 8 Gbit/s, no latency: a 2-rank AllReduce of S bytes puts S bytes on the link, S / 1e6 ms.
+LINK = LinkModel(bandwidth_gbps=8.0, latency_us=0.0)
+COMPUTE_OPS = (0, 1, 3, 5)  # embed, F_i, F_j, loss of block_ops(); 2 and 4 are collectives
+
+
+def costs(fwd: float, bwd: float, comm_ms: float) -> OpCosts:
+    return OpCosts(
+        forward_ms={op: fwd for op in COMPUTE_OPS},
+        backward_ms={op: bwd for op in COMPUTE_OPS},
+        comm_bytes={2: int(comm_ms * 1e6), 4: int(comm_ms * 1e6)},
+    )
+
+
+def test_megatron_timeline_by_hand():
+    """Whole batch: forward 2, backward 4, each collective 2 ms, all blocking.
+
+    F0 0-2 | f1 2-4 | C2 4-6 (wait) | f3 6-8 | F5 8-10 | B5 10-14 | Cb4 14-16 (wait) |
+    R1 16-18 | Cr2 18-20 (wait, the recompute repeats the AllReduce) | R3 20-22 | B3 22-26 | B1 26-30 | B0 30-34
+    """
+    ops = block_ops()
+    result = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LINK)
+    assert result.step_ms == pytest.approx(34)
+    assert result.compute_ms == pytest.approx(28)
+    assert result.exposed_comm_ms == pytest.approx(6)
+    assert [(e.start_ms, e.end_ms) for e in result.lane("wait")] == [(4, 6), (14, 16), (18, 20)]
+
+
+def test_oases_hides_what_megatron_exposes_when_comm_equals_compute():
+    """Same work in two halves (forward 1, backward 2, collective 1 ms per sub-batch):
+    every collective finishes while the other sub-batch computes, so nothing waits and
+    the step is pure compute, 28 ms, against Megatron's 34."""
+    ops = block_ops()
+    result = simulate_step(build_schedule("oases", ops), ops, costs(1, 2, 1), LINK)
+    assert result.compute_ms == pytest.approx(28)
+    assert result.exposed_comm_ms == pytest.approx(0)
+    assert result.step_ms == pytest.approx(28)
+    # C2.0 on the link 2-3 while f0.1, f1.1 run 2-4; Cb4.0 8-9 under F3.1.
+    links = {e.name: (e.start_ms, e.end_ms) for e in result.lane("comm")}
+    assert links["C2.0:forward"] == (2, 3) and links["C4.0:backward"] == (8, 9)
+
+
+def test_a_slower_link_exposes_comm_under_oases_too():
+    """A 10x slower link (what-if): each collective takes 10 ms per sub-batch; the link is
+    shared, so messages queue; the simulator must still end after the last message."""
+    ops = block_ops()
+    slow = LinkModel(bandwidth_gbps=0.8)
+    result = simulate_step(build_schedule("oases", ops), ops, costs(1, 2, 1), slow)
+    assert result.exposed_comm_ms > 0
+    assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
+    comm = result.lane("comm")
+    assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(comm, comm[1:]))  # one message at a time
+    megatron = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), slow)
+    assert result.step_ms < megatron.step_ms
+
+
+def test_link_latency_is_paid_per_collective():
+    ops = block_ops()
+    base = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LINK)
+    latent = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LinkModel(8.0, latency_us=500))
+    assert latent.step_ms - base.step_ms == pytest.approx(3 * 0.5)  # three blocking collectives
+
+
+def test_sub_batches_and_cross_pass_ablation_run_through_the_simulator():
+    ops = block_ops()
+    for options in (ScheduleOptions(sub_batches=3), ScheduleOptions(cross_pass=False)):
+        result = simulate_step(build_schedule("oases", ops, options), ops, costs(1, 2, 1), LINK)
+        assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
+
+
+TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=4.0, bwd_ms=8.0, comm_fwd_ms=3.0, comm_bwd_ms=5.0)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("megatron", (3.0, 8.0)),  # blocking; recompute repeats the forward AllReduce
+        ("none", (3.0, 5.0)),
+        ("megatron_selective", (3.0, 5.0)),
+        ("oases", (1.0, 0.0)),  # 3 - 4/2 forward; 5 - (4+8)/2 < 0 backward
+        ("split_overlap", (1.0, 2.0)),  # 3-2 fwd; (3-2) behind recompute + (5-4) behind backward
+    ],
+)
+def test_exposed_comm_by_schedule(schedule, expected):
+    assert exposed_comm_ms(TIMING, schedule, sub_batches=2) == pytest.approx(expected)
+
+
+def test_one_sub_batch_hides_nothing_and_bad_names_fail():
+    assert exposed_comm_ms(TIMING, "oases", sub_batches=1) == pytest.approx((3.0, 5.0))
+    with pytest.raises(ValueError, match="schedule='gpipe' unknown"):
+        exposed_comm_ms(TIMING, "gpipe")
+    with pytest.raises(ValueError, match="BlockTiming.fwd_ms must be >= 0"):
+        BlockTiming(-1.0, 0, 0, 0, 0)

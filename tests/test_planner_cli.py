@@ -1,0 +1,92 @@
+"""oases-plan as a user runs it: a subprocess on a saved cost table (no profiling)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from oases_ds.planner.plan import Plan
+from oases_ds.planner.simulate import predict_step_ms
+from test_planner_ilp import random_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def table_file(tmp_path):
+    table = random_table(7, 12)
+    path = tmp_path / "costs.json"
+    table.to_json(path)
+    return table, path
+
+
+def lean_bytes(table) -> float:
+    return sum(min(c.memory_bytes for c in table.blocks[kind].values()) for kind in table.block_kinds())
+
+
+@pytest.mark.parametrize("solver", ["ilp", "dp"])
+def test_plan_from_a_table_end_to_end(tmp_path, table_file, solver):
+    table, path = table_file
+    out = tmp_path / "plan.json"
+    limit = lean_bytes(table) * 1.1
+    proc = plan_cli(f"table={path}", f"memory_limit={limit:.0f}", f"planner.solver={solver}", f"out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = Plan.from_json(out)
+    assert plan.layers == 12 and plan.memory_bytes <= limit
+    assert predict_step_ms(table, plan) == pytest.approx(plan.predicted_step_ms, rel=1e-9)
+    text = proc.stdout
+    assert f"{table.key()} | 12 layers | from {path}" in text
+    assert "layers 0" in text and "predicted step" in text and "solved in" in text
+    assert "best uniform:" in text and f"wrote {out}" in text
+    assert json.loads(out.read_text())["table_key"] == table.key()
+
+
+def test_layers_override_and_memory_units(tmp_path, table_file):
+    _, path = table_file
+    proc = plan_cli(f"table={path}", "layers=3", "memory_limit=100GiB", "planner.solver=dp", f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| 3 layers |" in proc.stdout and "limit 102400.000 MiB" in proc.stdout
+
+
+def test_infeasible_memory_is_one_line_with_the_minimum(tmp_path, table_file):
+    table, path = table_file
+    proc = plan_cli(f"table={path}", "memory_limit=1MB", f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: memory_limit: no plan fits: the minimum memory any plan needs is ")
+    assert f"{lean_bytes(table):.6g} bytes per device" in last
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("memory_limit=lots", "error: memory_limit='lots' is not a size"),
+    ("planner.solver=gurobi", "error: planner.solver='gurobi' unknown"),
+    ("mode=tune", "error: mode='tune' unknown"),
+])
+def test_bad_options_name_the_field(tmp_path, table_file, override, message):
+    _, path = table_file
+    proc = plan_cli(f"table={path}", override, f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+
+
+@pytest.mark.distributed
+def test_profile_then_plan_with_a_real_profile(tmp_path):
+    common = ["model=gpt_tiny", "model.vocab_size=64", "model.seq_len=8", "micro_batch=4", "planner=fast",
+              f"planner.cache_dir={tmp_path / 'cache'}", f"out={tmp_path / 'plan.json'}"]
+    first = plan_cli(*common, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "profiled in" in first.stdout and "attn    2" in first.stdout
+    second = plan_cli(*common, "memory_limit=64MiB", timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "| reused " in second.stdout
+    assert Plan.from_json(tmp_path / "plan.json").devices == 2

@@ -1,0 +1,67 @@
+"""Profiler: a real T=2 profile of a tiny GPT, and reuse of the cached table."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.planner.profile import ProfileSpec, cache_path, profile
+
+TINY = ModelConfig(family="gpt", vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=8)
+
+
+@pytest.mark.distributed
+def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
+    spec = ProfileSpec(model=TINY, devices=2, micro_batch=4, warmup=1, repeats=2)
+    table, reused = profile(spec, layers=6, cache_dir=tmp_path, timeout_s=300)
+    assert not reused
+    assert table.key() == spec.key() and table.layers == 6 and table.degrees == (1, 2)
+    for kind in ("attn", "mlp"):
+        costs = table.blocks[kind]
+        assert all(c.fwd_ms > 0 and c.bwd_ms > 0 for c in costs.values())
+        assert costs[2].state_bytes < costs[1].state_bytes  # shards shrink with the degree
+        assert costs[1].grad_sync_ms > 0 and costs[2].grad_sync_ms == 0  # 2 replicas vs 1
+        assert costs[2].act_bytes == 2 * costs[1].act_bytes  # the degree-2 replica runs twice the samples
+    evidence = table.measurements["degrees"]
+    assert evidence["2"]["allreduce_ms"] > 0 and evidence["1"]["allreduce_ms"] == 0
+    assert evidence["2"]["blocks"]["attn"]["comm_fwd_ms"] > 0  # one forward AllReduce per sub-batch
+
+    path = cache_path(tmp_path, spec.key())
+    stamp = table.measurements["profiled_at"], os.path.getmtime(path)
+    started = time.perf_counter()
+    again, reused = profile(spec, layers=12, cache_dir=tmp_path)
+    assert reused and time.perf_counter() - started < 2.0  # no ranks launched
+    assert (again.measurements["profiled_at"], os.path.getmtime(path)) == stamp
+    assert again.layers == 12 and again.blocks == table.blocks
+
+    # What if the link were slower: same measured compute, replayed on a 10 GbE and a 10 Mb/s link.
+    from oases_ds.planner.profile import simulate_profiled_layer
+    from oases_ds.runtime.comm import LinkModel
+
+    fast = simulate_profiled_layer(table, TINY, 2, LinkModel(10.0, 50.0))
+    slow = simulate_profiled_layer(table, TINY, 2, LinkModel(0.01, 50.0))
+    assert fast.compute_ms == pytest.approx(slow.compute_ms) and fast.compute_ms > 0
+    assert slow.exposed_comm_ms > fast.exposed_comm_ms and slow.step_ms > fast.step_ms
+
+
+def test_profile_spec_names_the_field():
+    with pytest.raises(ValueError, match="micro_batch=6: the degree-1 share"):
+        ProfileSpec(model=TINY, devices=2, micro_batch=6)
+    with pytest.raises(ValueError, match="planner.devices must be a power of two"):
+        ProfileSpec(model=TINY, devices=3, micro_batch=12)
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide model.num_heads=4"):
+        ProfileSpec(model=TINY, devices=8, micro_batch=16)
+
+
+def test_key_separates_links_and_schedule_ablations():
+    from oases_ds.runtime.comm import LinkModel
+    from oases_ds.schedule.generators import ScheduleOptions
+
+    base = ProfileSpec(model=TINY, devices=2, micro_batch=4)
+    slow = ProfileSpec(model=TINY, devices=2, micro_batch=4, link=LinkModel(10.0, 50.0))
+    ablated = ProfileSpec(model=TINY, devices=2, micro_batch=4, options=ScheduleOptions(cross_pass=False))
+    assert len({base.key(), slow.key(), ablated.key()}) == 3
+    assert "@10Gbps+50us" in slow.key()
+    assert base.key() == ProfileSpec(model=TINY.__class__(**{**TINY.to_dict(), "num_layers": 9}), devices=2, micro_batch=4).key()
