@@ -36,7 +36,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
 from oases_ds.config import OasesConfig
-from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
+from oases_ds.models.transformer import OperatorModel
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.runtime.comm import Communicator
@@ -183,6 +183,3 @@ class OasesEngine(DeepSpeedEngine):
     def save_stats(self, path: str) -> None:
         write_json_atomic(path, self.last_stats)
 
-
-def labelled_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())

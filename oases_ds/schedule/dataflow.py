@@ -68,3 +68,19 @@ def last_reads(instructions: Sequence[Instruction], ops: Sequence[Op]) -> list[l
                 frees[idx].append(buf)
                 read_later.add(buf)
     return frees
+
+
+def peak_live(instructions: Sequence[Instruction], ops: Sequence[Op], sub_batches: int) -> dict[str, int]:
+    """Most buffers of each kind alive at once when the executor runs ``instructions``
+    (it frees exactly what :func:`last_reads` says).  ``graph`` counts operators whose
+    autograd graph -- their activations -- is held: the memory a schedule trades
+    for recomputation."""
+    frees = last_reads(instructions, ops)
+    live = set(initial_buffers(sub_batches))
+    peak: dict[str, int] = {}
+    for idx, ins in enumerate(instructions):
+        live.update(effects(ins, ops)[1])
+        for kind in {b[0] for b in live}:
+            peak[kind] = max(peak.get(kind, 0), sum(1 for b in live if b[0] == kind))
+        live.difference_update(frees[idx])
+    return peak
