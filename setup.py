@@ -25,5 +25,5 @@ setup(
         "cpu": ["torch==2.13.0"],
         "test": ["pytest>=7"],
     },
-    entry_points={"console_scripts": ["oases-train=oases_ds.cli.train:entry"]},
+    entry_points={"console_scripts": ["oases-train=oases_ds.cli.train:entry", "oases-bench=oases_ds.cli.bench:entry"]},
 )
