@@ -39,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 import hydra
@@ -54,17 +54,19 @@ EMULATION_MODES = ("scaled", "literal", "off")
 
 
 # -- typed schema: Hydra rejects an unknown key or a wrongly typed value before anything runs ----
-@dataclass
-class ModelSchema:
-    family: str = "gpt"
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_heads: int = 4
-    num_layers: int = 2
-    ffn_size: int = 0
-    seq_len: int = 64
-    dropout: float = 0.1
-    norm_eps: float = 1e-5
+def _schema_of(cls: type, name: str) -> type:
+    """A Hydra-typable copy of a library dataclass: each field typed by its default's type
+    (OmegaConf cannot type ``Literal``), so the schema follows ``ModelConfig`` as it changes."""
+    return make_dataclass(name, [(f.name, type(f.default), field(default=f.default)) for f in fields(cls)])
+
+
+def _model_schema() -> type:
+    from oases_ds.models.config import ModelConfig
+
+    return _schema_of(ModelConfig, "ModelSchema")
+
+
+ModelSchema = _model_schema()
 
 
 @dataclass
