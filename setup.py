@@ -26,6 +26,10 @@ setup(
         "test": ["pytest>=7"],
     },
     entry_points={
-        "console_scripts": ["oases-train=oases_ds.cli.train:entry", "oases-plan=oases_ds.cli.plan:entry"]
+        "console_scripts": [
+            "oases-train=oases_ds.cli.train:entry",
+            "oases-plan=oases_ds.cli.plan:entry",
+            "oases-bench=oases_ds.cli.bench:entry",
+        ]
     },
 )

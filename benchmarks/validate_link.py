@@ -1,0 +1,294 @@
+"""Does the link emulator behave like a real slow link?  Emulated vs kernel-shaped step times.
+
+The benchmark's emulator (``oases_ds.runtime.comm.LinkModel``) holds each
+collective to a deadline computed from bandwidth and latency.  Here the same
+two-rank TMP job runs over a *real* slow link instead: each rank in its own
+network namespace, joined by a veth pair whose both ends are shaped by the
+kernel's token-bucket filter (``tc qdisc ... tbf``), gloo bound to the veth.
+Runs alternate shaped / emulated (the emulated runs use the same namespaces with
+the shaping removed), and per schedule the medians are compared: the emulator
+is good enough if they agree within 10%.
+
+Two emulated links are compared with the shaped one:
+
+* **nominal**: the tbf rate converted to payload rate (tbf counts Ethernet frame
+  bytes; a TCP segment on a 1500-byte MTU carries 1448 payload bytes, timestamps
+  on, in a 1514-byte frame: 0.956 x the tbf rate), latency 0.
+* **probed**: bandwidth and per-collective latency fitted (least squares,
+  ``t = latency + wire_bytes / bandwidth``) to timed AllReduces of 64 KiB-2 MiB
+  over the shaped link -- what one would do on a real cluster with a collective
+  microbenchmark.  The fixed term captures what a pure rate model misses: gloo's
+  two ring phases, TCP slow start after idle, acknowledgements.
+
+The emulator is good enough if the probed emulation's step times agree with the
+shaped ones within 10%.
+
+Needs root, ``ip`` and ``tc``; everything it creates (two namespaces
+``oasesvl<pid>a/b``, one veth pair, addresses in 10.231.0.0/24 inside those
+namespaces only) is removed at the end, also on error.  Where that is not
+permitted the result file records why and nothing is compared.
+
+    python benchmarks/validate_link.py                     # 200 Mbit/s, megatron + oases, 3 rounds
+    python benchmarks/validate_link.py --rate-mbit 100 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MTU = 1500
+PAYLOAD_FRACTION = (MTU - 20 - 20 - 12) / (MTU + 14)  # TCP payload / Ethernet frame, timestamps on
+
+
+class Unavailable(RuntimeError):
+    """Namespaces, veth or tc cannot be used here."""
+
+
+def sh(*cmd: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+        raise Unavailable(f"`{' '.join(cmd)}` failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+class VethPair:
+    """Two namespaces joined by a veth pair; ``shape(rate)`` / ``unshape()`` on both ends."""
+
+    def __init__(self) -> None:
+        tag = f"oasesvl{os.getpid()}"
+        self.ns = (f"{tag}a", f"{tag}b")
+        self.dev = (f"ovl{os.getpid()}a", f"ovl{os.getpid()}b")
+        self.addr = ("10.231.0.1", "10.231.0.2")
+        self.created: list[str] = []
+
+    def __enter__(self) -> "VethPair":
+        if os.geteuid() != 0:
+            raise Unavailable("needs root to create network namespaces and qdiscs")
+        for tool in ("ip", "tc"):
+            if not shutil.which(tool):
+                raise Unavailable(f"`{tool}` is not installed")
+        try:
+            for ns in self.ns:
+                sh("ip", "netns", "add", ns)
+                self.created.append(ns)
+            sh("ip", "link", "add", self.dev[0], "mtu", str(MTU), "type", "veth", "peer", "name", self.dev[1], "mtu", str(MTU))
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                sh("ip", "link", "set", dev, "netns", ns)
+                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                # no segmentation offload: tbf then sees MTU-sized packets, as on a wire
+                subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tso", "off", "gso", "off", "gro", "off"],
+                               capture_output=True, timeout=30)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def shape(self, rate_mbit: float, burst_bytes: int) -> None:
+        for ns, dev in zip(self.ns, self.dev):
+            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+               "burst", str(burst_bytes), "latency", "200ms")
+
+    def unshape(self) -> None:
+        for ns, dev in zip(self.ns, self.dev):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+
+    def __exit__(self, *exc) -> None:
+        for ns in reversed(self.created):  # deleting a namespace deletes its veth end, and the pair with it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.created.clear()
+
+
+PROBE_SIZES = (64 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024, 2048 * 1024)
+
+
+def probe_link(repeats: int = 8) -> dict:
+    """Median seconds of a synchronous AllReduce per payload size, over the current link."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    times = {}
+    for nbytes in PROBE_SIZES:
+        x = torch.ones(nbytes // 4)
+        dist.all_reduce(x)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            samples.append(time.perf_counter() - t0)
+        times[nbytes] = statistics.median(samples)
+    return {"probe_s": times}
+
+
+def fit_link(probe_s: dict) -> tuple[float, float]:
+    """(bandwidth Gbit/s, latency us) of ``t = latency + wire / bandwidth``; wire = payload for 2 ranks."""
+    xs = [float(b) for b in probe_s]
+    ys = [float(t) for t in probe_s.values()]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    return 8 / slope / 1e9, max(intercept, 0.0) * 1e6
+
+
+def rank_worker(spec_path: str, out_path: str) -> None:
+    """One rank, started inside its namespace with RANK/MASTER_ADDR/GLOO_SOCKET_IFNAME set."""
+    import torch
+
+    from oases_ds.cli.bench import measure_rank
+
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = probe_link() if spec.get("probe") else measure_rank(spec)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
+    torch.distributed.destroy_process_group()
+
+
+def run_pair(pair: VethPair, spec: dict, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="oases-vl-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        port = 29500 + os.getpid() % 1000
+        procs, outs = [], []
+        for rank, (ns, dev) in enumerate(zip(pair.ns, pair.dev)):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR=pair.addr[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=dev,
+                       PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
+                                           "--rank-worker", spec_path, out], env=env))
+            outs.append(out)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(not os.path.exists(o) for o in outs):
+                for p, o in zip(procs, outs):
+                    if p.poll() is not None and not os.path.exists(o):
+                        raise RuntimeError(f"a rank exited with {p.returncode} without a result")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out after {timeout_s}s")
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        results = []
+        for o in outs:
+            with open(o) as f:
+                results.append(json.load(f))
+    if spec.get("probe"):
+        return results[0]["probe_s"]
+    steps = {label: [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in results))]
+             for label in results[0]["variants"]}
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=200.0, help="tbf rate on each veth end")
+    parser.add_argument("--burst-bytes", type=int, default=32 * 1024, help="tbf bucket (>= MTU)")
+    parser.add_argument("--model", default="gpt_small")
+    parser.add_argument("--schedules", default="megatron,oases")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (shaped, nominal, probed) runs")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "validate_link.json"))
+    parser.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_worker:
+        rank_worker(*args.rank_worker)
+        return
+    if args.burst_bytes < MTU + 14:
+        sys.exit(f"error: --burst-bytes must be >= one frame ({MTU + 14} bytes)")
+
+    from oases_ds.cli.bench import compose_config, resolve
+    from oases_ds.runtime.timeline import write_json_atomic
+
+    nominal_gbps = args.rate_mbit * PAYLOAD_FRACTION / 1000
+    cfg = compose_config([f"model={args.model}", f"schedules=[{args.schedules}]", f"repeats={args.repeats}",
+                          "warmup=1", "gantt=false", "emulation.mode=literal"])
+
+    def spec(mode: str, gbps: float = 1.0, latency_us: float = 0.0) -> dict:
+        cluster = {"name": "veth_tbf", "link": {"bandwidth_gbps": gbps, "latency_us": latency_us}, "device": None,
+                   "tensor_parallel_size": None}
+        return resolve({**cfg, "cluster": cluster, "emulation": {**cfg["emulation"], "mode": mode}})
+
+    result: dict = {"rate_mbit": args.rate_mbit, "burst_bytes": args.burst_bytes, "payload_fraction": PAYLOAD_FRACTION,
+                    "nominal_link": {"bandwidth_gbps": nominal_gbps, "latency_us": 0.0}}
+    started = time.perf_counter()
+    try:
+        with VethPair() as pair:
+            pair.shape(args.rate_mbit, args.burst_bytes)
+            probe_s = run_pair(pair, {"probe": True}, timeout_s=300)
+            gbps, latency_us = fit_link(probe_s)
+            result.update(probe_s=probe_s, probed_link={"bandwidth_gbps": gbps, "latency_us": latency_us})
+            print(f"probe over tbf {args.rate_mbit:g} Mbit/s: fitted {gbps * 1000:.1f} Mbit/s, {latency_us:.0f} us per AllReduce "
+                  f"(nominal payload rate {nominal_gbps * 1000:.1f} Mbit/s)", flush=True)
+            specs = {"shaped": spec("off"), "nominal": spec("literal", nominal_gbps),
+                     "probed": spec("literal", gbps, latency_us)}
+            runs: dict[str, dict[str, list[float]]] = {k: {} for k in specs}
+            kinds = list(specs)
+            for rnd in range(args.rounds):
+                for kind in kinds[rnd % 3:] + kinds[:rnd % 3]:
+                    if kind == "shaped":
+                        pair.shape(args.rate_mbit, args.burst_bytes)
+                    else:
+                        pair.unshape()
+                    steps = run_pair(pair, specs[kind], timeout_s=900)
+                    for label, ts in steps.items():
+                        runs[kind].setdefault(label, []).extend(ts)
+                    print(f"round {rnd}: {kind:<8} " + "  ".join(f"{l} {statistics.median(t):.3f}s" for l, t in steps.items()),
+                          flush=True)
+            pair.unshape()
+    except Unavailable as err:
+        result.update(status="unavailable", reason=str(err))
+        write_json_atomic(args.out, result)
+        print(f"link validation not run: {err}", file=sys.stderr)
+        sys.exit(3)
+    rows, worst = {}, 0.0
+    for label, shaped in runs["shaped"].items():
+        row = {"shaped_s": shaped, "shaped_median_s": statistics.median(shaped),
+               "shaped_min_s": min(shaped), "shaped_max_s": max(shaped)}
+        for kind in ("nominal", "probed"):
+            ts = runs[kind][label]
+            row.update({f"{kind}_s": ts, f"{kind}_median_s": statistics.median(ts), f"{kind}_min_s": min(ts),
+                        f"{kind}_max_s": max(ts), f"{kind}_ratio": statistics.median(ts) / statistics.median(shaped)})
+        worst = max(worst, abs(row["probed_ratio"] - 1))
+        rows[label] = row
+    result["description"] = (
+        f"{args.model}, TMP 2 (one rank per network namespace, gloo over a veth pair), schedules {args.schedules}, "
+        f"micro-batch {cfg['micro_batch']}; {args.rounds} rounds of (shaped, nominal, probed) runs in rotating order, "
+        f"each 1 warm-up + {args.repeats} timed steps per schedule. Shaped: tbf {args.rate_mbit:g} Mbit/s, burst "
+        f"{args.burst_bytes} B on both veth ends, no emulation. Emulated runs: same namespaces, shaping removed; nominal "
+        f"= {nominal_gbps * 1000:.1f} Mbit/s (tbf rate x {PAYLOAD_FRACTION:.3f}), latency 0; probed = "
+        f"{gbps * 1000:.1f} Mbit/s, {latency_us:.0f} us per collective, fitted to AllReduces of "
+        f"{PROBE_SIZES[0] // 1024}-{PROBE_SIZES[-1] // 1024} KiB over the shaped link.")
+    result.update(status="ok", schedules=rows, wall_s=time.perf_counter() - started,
+                  verdict=(f"{'PASS' if worst <= 0.10 else 'FAIL'}: probed emulation vs shaped link, largest median "
+                           f"difference {worst:.1%} (bar: 10%)"),
+                  machine={"platform": __import__("platform").platform(), "cpu_count": os.cpu_count()})
+    write_json_atomic(args.out, result)
+    for label, row in rows.items():
+        print(f"{label:<12} shaped {row['shaped_median_s']:.3f}s  nominal {row['nominal_median_s']:.3f}s "
+              f"({row['nominal_ratio']:.3f})  probed {row['probed_median_s']:.3f}s ({row['probed_ratio']:.3f})")
+    print(result["verdict"])
+
+
+if __name__ == "__main__":
+    main()

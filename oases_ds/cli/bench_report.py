@@ -1,0 +1,429 @@
+"""``oases-bench report``: the JSON lines of ``oases-bench`` -> one dated Markdown report per study.
+
+Each report states the machine, the configuration and whether (and how) the
+link was emulated, then per measurement a table of medians with min-max spread
+and ratios against Megatron.  Ratios are taken round by round (the variants of
+one round ran back to back), so the spread of a ratio is the spread over rounds,
+not the spread of two independent medians.  Plots (matplotlib, Agg): throughput
+bars, scaling lines, and a compute/comm Gantt chart of one step per schedule
+from rank 0's executor timeline.
+
+    oases-bench report [--results benchmarks/results/bench.jsonl] [--out-dir benchmarks/reports]
+    python -m oases_ds.cli.bench_report ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+from typing import Any
+
+from oases_ds.cli.common import CONFIG_DIR
+
+REPO_ROOT = os.path.dirname(CONFIG_DIR)
+BASELINE = "megatron"
+MiB = 2**20
+
+STUDY_TITLES = {
+    "e2e": "End-to-end step time of every schedule (paper Fig. 6)",
+    "ablation": "Ablation of Oases' optimisations (paper Table V)",
+    "utilisation": "Compute-lane utilisation per schedule (paper Table IV)",
+    "selective": "Selective recomputation vs Oases: time and activation memory (paper Fig. 8)",
+    "batch_split": "Batch-split sensitivity: compute-only throughput at full vs half micro-batch (paper Fig. 5)",
+    "weak_scaling": "Weak scaling over the DP degree (paper Fig. 10)",
+}
+
+STUDY_NOTES = {
+    "ablation": "The planner ablation (Oases without the ILP plan) is not measured: no runtime executes a "
+                "per-layer TMP plan yet, so there is nothing to switch off.",
+    "utilisation": "Utilisation here is the fraction of the step during which rank 0's compute lane was busy "
+                   "(executor timeline), not the GPU SM efficiency of the paper.",
+    "selective": "Peak activation bytes: the largest total, sampled after every instruction of one extra untimed "
+                 "step, of tensors the executor holds (its buffers and the autograd-saved tensors), parameters and "
+                 "gradients excluded, shared storage counted once. Process RSS is reported separately and covers "
+                 "all variants of the run together.",
+    "batch_split": "One process, no TMP and no link: this is arithmetic density on this CPU (1 thread), not on a "
+                   "GPU; the paper's '<20% loss' is a GPU statement.",
+    "weak_scaling": "DP 1 and 2 with TMP 2 are 2 and 4 processes on a 2-core machine, so DP 2 competes for cores: "
+                    "the scaling efficiency says more about this machine than about Oases. The Oases/Megatron ratio "
+                    "inside each run is the meaningful number. DP degrees beyond 2 are **not measured** (a simulated "
+                    "extension waits on the planner's step simulator).",
+}
+
+
+# -- reading -------------------------------------------------------------------------------------
+def load(path: str) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{n} is not a JSON line; skipped", file=sys.stderr)
+    return records
+
+
+def record_label(r: dict) -> str:
+    m = r["config"]["model"]
+    cluster = r["link_emulation"]["cluster"]["name"] if r["link_emulation"]["enabled"] else "no link"
+    parts = [f"{m['family']} h{m['hidden_size']} L{m['num_layers']}", cluster]
+    if r["data_parallel_size"] > 1 or r["study"] == "weak_scaling":
+        parts.append(f"DP{r['data_parallel_size']}")
+    return " / ".join(parts)
+
+
+def round_ratios(base: list[float], other: list[float]) -> list[float]:
+    """Per-round speedup of ``other`` over ``base`` (rounds ran back to back)."""
+    return [b / o for b, o in zip(base, other)]
+
+
+def ratio_cell(r: dict, label: str) -> str:
+    variants = r["variants"]
+    if BASELINE not in variants:
+        return "-"
+    ratios = round_ratios(variants[BASELINE]["step_s"], variants[label]["step_s"])
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def emulation_line(r: dict) -> str:
+    e = r["link_emulation"]
+    if not e["enabled"]:
+        return "no link emulation"
+    c = e["cluster"]
+    nominal = f"{c['link']['bandwidth_gbps']:g} Gbit/s, {c['link']['latency_us']:g} us"
+    used = f"{e['emulated_bandwidth_gbps']:.4g} Gbit/s, {e['emulated_latency_us']:.3g} us"
+    if e["mode"] == "scaled":
+        return (f"**EMULATED, scaled** `{c['name']}` (real link {nominal}; device {c['device']['name']}): "
+                f"target Megatron comm/compute ratio {e['target_comm_compute_ratio']:.3g} at reference TMP "
+                f"{e['reference_tensor_parallel_size']} -> emulated link {used}")
+    return f"**EMULATED, literal** `{c['name']}`: {used}"
+
+
+def comm_mib(v: dict, phase: str) -> float:
+    return sum(d["bytes"] for k, d in v["comm_bytes_rank0"].items() if k.startswith(phase + "/")) / MiB
+
+
+def record_table(r: dict) -> list[str]:
+    variants = r["variants"]
+    has_mem = any("peak_activation_bytes_per_rank" in v for v in variants.values())
+    head = ["variant", "median step s", "min-max s", "tokens/s", f"vs {BASELINE} (min-max)", "exposed comm",
+            "compute util", "TMP MiB/step fwd/rec/bwd"]
+    if r["data_parallel_size"] > 1:
+        head.append("DP sync MiB")
+    if has_mem:
+        head.append("peak activations MiB/rank")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, v in variants.items():
+        row = [f"`{label}`", f"{v['median_s']:.4f}", f"{v['min_s']:.4f}-{v['max_s']:.4f}", f"{v['tokens_per_s']:,.0f}",
+               ratio_cell(r, label), f"{v['exposed_comm_frac']:.1%}", f"{v['compute_util']:.1%}",
+               "/".join(f"{comm_mib(v, p):.2f}" for p in ("forward", "recompute", "backward"))]
+        if r["data_parallel_size"] > 1:
+            row.append(f"{comm_mib(v, 'grad_sync'):.2f}")
+        if has_mem:
+            mem = v.get("peak_activation_bytes_per_rank")
+            row.append(f"{max(mem) / MiB:.2f}" if mem else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput(records: list[dict], path: str, title: str) -> None:
+    """Grouped bars: tokens/s of each variant normalised to Megatron (or the first variant)."""
+    plt = _plt()
+    labels = list(dict.fromkeys(l for r in records for l in r["variants"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(records) + 2), 4.2))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs, ys = [], []
+        for j, r in enumerate(records):
+            if label in r["variants"]:
+                base = r["variants"].get(BASELINE) or next(iter(r["variants"].values()))
+                xs.append(j + (i - (len(labels) - 1) / 2) * width)
+                ys.append(r["variants"][label]["tokens_per_s"] / base["tokens_per_s"])
+        ax.bar(xs, ys, width, label=label)
+    ax.axhline(1.0, color="black", lw=0.8, ls=":")
+    ax.set_xticks(range(len(records)))
+    ax.set_xticklabels([record_label(r).replace(" / ", "\n") for r in records], fontsize=8)
+    ax.set_ylabel(f"throughput / {BASELINE}")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=min(len(labels), 5), loc="upper left", bbox_to_anchor=(0, -0.22))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_gantt(r: dict, path: str) -> bool:
+    """One step per variant: compute, comm and wait lanes of rank 0, coloured by sub-batch."""
+    variants = {l: v for l, v in r["variants"].items() if v.get("gantt_rank0")}
+    if not variants:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(len(variants), 1, figsize=(10, 1.25 * len(variants) + 0.9), squeeze=False)
+    lanes = {"compute": 2, "comm": 1, "wait": 0}
+    colours = {0: "tab:blue", 1: "tab:orange"}
+    longest = max(max(e[3] for e in v["gantt_rank0"]) for v in variants.values())
+    for ax, (label, v) in zip(axes[:, 0], variants.items()):
+        for lane, mb, start, end in v["gantt_rank0"]:
+            colour = "tab:red" if lane == "wait" else colours.get(mb, "tab:green")
+            ax.broken_barh([(start, max(end - start, 0.01))], (lanes[lane] - 0.4, 0.8), facecolors=colour,
+                           alpha=0.55 if lane == "comm" else 0.9, linewidth=0)
+        ax.set_yticks(list(lanes.values()))
+        ax.set_yticklabels(list(lanes), fontsize=7)
+        ax.set_xlim(0, longest * 1.01)
+        ax.set_title(f"{label}: {max(e[3] for e in v['gantt_rank0']):.0f} ms, exposed comm {v['exposed_comm_frac']:.0%}",
+                     fontsize=8, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+    axes[-1, 0].set_xlabel("ms since step start (rank 0, last timed step); blue/orange = sub-batch 0/1, red = blocked in Sync",
+                           fontsize=8)
+    fig.suptitle(f"One step per schedule: {record_label(r)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_weak_scaling(records: list[dict], path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    records = sorted(records, key=lambda r: r["data_parallel_size"])
+    for label in dict.fromkeys(l for r in records for l in r["variants"]):
+        pts = [(r["data_parallel_size"], r["variants"][label]["tokens_per_s"]) for r in records if label in r["variants"]]
+        line, = ax.plot(*zip(*pts), marker="o", label=label)
+        base = next((t for d, t in pts if d == 1), None)
+        if base:
+            ax.plot([d for d, _ in pts], [base * d for d, _ in pts], ls=":", color=line.get_color(), label=f"{label} ideal")
+    ax.set_xlabel("DP degree (TMP 2 each)")
+    ax.set_ylabel("tokens/s (global)")
+    ax.set_xticks(sorted({r["data_parallel_size"] for r in records}))
+    ax.legend(fontsize=8)
+    ax.set_title("Weak scaling (global batch grows with DP)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def batch_split_rows(records: list[dict]) -> list[tuple[int, float, float, list[float]]]:
+    """(hidden, tokens/s at the larger batch, at the smaller, per-round ratios small/large)."""
+    rows = []
+    for r in sorted(records, key=lambda r: r["config"]["model"]["hidden_size"]):
+        vs = sorted(r["variants"].values(), key=lambda v: -v["micro_batch"])
+        if len(vs) < 2:
+            continue
+        full, half = vs[0], vs[-1]
+        ratios = [(half["tokens_per_step"] / h) / (full["tokens_per_step"] / f) for f, h in zip(full["step_s"], half["step_s"])]
+        rows.append((r["config"]["model"]["hidden_size"], full["tokens_per_s"], half["tokens_per_s"], ratios))
+    return rows
+
+
+def plot_batch_split(records: list[dict], path: str) -> None:
+    plt = _plt()
+    rows = batch_split_rows(records)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    hs = [h for h, *_ in rows]
+    med = [statistics.median(r) for *_, r in rows]
+    ax.errorbar(hs, med, yerr=[[m - min(r) for m, (*_, r) in zip(med, rows)], [max(r) - m for m, (*_, r) in zip(med, rows)]],
+                marker="o", capsize=3, label="half / full micro-batch throughput")
+    ax.axhline(0.8, color="tab:red", ls=":", label="paper's bound: 20% loss")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(hs)
+    ax.set_xticklabels([str(h) for h in hs])
+    ax.set_xlabel("hidden size")
+    ax.set_ylabel("tokens/s ratio (median, min-max over rounds)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Batch-split sensitivity, compute only (1 CPU thread)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(records: list[dict], path: str) -> None:
+    plt = _plt()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.8))
+    labels = list(dict.fromkeys(l for r in records for l in r["variants"]))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(records))]
+        ax_t.bar(xs, [r["variants"][label]["median_s"] for r in records], width, label=label)
+        ax_m.bar(xs, [max(r["variants"][label].get("peak_activation_bytes_per_rank", [0])) / MiB for r in records], width, label=label)
+    for ax, ylabel in ((ax_t, "median step s"), (ax_m, "peak activations MiB / rank")):
+        ax.set_xticks(range(len(records)))
+        ax.set_xticklabels([record_label(r).replace(" / ", "\n") for r in records], fontsize=8)
+        ax.set_ylabel(ylabel)
+    ax_t.legend(fontsize=8, loc="lower left")
+    fig.suptitle("Selective recomputation vs Oases", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the report -----------------------------------------------------------------------------------
+def validation_section(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return ["## Link emulator vs kernel-shaped link", "",
+                f"Not run yet (`python benchmarks/validate_link.py` writes `{os.path.relpath(path, REPO_ROOT)}`).", ""]
+    with open(path) as f:
+        v = json.load(f)
+    out = ["## Link emulator vs kernel-shaped link (`benchmarks/validate_link.py`)", ""]
+    if v.get("status") != "ok":
+        return out + [f"Not measured: {v.get('reason', 'unknown reason')}", ""]
+    out += [f"{v['description']}", "",
+            "| schedule | shaped (tbf) median s (min-max) | nominal emulation median s (min-max) | nominal / shaped "
+            "| probed emulation median s (min-max) | probed / shaped |",
+            "|---|---|---|---|---|---|"]
+
+    def cell(row: dict, kind: str) -> str:
+        return f"{row[kind + '_median_s']:.3f} ({row[kind + '_min_s']:.3f}-{row[kind + '_max_s']:.3f})"
+
+    for name, row in v["schedules"].items():
+        out.append(f"| `{name}` | {cell(row, 'shaped')} | {cell(row, 'nominal')} | {row['nominal_ratio']:.3f} | "
+                   f"{cell(row, 'probed')} | {row['probed_ratio']:.3f} |")
+    probe = v["probed_link"]
+    names = list(v["schedules"])
+    if len(names) >= 2:
+        a, b = v["schedules"][names[0]], v["schedules"][names[1]]
+        out += ["", f"Speedup `{names[1]}` over `{names[0]}` (ratio of medians): " + ", ".join(
+            f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x" for kind in ("shaped", "nominal", "probed"))]
+    out += ["", f"AllReduce probe over the shaped link (median of 8 each): "
+            + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
+            + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
+    out += ["", f"Verdict: {v['verdict']}", ""]
+    return out
+
+
+def validation_caution(path: str) -> list[str]:
+    """One line under the summary when the emulator-vs-shaped check found a bias."""
+    if not os.path.exists(path):
+        return ["> The link emulator has not been checked against a shaped link on this machine yet.", ""]
+    with open(path) as f:
+        v = json.load(f)
+    if v.get("status") != "ok":
+        return [f"> The link emulator could not be checked against a shaped link here: {v.get('reason')}", ""]
+    worst = max(v["schedules"].items(), key=lambda kv: abs(kv[1]["probed_ratio"] - 1))
+    return [f"> **Caution**: against a kernel-shaped link (section at the end) the emulator ran `{worst[0]}` at "
+            f"{worst[1]['probed_ratio']:.2f}x the shaped step time ({v['verdict'].split(':')[0]}); speedups of "
+            f"overlapped schedules in this report may be optimistic by that much.", ""]
+
+
+def summary_table(records: list[dict]) -> list[str]:
+    """One line per measurement: Oases vs Megatron and vs the best other baseline."""
+    if not all(BASELINE in r["variants"] and "oases" in r["variants"] for r in records):
+        return []
+    lines = ["| measurement | oases vs megatron | oases vs best baseline (which) | exposed comm megatron -> oases |",
+             "|---|---|---|---|"]
+    for r in records:
+        v = r["variants"]
+        baselines = [l for l in v if l not in ("oases", "none") and not l.startswith("oases_")]
+        best = min(baselines, key=lambda l: v[l]["median_s"])
+        lines.append(f"| {record_label(r)} | {ratio_cell(r, 'oases')} | "
+                     f"{statistics.median(round_ratios(v[best]['step_s'], v['oases']['step_s'])):.2f}x (`{best}`) | "
+                     f"{v[BASELINE]['exposed_comm_frac']:.0%} -> {v['oases']['exposed_comm_frac']:.0%} |")
+    return lines + [""]
+
+
+def write_study(study: str, records: list[dict], out_dir: str, validation: str) -> str:
+    date = max(r["time"] for r in records)[:10]
+    stem = f"{study}-{date}"
+    os.makedirs(out_dir, exist_ok=True)
+    first = records[0]
+    machines = {json.dumps(r["machine"], sort_keys=True) for r in records}
+    commits = sorted({r["git_commit"][:10] for r in records})
+    cfg = first["config"]
+    md = [f"# {STUDY_TITLES.get(study, study)}", "",
+          f"Generated by `oases-bench report` from {len(records)} measurement(s) of study `{study}`, "
+          f"last one {max(r['time'] for r in records)}.", "",
+          "## Machine and configuration", ""]
+    for m in machines:
+        m = json.loads(m)
+        md.append(f"- machine: {m['platform']}, {m['cpu_count']} CPUs, Python {m['python']}, torch {first['torch']}")
+    md += [f"- code: git {', '.join(commits)}",
+           f"- TMP {first['tensor_parallel_size']}; DP {sorted({r['data_parallel_size'] for r in records})}; "
+           f"micro-batch(es) per DP rank {sorted({v['micro_batch'] for r in records for v in r['variants'].values()})}; "
+           f"{cfg['warmup']} warm-up + {cfg['repeats']} timed rounds; {cfg['threads_per_rank']} torch thread(s) per rank",
+           f"- {first['step_note']}",
+           "- variants of one measurement ran interleaved (round-robin, starting variant rotated each round); "
+           "step time = slowest rank; ratios are per round, median (min-max)",
+           "- link emulation (per measurement below): the real collective runs and its wait is held to the "
+           "emulated link's deadline; see `oases_ds/cli/bench.py` for the scaled mode", ""]
+    if study in STUDY_NOTES:
+        md += [f"> {STUDY_NOTES[study]}", ""]
+    summary = summary_table(records)
+    if summary:
+        md += ["## Summary", ""] + summary
+    if study == "e2e":
+        md += validation_caution(validation)
+    plots = []
+    if study == "batch_split":
+        plot_batch_split(records, os.path.join(out_dir, f"{stem}-ratio.png"))
+        plots.append((f"{stem}-ratio.png", "half / full micro-batch throughput per hidden size"))
+        md += ["## Throughput at full vs half micro-batch", "",
+               "| hidden | tokens/s full | tokens/s half | half/full median (min-max) | loss |", "|---|---|---|---|---|"]
+        for h, full, half, ratios in batch_split_rows(records):
+            med = statistics.median(ratios)
+            md.append(f"| {h} | {full:,.0f} | {half:,.0f} | {med:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | {1 - med:.1%} |")
+        md.append("")
+    else:
+        plot_throughput(records, os.path.join(out_dir, f"{stem}-throughput.png"), STUDY_TITLES.get(study, study))
+        plots.append((f"{stem}-throughput.png", "throughput normalised to Megatron"))
+    if study == "weak_scaling":
+        plot_weak_scaling(records, os.path.join(out_dir, f"{stem}-scaling.png"))
+        plots.append((f"{stem}-scaling.png", "tokens/s vs DP degree with ideal linear scaling from DP 1"))
+    if study == "selective":
+        plot_memory(records, os.path.join(out_dir, f"{stem}-memory.png"))
+        plots.append((f"{stem}-memory.png", "step time and peak activation memory"))
+    gantt_record = next((r for r in reversed(records) if any(v.get("gantt_rank0") for v in r["variants"].values())), None)
+    if gantt_record is not None and plot_gantt(gantt_record, os.path.join(out_dir, f"{stem}-gantt.png")):
+        plots.append((f"{stem}-gantt.png", f"one step per schedule, {record_label(gantt_record)}"))
+    md += ["## Measurements", ""]
+    for r in records:
+        md += [f"### {record_label(r)}", "",
+               f"{emulation_line(r)}. Wall time of the measurement {r['wall_s']:.0f}s; process peak RSS per rank "
+               f"{', '.join(f'{b / MiB:.0f}' for b in r['peak_rss_bytes_per_rank'])} MiB (whole run, all variants).", ""]
+        md += record_table(r) + [""]
+    md += ["## Plots", ""] + [f"![{caption}]({name})  \n*{caption}*\n" for name, caption in plots]
+    if study == "e2e":
+        md += validation_section(validation)
+    path = os.path.join(out_dir, f"{stem}.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(md) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="oases-bench report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default=os.path.join(REPO_ROOT, "benchmarks", "results", "bench.jsonl"))
+    parser.add_argument("--out-dir", default=os.path.join(REPO_ROOT, "benchmarks", "reports"))
+    parser.add_argument("--study", action="append", help="only these studies (repeatable)")
+    parser.add_argument("--validation", default=os.path.join(REPO_ROOT, "benchmarks", "results", "validate_link.json"))
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.results):
+        print(f"error: no results at {args.results}; run oases-bench first", file=sys.stderr)
+        sys.exit(2)
+    by_study: dict[str, list[dict]] = defaultdict(list)
+    for r in load(args.results):
+        if not args.study or r["study"] in args.study:
+            by_study[r["study"]].append(r)
+    written = [write_study(s, rs, args.out_dir, args.validation) for s, rs in sorted(by_study.items())]
+    for path in written:
+        print(f"wrote {os.path.relpath(path)}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""oases-bench: every study preset runs (1 untimed step, tiny model), configs fail in one line,
+and the report generator turns JSON lines into Markdown tables and PNG plots.
+
+Nothing here compares times: the machine is shared, so a timing bar would be a flaky test.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from oases_ds.cli import bench, bench_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bench_lines.jsonl")
+PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "experiment")) if f.endswith(".yaml"))
+SMOKE = ["model=gpt_tiny", "repeats=1", "warmup=0", "timeout_s=120"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "oases_ds.cli.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def phase_bytes(variant: dict, phase: str) -> int:
+    return sum(d["bytes"] for k, d in variant["comm_bytes_rank0"].items() if k.startswith(phase + "/"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_study_preset_runs_one_step(tmp_path, preset):
+    out = tmp_path / "lines.jsonl"
+    cfg = bench.compose_config([f"experiment={preset}", *SMOKE, f"out={out}"])
+    record = bench.run_measurement(cfg)
+    (line,) = out.read_text().splitlines()
+    assert json.loads(line)["variants"].keys() == record["variants"].keys()
+    assert record["study"] == preset and record["git_commit"] and record["machine"]["cpu_count"]
+    assert set(record["variants"]) == {v["label"] for v in bench.resolve(cfg)["variants"]}
+    for v in record["variants"].values():
+        assert len(v["step_s"]) == 1 and v["tokens_per_s"] > 0 and 0 < v["compute_util"] <= 1
+    if record["tensor_parallel_size"] > 1:
+        emu = record["link_emulation"]
+        assert emu["enabled"] and emu["emulated_bandwidth_gbps"] > 0
+        # what the schedules promise, visible in the accounting: oases never re-runs a forward
+        # AllReduce in its recomputation, megatron does
+        if {"megatron", "oases"} <= record["variants"].keys():
+            assert phase_bytes(record["variants"]["megatron"], "recompute") > 0
+            assert phase_bytes(record["variants"]["oases"], "recompute") == 0
+    if cfg["memory_probe"]:
+        mem = {l: max(v["peak_activation_bytes_per_rank"]) for l, v in record["variants"].items()}
+        assert mem["megatron_selective"] > mem["megatron"] > 0  # keeps more than full recomputation
+
+
+@pytest.mark.distributed
+def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
+    out = tmp_path / "lines.jsonl"
+    record = bench.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
+    assert record["data_parallel_size"] == 2 and len(record["peak_rss_bytes_per_rank"]) == 4
+    assert all(phase_bytes(v, "grad_sync") > 0 for v in record["variants"].values())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.hidden_sizee=3"], "error: Could not override 'model.hidden_sizee'. | Key 'hidden_sizee' not in 'ModelSchema'"),
+        (["cluster.link.bandwidth_gbps=fast"], "error: Error merging override cluster.link.bandwidth_gbps=fast"),
+        (["schedules=[gpipe]"], "error: schedules: 'gpipe' is not a preset in configs/schedule"),
+        (["cluster=local"], "error: emulation.mode=scaled needs a cluster with a link"),
+        (["--multirun", "experiment=e2e", "model.num_heads=5"], "error: model.num_heads=5 does not divide"),
+        (["emulation.mode=loud"], "error: emulation.mode='loud' unknown"),
+    ],
+)
+def test_bad_config_fails_in_one_line_before_launching(args, message):
+    proc = cli(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+
+
+def test_scaled_emulation_ratio_follows_the_stated_formula():
+    cfg = bench.compose_config(["cluster=pcie_3090"])
+    ref = cfg["emulation"]["reference"]
+    # 2 bytes * (4 - 1) * 71e12 * 0.4 / (8 * 4096 * 12e9 B/s)
+    assert bench.target_ratio(cfg["cluster"], ref) == pytest.approx(2 * 3 * 71e12 * 0.4 / (8 * 4096 * 12e9))
+    nvlink = bench.compose_config(["cluster=nvlink_pair_3090"])["cluster"]
+    assert bench.reference_tp(nvlink, ref) == 2
+
+
+def test_append_jsonl_writes_whole_lines(tmp_path):
+    path = tmp_path / "r" / "x.jsonl"
+    for i in range(3):
+        bench.append_jsonl(str(path), {"i": i, "pad": "x" * 10000})
+    assert [json.loads(l)["i"] for l in path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_report_from_fixture_writes_tables_and_plots(tmp_path):
+    written = bench_report.main(["--results", FIXTURE, "--out-dir", str(tmp_path),
+                                 "--validation", str(tmp_path / "absent.json")])
+    studies = {os.path.basename(p).rsplit("-", 3)[0] for p in written}
+    assert {"e2e", "batch_split", "weak_scaling", "selective"} <= studies
+    e2e = next(p for p in written if os.path.basename(p).startswith("e2e-"))
+    text = open(e2e).read()
+    assert "| variant | median step s | min-max s |" in text and "EMULATED" in text
+    assert "vs megatron" in text and "Link emulator vs kernel-shaped link" in text
+    pngs = sorted(f for f in os.listdir(tmp_path) if f.endswith(".png"))
+    assert any("gantt" in p for p in pngs) and any("scaling" in p for p in pngs) and any("ratio" in p for p in pngs)
+    for p in pngs:
+        with open(tmp_path / p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert f"]({p})" in "".join(open(x).read() for x in written)
