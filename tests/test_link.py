@@ -17,12 +17,14 @@ def test_ring_volumes():
 
 
 def test_messages_share_the_link():
-    comm = Communicator(LinkModel(bandwidth_gbps=8.0, latency_us=100.0))
-    first = comm.reserve("all_reduce", 10**6, 2, now=0.0)
-    second = comm.reserve("all_reduce", 10**6, 2, now=0.0)  # issued together: waits for the first
+    link = LinkModel(bandwidth_gbps=8.0, latency_us=100.0)
+    comm = Communicator(link)
+    seconds = link.seconds("all_reduce", 10**6, 2)
+    first = comm.reserve(seconds, now=0.0)
+    second = comm.reserve(seconds, now=0.0)  # issued together: waits for the first
     assert first == pytest.approx(1e-4 + 1e-3)
     assert second == pytest.approx(2 * first)
-    late = comm.reserve("all_reduce", 10**6, 2, now=10.0)  # link idle again
+    late = comm.reserve(seconds, now=10.0)  # link idle again
     assert late == pytest.approx(10.0 + first)
 
 
@@ -37,14 +39,22 @@ def link_worker() -> dict:
     link = LinkModel(bandwidth_gbps=0.08, latency_us=0.0)  # 10 MB/s
     comm = Communicator(link)
     x = torch.full((25_000,), float(ctx.rank + 1))  # 100 kB -> 2*(1/2)*100kB / 10MB/s = 10 ms
+    torch.distributed.barrier()
+    if ctx.rank == 1:
+        time.sleep(0.05)  # rank 1 issues 50 ms late: the transfer cannot start before that
     t0 = time.perf_counter()
     result = comm.all_reduce(x, ctx.tp_group, "forward").wait()
-    return {"elapsed": time.perf_counter() - t0, "expected": link.seconds("all_reduce", 100_000, 2),
+    done = time.perf_counter()
+    return {"elapsed": done - t0, "issued": t0, "done": done, "expected": link.seconds("all_reduce", 100_000, 2),
             "value": float(result[0])}
 
 
 @pytest.mark.distributed
 def test_emulated_collective_completes_no_earlier_than_the_link_allows():
-    for r in launch(link_worker, 2, timeout_s=120):
+    early, late = launch(link_worker, 2, timeout_s=120)
+    for r in (early, late):
         assert r["value"] == 3.0  # the real collective ran and its result is used
         assert r["elapsed"] >= r["expected"] * 0.999
+    # The early rank's handle completes no earlier than the late rank's issue plus the
+    # transfer (perf_counter is one clock for all processes of this machine).
+    assert early["done"] >= late["issued"] + early["expected"] * 0.999

@@ -86,14 +86,27 @@ class CommStats:
         self.bytes.clear()
 
 
+class _LinkMessage:
+    """One collective on the emulated link; its start time is known only once every
+    rank of the group has issued it (a MAX AllReduce of the issue times)."""
+
+    def __init__(self, seconds: float, issued: torch.Tensor, work: dist.Work) -> None:
+        self.seconds = seconds
+        self.issued = issued
+        self.work = work
+        self.deadline: float | None = None
+
+
 class _EmulatedPending(Pending):
-    def __init__(self, inner: Pending, deadline: float) -> None:
+    def __init__(self, inner: Pending, comm: "Communicator", message: _LinkMessage) -> None:
         super().__init__(None, inner.wait)
-        self._deadline = deadline
+        self._comm = comm
+        self._message = message
 
     def wait(self) -> torch.Tensor:
         result = super().wait()
-        delay = self._deadline - time.perf_counter()
+        deadline = self._comm._resolve(self._message)
+        delay = deadline - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         return result
@@ -106,6 +119,7 @@ class Communicator:
         self.link = link
         self.stats = CommStats()
         self._link_free_at = 0.0
+        self._unresolved: list[_LinkMessage] = []
 
     @property
     def emulated(self) -> bool:
@@ -129,14 +143,32 @@ class Communicator:
         self.stats.add(phase, kind, nbytes)
         if self.link is None:
             return pending
-        return _EmulatedPending(pending, self.reserve(kind, nbytes, ranks))
+        # A real transfer starts when the *last* rank has issued it, not this one:
+        # ranks of an overlapped schedule drift apart, and counting from the local
+        # issue time made overlapped schedules look up to ~25% faster than on a
+        # shaped link.  The issue times are exchanged with a small MAX AllReduce
+        # (perf_counter is CLOCK_MONOTONIC, shared by processes on one machine --
+        # the emulator's scope).
+        issued = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        message = _LinkMessage(self.link.seconds(kind, nbytes, ranks), issued, work)
+        self._unresolved.append(message)
+        return _EmulatedPending(pending, self, message)
 
-    def reserve(self, kind: str, nbytes: int, ranks: int, now: float | None = None) -> float:
-        """Book the link for one message and return when it has crossed it.
+    def _resolve(self, message: _LinkMessage) -> float:
+        """Deadlines of all messages issued up to ``message``, in issue order (they
+        share the link).  Every rank issues a group's collectives in the same order,
+        so the earlier messages' issue times are known by now."""
+        while message.deadline is None:
+            head = self._unresolved.pop(0)
+            head.work.wait()
+            head.deadline = self.reserve(head.seconds, now=float(head.issued[0]))
+        return message.deadline
 
-        Messages share the link: one starts when both it was issued and the
-        previous one has left the link."""
-        assert self.link is not None
+    def reserve(self, seconds: float, now: float | None = None) -> float:
+        """Book the link for a message of ``seconds`` issued (by its last rank) at
+        ``now`` and return when it has crossed it: it starts when it was issued and
+        the previous message has left the link."""
         start = max(time.perf_counter() if now is None else now, self._link_free_at)
-        self._link_free_at = start + self.link.seconds(kind, nbytes, ranks)
+        self._link_free_at = start + seconds
         return self._link_free_at
