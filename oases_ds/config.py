@@ -26,9 +26,10 @@ class LinkConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bandwidth_gbps: float = Field(gt=0, description="link bandwidth in Gbit/s per direction")
     latency_us: float = Field(default=0.0, ge=0, description="per-message latency in microseconds")
+    sharing: Literal["fifo", "fair"] = Field(default="fifo", description="concurrent collectives: in turn or shared")
 
     def model(self) -> LinkModel:
-        return LinkModel(self.bandwidth_gbps, self.latency_us)
+        return LinkModel(self.bandwidth_gbps, self.latency_us, self.sharing)
 
 
 class OasesConfig(BaseModel):

@@ -58,3 +58,31 @@ def test_emulated_collective_completes_no_earlier_than_the_link_allows():
     # The early rank's handle completes no earlier than the late rank's issue plus the
     # transfer (perf_counter is one clock for all processes of this machine).
     assert early["done"] >= late["issued"] + early["expected"] * 0.999
+
+
+def _issued(comm, seconds, start):
+    """A message as the communicator sees it once every rank has issued it."""
+    import torch
+
+    from oases_ds.runtime.comm import _LinkMessage
+
+    class Done:
+        def wait(self):
+            return None
+
+    m = _LinkMessage(seconds, torch.tensor([start], dtype=torch.float64), Done())
+    comm._unresolved.append(m)
+    return m
+
+
+def test_fair_sharing_splits_the_link_between_messages_in_flight():
+    comm = Communicator(LinkModel(bandwidth_gbps=8.0, sharing="fair"))
+    a, b = _issued(comm, 1.0, 0.0), _issued(comm, 1.0, 0.0)
+    assert comm._resolve(a) == pytest.approx(2.0)  # both crossed at half rate
+    assert b.deadline == pytest.approx(2.0)
+    c, d = _issued(comm, 1.0, 10.0), _issued(comm, 0.5, 10.25)
+    assert comm._resolve(c) == pytest.approx(11.5)  # alone 0.25 s, then shares until d is done at 11.25
+    assert d.deadline == pytest.approx(11.25)
+    fifo = Communicator(LinkModel(bandwidth_gbps=8.0))
+    e, f = _issued(fifo, 1.0, 0.0), _issued(fifo, 1.0, 0.0)
+    assert fifo._resolve(e) == pytest.approx(1.0) and fifo._resolve(f) == pytest.approx(2.0)

@@ -75,6 +75,7 @@ class LinkSchema:
 
     bandwidth_gbps: float = MISSING
     latency_us: float = 0.0
+    sharing: str = "fifo"  # concurrent collectives: fifo (NCCL-like) or fair (gloo over TCP); see LinkModel
 
 
 @dataclass
@@ -354,7 +355,8 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
         bandwidth = wire * 8 / (ratio * float(compute_s)) / 1e9
         tau = (float(compute_s) / cfg.num_layers) / reference_layer_compute_s(spec["cluster"], ref)
         latency = spec["cluster"]["link"]["latency_us"] * tau
-        link = LinkModel(bandwidth_gbps=bandwidth, latency_us=latency)
+        link = LinkModel(bandwidth_gbps=bandwidth, latency_us=latency,
+                         sharing=spec["cluster"]["link"].get("sharing", "fifo"))
         emulation.update(target_comm_compute_ratio=ratio, reference_tensor_parallel_size=reference_tp(spec["cluster"], ref), calibration_compute_s=float(compute_s),
                          calibration_wire_bytes=wire, time_dilation=tau)
         del probe

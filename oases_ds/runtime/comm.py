@@ -39,10 +39,18 @@ class LinkModel:
 
     bandwidth_gbps: float
     latency_us: float = 0.0
+    sharing: str = "fifo"
+    """How collectives in flight together share the link.  ``fifo``: one after the
+    other in issue order, as NCCL runs the collectives of one communicator.
+    ``fair``: all in flight progress at once at an equal share of the bandwidth
+    (processor sharing), closer to gloo over TCP, where concurrent collectives
+    interleave on the wire."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
             raise ValueError(f"link.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if self.sharing not in ("fifo", "fair"):
+            raise ValueError(f"link.sharing must be 'fifo' or 'fair', got {self.sharing!r}")
         if self.latency_us < 0:
             raise ValueError(f"link.latency_us must be >= 0, got {self.latency_us}")
 
@@ -95,6 +103,8 @@ class _LinkMessage:
         self.issued = issued
         self.work = work
         self.deadline: float | None = None
+        self.start: float | None = None
+        self.remaining = seconds
 
 
 class _EmulatedPending(Pending):
@@ -120,6 +130,8 @@ class Communicator:
         self.stats = CommStats()
         self._link_free_at = 0.0
         self._unresolved: list[_LinkMessage] = []
+        self._active: list[_LinkMessage] = []  # fair sharing: on the link at simulated time _clock
+        self._clock = 0.0
 
     @property
     def emulated(self) -> bool:
@@ -156,13 +168,46 @@ class Communicator:
         return _EmulatedPending(pending, self, message)
 
     def _resolve(self, message: _LinkMessage) -> float:
-        """Deadlines of all messages issued up to ``message``, in issue order (they
-        share the link).  Every rank issues a group's collectives in the same order,
-        so the earlier messages' issue times are known by now."""
+        """Deadline of ``message``.  Every rank issues a group's collectives in the same
+        order, so the issue times of everything this rank issued so far are known (or
+        about to be) by the time it waits for one of them."""
+        if self.link is not None and self.link.sharing == "fair":
+            return self._resolve_fair(message)
         while message.deadline is None:
             head = self._unresolved.pop(0)
             head.work.wait()
             head.deadline = self.reserve(head.seconds, now=float(head.issued[0]))
+        return message.deadline
+
+    def _resolve_fair(self, message: _LinkMessage) -> float:
+        """Processor sharing: simulate the link from ``_clock`` -- messages join when
+        issued (by their last rank) and every message on the link progresses at
+        ``1/len(active)`` of the bandwidth -- until ``message`` has crossed it."""
+        for m in self._unresolved:
+            if m.start is None:
+                m.work.wait()
+                m.start = float(m.issued[0])
+        waiting = sorted(self._unresolved, key=lambda m: m.start)
+        self._unresolved = []
+        t = self._clock
+        while message.deadline is None:
+            while waiting and waiting[0].start <= t:
+                self._active.append(waiting.pop(0))
+            arrival = waiting[0].start if waiting else float("inf")
+            if not self._active:
+                t = arrival
+                continue
+            share = len(self._active)
+            finish = t + min(m.remaining for m in self._active) * share
+            step_to = min(arrival, finish)
+            for m in self._active:
+                m.remaining -= (step_to - t) / share
+            t = step_to
+            for m in [m for m in self._active if m.remaining <= 1e-12]:
+                m.deadline = t
+                self._active.remove(m)
+        self._unresolved = waiting
+        self._clock = t
         return message.deadline
 
     def reserve(self, seconds: float, now: float | None = None) -> float:
