@@ -59,7 +59,7 @@ def _worker(args: dict) -> dict:
     bw = args["bandwidth_gbps"]
     if bw == "auto":  # link time of one step == compute time of one step (ring AllReduce, 2 ranks)
         bw = tmp_bytes * 8 / compute_s / 1e9
-    link = LinkModel(bandwidth_gbps=float(bw), latency_us=args["latency_us"])
+    link = LinkModel(bandwidth_gbps=float(bw), latency_us=args["latency_us"], sharing=args["sharing"])
     runners = {name: executor(name, link) for name in SCHEDULES}
     times: dict[str, list[float]] = {n: [] for n in SCHEDULES}
     exposed: dict[str, list[float]] = {n: [] for n in SCHEDULES}
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--bandwidth-gbps", default="auto")
     parser.add_argument("--latency-us", type=float, default=50.0)
+    parser.add_argument("--sharing", default="fair", choices=["fair", "fifo"],
+                        help="concurrent collectives share the emulated link (fair, as gloo over TCP) or queue (fifo)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/overlap.json")
@@ -97,7 +99,7 @@ def main() -> None:
     args = vars(parser.parse_args())
     rank0 = launch(_worker, 2, (args,), timeout_s=1200, threads_per_rank=1)[0]
     med = {n: statistics.median(rank0["times"][n]) for n in SCHEDULES}
-    print(f"EMULATED link: {rank0['bandwidth_gbps']:.3f} Gbit/s, latency {args['latency_us']} us "
+    print(f"EMULATED link: {rank0['bandwidth_gbps']:.3f} Gbit/s, latency {args['latency_us']} us, sharing {args['sharing']} "
           f"(auto = comm time ~ compute time); GPT h={args['hidden']} L={args['layers']} s={args['seq']} b={args['batch']}, TMP=2")
     print(f"{'schedule':<15}{'median step s':>14}{'min':>8}{'max':>8}{'vs megatron':>13}{'exposed comm':>14}{'compute util':>14}")
     for n in SCHEDULES:

@@ -276,7 +276,7 @@ def main() -> None:
         rows[label] = row
     result["description"] = (
         f"{args.model}, TMP 2 (one rank per network namespace, gloo over a veth pair), schedules {args.schedules}, "
-        f"micro-batch {cfg['micro_batch']}; {args.rounds} rounds of (shaped, nominal, probed) runs in rotating order, "
+        f"micro-batch {cfg['micro_batch']}; {args.rounds} rounds of (shaped, nominal, probed, probed_fair) runs in rotating order, "
         f"each 1 warm-up + {args.repeats} timed steps per schedule. Shaped: tbf {args.rate_mbit:g} Mbit/s, burst "
         f"{args.burst_bytes} B on both veth ends, no emulation. Emulated runs: same namespaces, shaping removed; nominal "
         f"= {nominal_gbps * 1000:.1f} Mbit/s (tbf rate x {PAYLOAD_FRACTION:.3f}), latency 0; probed = "

@@ -55,3 +55,17 @@ def test_bad_config_is_one_clear_line(override, message):
     proc = run(override, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(message)
+
+
+@pytest.mark.distributed
+def test_train_with_a_plan_file(tmp_path):
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 1), (1, 2), devices=2).to_json(path)
+    proc = run("model=gpt_tiny", "steps=3", f"plan={path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 3 steps" in proc.stdout
+    wrong = run("model=gpt_small", "steps=3", f"plan={path}", timeout=120)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: plan={path} is for 2 layers on 2 devices")

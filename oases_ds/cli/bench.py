@@ -75,7 +75,7 @@ class LinkSchema:
 
     bandwidth_gbps: float = MISSING
     latency_us: float = 0.0
-    sharing: str = "fifo"  # concurrent collectives: fifo (NCCL-like) or fair (gloo over TCP); see LinkModel
+    sharing: Optional[str] = None  # fifo (NCCL-like) or fair (gloo over TCP); None: emulation.sharing
 
 
 @dataclass
@@ -110,6 +110,7 @@ class ReferenceSchema:
 @dataclass
 class EmulationSchema:
     mode: str = "scaled"
+    sharing: str = "fair"  # collectives in flight together share the link (gloo over TCP); fifo = NCCL-like
     reference: ReferenceSchema = field(default_factory=ReferenceSchema)
 
 
@@ -191,7 +192,7 @@ def resolve(cfg: dict) -> dict[str, Any]:
         raise ValueError(f"emulation.mode={mode} needs a cluster with a link; cluster={cluster['name']} has none "
                          f"(use emulation.mode=off or e.g. cluster=pcie_3090)")
     if cluster.get("link"):
-        LinkModel(**cluster["link"])
+        LinkModel(**{**cluster["link"], "sharing": cluster["link"].get("sharing") or cfg["emulation"].get("sharing", "fair")})
     if mode == "scaled":
         if not cluster.get("device"):
             raise ValueError(f"emulation.mode=scaled needs cluster.device; cluster={cluster['name']} has none")
@@ -336,8 +337,9 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
     link = None
+    sharing = spec["emulation"].get("sharing", "fair")
     if mode == "literal":
-        link = LinkModel(**spec["cluster"]["link"])
+        link = LinkModel(**{**spec["cluster"]["link"], "sharing": spec["cluster"]["link"].get("sharing") or sharing})
     elif mode == "scaled":
         calib_variant = {"schedule": "megatron", "sub_batches": 1, "cross_pass": True, "fine_grained_recompute": True}
         probe, _ = build(calib_variant, None)
@@ -355,13 +357,13 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
         bandwidth = wire * 8 / (ratio * float(compute_s)) / 1e9
         tau = (float(compute_s) / cfg.num_layers) / reference_layer_compute_s(spec["cluster"], ref)
         latency = spec["cluster"]["link"]["latency_us"] * tau
-        link = LinkModel(bandwidth_gbps=bandwidth, latency_us=latency,
-                         sharing=spec["cluster"]["link"].get("sharing", "fifo"))
+        link = LinkModel(bandwidth_gbps=bandwidth, latency_us=latency, sharing=sharing)
         emulation.update(target_comm_compute_ratio=ratio, reference_tensor_parallel_size=reference_tp(spec["cluster"], ref), calibration_compute_s=float(compute_s),
                          calibration_wire_bytes=wire, time_dilation=tau)
         del probe
     if link is not None:
-        emulation.update(emulated_bandwidth_gbps=link.bandwidth_gbps, emulated_latency_us=link.latency_us)
+        emulation.update(emulated_bandwidth_gbps=link.bandwidth_gbps, emulated_latency_us=link.latency_us,
+                         sharing=link.sharing)
 
     runners = {v["label"]: build(v, link) for v in spec["variants"]}
     labels = [v["label"] for v in spec["variants"]]

@@ -281,27 +281,34 @@ def validation_section(path: str) -> list[str]:
     out = ["## Link emulator vs kernel-shaped link (`benchmarks/validate_link.py`)", ""]
     if v.get("status") != "ok":
         return out + [f"Not measured: {v.get('reason', 'unknown reason')}", ""]
+    fair = "probed_fair_ratio" in next(iter(v["schedules"].values()))
     out += [f"{v['description']}", "",
             "| schedule | shaped (tbf) median s (min-max) | nominal emulation median s (min-max) | nominal / shaped "
-            "| probed emulation median s (min-max) | probed / shaped |",
-            "|---|---|---|---|---|---|"]
+            "| probed, fifo, median s (min-max) | probed fifo / shaped |"
+            + (" probed, fair sharing, median s (min-max) | probed fair / shaped |" if fair else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if fair else "")]
 
     def cell(row: dict, kind: str) -> str:
         return f"{row[kind + '_median_s']:.3f} ({row[kind + '_min_s']:.3f}-{row[kind + '_max_s']:.3f})"
 
     for name, row in v["schedules"].items():
         out.append(f"| `{name}` | {cell(row, 'shaped')} | {cell(row, 'nominal')} | {row['nominal_ratio']:.3f} | "
-                   f"{cell(row, 'probed')} | {row['probed_ratio']:.3f} |")
+                   f"{cell(row, 'probed')} | {row['probed_ratio']:.3f} |"
+                   + (f" {cell(row, 'probed_fair')} | {row['probed_fair_ratio']:.3f} |" if fair else ""))
     probe = v["probed_link"]
     names = list(v["schedules"])
     if len(names) >= 2:
         a, b = v["schedules"][names[0]], v["schedules"][names[1]]
         out += ["", f"Speedup `{names[1]}` over `{names[0]}` (ratio of medians): " + ", ".join(
-            f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x" for kind in ("shaped", "nominal", "probed"))]
+            f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x"
+            for kind in ("shaped", "nominal", "probed") + (("probed_fair",) if fair else ()))]
     out += ["", f"AllReduce probe over the shaped link (median of 8 each): "
             + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
             + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
     out += ["", f"Verdict: {v['verdict']}", ""]
+    if fair:
+        out += [f"Verdict: {v['verdict_fair']}", "",
+                "The measurements in this report use `emulation.sharing=fair` (recorded per measurement).", ""]
     return out
 
 
@@ -313,9 +320,12 @@ def validation_caution(path: str) -> list[str]:
         v = json.load(f)
     if v.get("status") != "ok":
         return [f"> The link emulator could not be checked against a shaped link here: {v.get('reason')}", ""]
-    worst = max(v["schedules"].items(), key=lambda kv: abs(kv[1]["probed_ratio"] - 1))
-    return [f"> **Caution**: against a kernel-shaped link (section at the end) the emulator ran `{worst[0]}` at "
-            f"{worst[1]['probed_ratio']:.2f}x the shaped step time ({v['verdict'].split(':')[0]}); speedups of "
+    key = "probed_fair_ratio" if "probed_fair_ratio" in next(iter(v["schedules"].values())) else "probed_ratio"
+    verdict = v.get("verdict_fair", v["verdict"]) if key == "probed_fair_ratio" else v["verdict"]
+    worst = max(v["schedules"].items(), key=lambda kv: abs(kv[1][key] - 1))
+    return [f"> **Caution**: against a kernel-shaped link (section at the end) the emulator "
+            f"({'fair sharing' if key == 'probed_fair_ratio' else 'fifo'}) ran `{worst[0]}` at "
+            f"{worst[1][key]:.2f}x the shaped step time ({verdict.split(':')[0]}); speedups of "
             f"overlapped schedules in this report may be optimistic by that much.", ""]
 
 

@@ -43,6 +43,7 @@ def ds_config(cfg: dict) -> dict:
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
             **({"link": link} if link else {}),
+            **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
         },
     }
 
@@ -62,6 +63,13 @@ def validate(cfg: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
     Topology(world, oases.tensor_parallel_size)
     model.check_tp(oases.tensor_parallel_size)
+    if oases.plan:
+        from oases_ds.planner.plan import Plan
+
+        plan = Plan.from_json(oases.plan)
+        if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
+            raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
+                             f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
     if cfg["micro_batch"] % oases.sub_batches:
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by schedule.sub_batches={oases.sub_batches}")
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
