@@ -37,8 +37,9 @@ STUDY_TITLES = {
 }
 
 STUDY_NOTES = {
-    "ablation": "The planner ablation (Oases without the ILP plan) is not measured: no runtime executes a "
-                "per-layer TMP plan yet, so there is nothing to switch off.",
+    "ablation": "The planner ablation (Oases with the solver's plan vs every block at the full TMP degree) is "
+                "measured by `oases-plan mode=accuracy`, which runs both plans interleaved under the same schedule "
+                "and link: see benchmarks/README.md, study (f).",
     "utilisation": "Utilisation here is the fraction of the step during which rank 0's compute lane was busy "
                    "(executor timeline), not the GPU SM efficiency of the paper.",
     "selective": "Peak activation bytes: the largest total, sampled after every instruction of one extra untimed "
