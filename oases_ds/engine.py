@@ -41,7 +41,6 @@ from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.runtime.comm import Communicator
 from oases_ds.runtime.executor import Executor
-from oases_ds.runtime.timeline import write_json_atomic
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.generators import build_schedule
 
@@ -179,7 +178,4 @@ class OasesEngine(DeepSpeedEngine):
     def save_trace(self, path: str) -> None:
         """Chrome/Perfetto trace of the last micro-batch's schedule on this rank."""
         self.executor.timeline.save_chrome_trace(path, dist.get_rank())
-
-    def save_stats(self, path: str) -> None:
-        write_json_atomic(path, self.last_stats)
 

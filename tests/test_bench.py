@@ -109,3 +109,25 @@ def test_report_from_fixture_writes_tables_and_plots(tmp_path):
         with open(tmp_path / p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert f"]({p})" in "".join(open(x).read() for x in written)
+
+
+def test_weak_scaling_simulation_from_fixture(tmp_path):
+    """DP > 1 rows are marked simulated and add the same reduction time to every schedule."""
+    import importlib.util
+    import json as _json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("weak_scaling_sim", os.path.join(root, "benchmarks", "weak_scaling_sim.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    out = tmp_path / "sim.json"
+    sim.main(["--results", os.path.join(root, "tests", "fixtures", "bench_lines.jsonl"), "--out-dir", str(tmp_path),
+              "--json-out", str(out), "--dp", "1,2,8"])
+    rows = _json.loads(out.read_text())["rows"]
+    assert [r["dp"] for r in rows] == [1, 2, 8] and [r["simulated"] for r in rows] == [False, True, True]
+    assert rows[0]["reduce_s"] == 0 and rows[1]["reduce_s"] < rows[2]["reduce_s"]
+    base = {k: v["step_s"] for k, v in rows[0].items() if isinstance(v, dict)}
+    for row in rows[1:]:
+        for name, step in base.items():
+            assert row[name]["step_s"] == pytest.approx(step + row["reduce_s"])
+    assert any(p.name.startswith("weak_scaling_simulated-") for p in tmp_path.iterdir())
