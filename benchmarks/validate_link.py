@@ -197,6 +197,11 @@ def run_pair(pair: VethPair, spec: dict, timeout_s: float) -> dict:
         return results[0]["probe_s"]
     steps = {label: [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in results))]
              for label in results[0]["variants"]}
+    # compute-lane busy seconds per step (rank 0): shows whether the shaped link's kernel
+    # network work slows the computation that overlaps it, which no sleeping emulator charges
+    steps.update({f"{label}:compute_s": [s * u for s, u in zip(results[0]["variants"][label]["step_s"],
+                                                               results[0]["variants"][label]["compute_util"])]
+                  for label in results[0]["variants"]})
     return steps
 
 
@@ -255,8 +260,8 @@ def main() -> None:
                     steps = run_pair(pair, specs[kind], timeout_s=900)
                     for label, ts in steps.items():
                         runs[kind].setdefault(label, []).extend(ts)
-                    print(f"round {rnd}: {kind:<8} " + "  ".join(f"{l} {statistics.median(t):.3f}s" for l, t in steps.items()),
-                          flush=True)
+                    print(f"round {rnd}: {kind:<8} " + "  ".join(f"{l} {statistics.median(t):.3f}s" for l, t in steps.items()
+                                                                 if not l.endswith(":compute_s")), flush=True)
             pair.unshape()
     except Unavailable as err:
         result.update(status="unavailable", reason=str(err))
@@ -264,6 +269,11 @@ def main() -> None:
         print(f"link validation not run: {err}", file=sys.stderr)
         sys.exit(3)
     rows, worst, worst_fair = {}, 0.0, 0.0
+    compute = {kind: {label.split(":")[0]: statistics.median(ts) for label, ts in per.items() if label.endswith(":compute_s")}
+               for kind, per in runs.items()}
+    for kind in runs:
+        runs[kind] = {label: ts for label, ts in runs[kind].items() if not label.endswith(":compute_s")}
+    result["compute_busy_median_s"] = compute
     for label, shaped in runs["shaped"].items():
         row = {"shaped_s": shaped, "shaped_median_s": statistics.median(shaped),
                "shaped_min_s": min(shaped), "shaped_max_s": max(shaped)}
@@ -293,6 +303,8 @@ def main() -> None:
         print(f"{label:<12} shaped {row['shaped_median_s']:.3f}s  nominal {row['nominal_median_s']:.3f}s "
               f"({row['nominal_ratio']:.3f})  probed {row['probed_median_s']:.3f}s ({row['probed_ratio']:.3f})  "
               f"probed+fair {row['probed_fair_median_s']:.3f}s ({row['probed_fair_ratio']:.3f})")
+    print("compute-lane busy s per step (rank 0, median): " + "; ".join(
+        f"{kind}: " + ", ".join(f"{label} {sec:.3f}" for label, sec in per.items()) for kind, per in compute.items()))
     print(result["verdict"])
     print(result["verdict_fair"])
 
