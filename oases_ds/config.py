@@ -105,9 +105,13 @@ def check_deepspeed_section(config: dict) -> None:
     """Refuse DeepSpeed features the Oases engine does not drive: ZeRO >= 2 partitions
     gradients inside backward hooks, which the executor's per-operator backward would
     fire out of order; fp16 loss scaling is not wired through the schedule."""
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
     if stage not in (0, 1):
         raise OasesConfigError(f"zero_optimization.stage={stage} is not supported with oases; use 0 or 1")
+    if zero.get("overlap_comm", False):
+        raise OasesConfigError("zero_optimization.overlap_comm=true is not supported with oases (its gradient hooks "
+                               "would reduce inside the schedule); set it to false")
     if (config.get("fp16") or {}).get("enabled", False):
         raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
     if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):

@@ -92,6 +92,8 @@ class OasesEngine(DeepSpeedEngine):
             tokens += int(mb["tokens"].numel())
             self.step()
         loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
+        if self.device.type == "cuda":  # host timers would only see kernel launches
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         stats = self.oases_comm.stats
         self.last_stats = {
@@ -116,6 +118,8 @@ class OasesEngine(DeepSpeedEngine):
             p.grad = g
         if isinstance(self.optimizer, ZeROOptimizer):
             self.optimizer.clear_backward_seen_flag()  # what DeepSpeedEngine.forward does
+        if all(g is None for g in grads):
+            raise RuntimeError("the schedule produced no parameter gradient; is the model's loss connected to its parameters?")
         surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
         register_output_backward_hooks(
             surrogate, preprocess_once_fn=self._backward_prologue, preprocess_per_tensor_fn=self._backward_prologue_per_tensor
@@ -155,7 +159,9 @@ class OasesEngine(DeepSpeedEngine):
         """DeepSpeed's checkpoint (TMP shards by mp rank, ZeRO states by DP rank),
         written under ``<tag>.partial`` and renamed to ``<tag>`` by rank 0 only
         once every rank finished; ``latest`` is replaced atomically after that.  A
-        crash mid-save leaves the previous checkpoint and ``latest`` intact."""
+        crash mid-save leaves the previous checkpoint and ``latest`` intact (re-saving
+        an existing tag has a moment where only ``<tag>.old`` holds it).  Ranks on
+        several nodes need a shared filesystem: rank 0 does the renames."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         partial = f"{tag}.partial"
         ok = super().save_checkpoint(save_dir, partial, client_state or {}, save_latest=False,
@@ -163,6 +169,7 @@ class OasesEngine(DeepSpeedEngine):
         dist.barrier()
         if dist.get_rank() == 0:
             final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f"{tag}.old")
+            shutil.rmtree(old, ignore_errors=True)  # a leftover from an interrupted save
             if os.path.exists(final):
                 os.replace(final, old)
             os.replace(os.path.join(save_dir, partial), final)

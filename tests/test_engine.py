@@ -56,9 +56,10 @@ def test_tmp2_dp2_zero1_matches_plain_deepspeed():
     assert out["eval_loss"] == pytest.approx(reference()["eval_loss"], rel=TOL)
 
 
-def test_gradient_accumulation_matches_one_big_batch():
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradient_accumulation_matches_one_big_batch(zero):
     # 2 micro-batches of 4 per step vs. the reference's single batch of 8.
-    out = launch(ew.oases_run, 2, ("gpt", 2, STEPS, GLOBAL_BATCH // 2, 2), timeout_s=300)[0]
+    out = launch(ew.oases_run, 2, ("gpt", 2, STEPS, GLOBAL_BATCH // 2, 2, zero), timeout_s=300)[0]
     assert_params_match(out, reference())
     assert out["global_steps"] == STEPS  # one optimizer step per train_batch, not per micro-batch
 
@@ -131,5 +132,9 @@ def test_malformed_oases_section_and_zero2_are_rejected():
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, oases={"enabled": True, "sub_batch": 2}))
     with pytest.raises(OasesConfigError, match=r"^zero_optimization.stage=2 is not supported with oases; use 0 or 1"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, zero=2, oases={"enabled": True}))
+    overlap = ew.ds_config(4, 1, zero=1, oases={"enabled": True})
+    overlap["zero_optimization"]["overlap_comm"] = True
+    with pytest.raises(OasesConfigError, match=r"^zero_optimization.overlap_comm=true is not supported with oases"):
+        oases_ds.initialize(model=ew.tiny_config("gpt"), config=overlap)
     with pytest.raises(OasesConfigError, match=r"^oases.schedule: Input should be"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, oases={"enabled": True, "schedule": "gpipe"}))

@@ -52,15 +52,17 @@ def test_heterogeneous_plan_matches_reference(plan, family):
 
 
 @pytest.mark.distributed
-def test_engine_with_a_plan_file_matches_plain_deepspeed(tmp_path):
+@pytest.mark.parametrize("tp, attn, mlp", [(2, (2, 1), (1, 2)), (4, (4, 2), (2, 4))])
+def test_engine_with_a_plan_file_matches_plain_deepspeed(tmp_path, tp, attn, mlp):
     """Also checks DeepSpeed's gradient clipping (active at 0.05) counts each shard of a
-    replicated block once."""
+    replicated block once -- including the unsharded biases of a block at a middle
+    degree (TMP 4, degree 2), which replica 0's two ranks both hold."""
     from oases_ds.planner.plan import Plan
 
     path = tmp_path / "plan.json"
-    Plan((2, 1), (1, 2), devices=2).to_json(path)
+    Plan(attn, mlp, devices=tp).to_json(path)
     ref = launch(ew.reference_run, 1, ("gpt", 3, 8), timeout_s=300)[0]
-    out = launch(ew.oases_run, 2, ("gpt", 2, 3, 8, 1, 0, "oases", False, "sgd", str(path)), timeout_s=300)[0]
+    out = launch(ew.oases_run, tp, ("gpt", tp, 3, 8, 1, 0, "oases", False, "sgd", str(path)), timeout_s=300)[0]
     for step in range(3):
         for name, want in ref["params"][step].items():
             err = float((out["params"][step][name] - want).norm() / want.norm())

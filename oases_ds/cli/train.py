@@ -63,6 +63,7 @@ def validate(cfg: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
     Topology(world, oases.tensor_parallel_size)
     model.check_tp(oases.tensor_parallel_size)
+    replicas = 1
     if oases.plan:
         from oases_ds.planner.plan import Plan
 
@@ -70,8 +71,12 @@ def validate(cfg: dict) -> None:
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
-    if cfg["micro_batch"] % oases.sub_batches:
-        raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by schedule.sub_batches={oases.sub_batches}")
+        replicas = plan.devices // min(plan.block_degrees())
+    sub_batches = oases.sub_batches if oases.schedule in ("split_overlap", "oases") else 1
+    if cfg["micro_batch"] % (sub_batches * replicas):
+        what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
+                                                        if replicas > 1 else "")
+        raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
         if cfg[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
@@ -160,7 +165,10 @@ def main(dcfg: DictConfig) -> None:
         return
     from oases_ds.launcher import LaunchError, launch
 
-    env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    import torch
+
+    # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
+    env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     try:
         summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env)
     except LaunchError as err:

@@ -223,7 +223,8 @@ class OperatorModel(nn.Module):
             for layout, module in zip(self.layouts[i], (layer.attn, layer.mlp)):
                 if layout.replicas > 1:
                     for p in module.parameters():
-                        p.tensor_model_parallel = p.model_parallel = layout.replica == 0  # type: ignore[attr-defined]
+                        if getattr(p, "tp_dim", None) is not None:  # replicated ones stay unmarked: TMP rank 0 counts them
+                            p.tensor_model_parallel = p.model_parallel = layout.replica == 0  # type: ignore[attr-defined]
 
     @property
     def max_replicas(self) -> int:
@@ -312,7 +313,12 @@ class OperatorModel(nn.Module):
 
         ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
         compute("embed_out", -1, "embed", embed_out)
-        cos_sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu")) if cfg.family == "llama" else None
+        cos_sin = None
+        if cfg.family == "llama":  # buffers, so the tables move with the module to its device
+            cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu"))
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+            cos_sin = True
 
         degree = self._full.degree
         for i, layer in enumerate(self.layers):
@@ -359,7 +365,7 @@ class OperatorModel(nn.Module):
         return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
 
     def _layer_ops(self, i: int, layer: _Layer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
-                   cos_sin) -> list[Op]:
+                   cos_sin: bool | None) -> list[Op]:
         cfg = self.cfg
         out: list[Op] = []
         attn_group = attn_layout.group
@@ -381,8 +387,8 @@ class OperatorModel(nn.Module):
                 return t.view(b, s, nh_local, cfg.head_dim).transpose(1, 2)
 
             q, k, v = heads(layer.attn.q.partial(h)), heads(layer.attn.k.partial(h)), heads(layer.attn.v.partial(h))
-            if cos_sin is not None:
-                cos, sin = (t[:s].to(device=q.device, dtype=q.dtype) for t in cos_sin)
+            if cos_sin:
+                cos, sin = (t[:s].to(dtype=q.dtype) for t in (self.rope_cos, self.rope_sin))
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return (x, q, k, v)
 

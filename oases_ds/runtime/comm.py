@@ -155,6 +155,9 @@ class Communicator:
         self.stats.add(phase, kind, nbytes)
         if self.link is None:
             return pending
+        if dist.get_backend(group) != "gloo":
+            raise ValueError("oases.link (link emulation) needs the gloo backend: on NCCL a handle's wait() does not "
+                             "block the host, so there is nothing to hold to a deadline; remove oases.link")
         # A real transfer starts when the *last* rank has issued it, not this one:
         # ranks of an overlapped schedule drift apart, and counting from the local
         # issue time made overlapped schedules look up to ~25% faster than on a

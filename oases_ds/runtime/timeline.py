@@ -4,6 +4,10 @@ Each instruction is recorded on a lane: ``compute`` (Forward/Recompute/
 Backward), ``comm`` (a collective, from its StartAsync to the end of its Sync)
 and ``wait`` (time the compute lane sat blocked in a Sync -- the *exposed*
 communication).  Exported as Chrome/Perfetto trace JSON.
+
+Times are host-side (``perf_counter``): exact for gloo on CPU, where compute runs on
+the calling thread and ``wait`` blocks until the data is there; on CUDA they time
+kernel launches and stream waits, so use a profiler there.
 """
 from __future__ import annotations
 
