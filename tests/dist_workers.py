@@ -8,7 +8,7 @@ import torch
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
-from oases_ds.parallel.collectives import start_all_gather, start_all_reduce
+from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.comm import Communicator
@@ -48,12 +48,7 @@ def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[st
 
 def gather_full_grads(model: OperatorModel, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """Unsharded gradients: each sharded parameter gathered over its block's group."""
-    out = {}
-    for name, p in model.named_parameters():
-        dim = getattr(p, "tp_dim", None)
-        grad = p.grad.clone()  # a snapshot: a one-rank "gather" returns its input
-        out[name] = grad if dim is None else start_all_gather(grad, model._group_of(name), dim).wait()
-    return out
+    return {name: model.gather_full(name, p, p.grad) for name, p in model.named_parameters()}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:

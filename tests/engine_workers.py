@@ -72,14 +72,8 @@ def reference_run(family: str, steps: int, batch_size: int, zero: int = 0) -> di
 
 
 def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
-    from oases_ds.parallel.collectives import start_all_gather
-
-    out = {}
-    for name, p in engine.module.named_parameters():
-        dim = getattr(p, "tp_dim", None)
-        t = p.detach().float().clone()  # a snapshot: a one-rank "gather" returns its input
-        out[name] = t if dim is None else start_all_gather(t, engine.module._group_of(name), dim).wait()
-    return out
+    model = engine.module
+    return {name: model.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",

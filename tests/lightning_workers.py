@@ -21,16 +21,9 @@ def dataset(step: int = 0, size: int = SAMPLES) -> list[dict[str, torch.Tensor]]
     return [{k: v[i] for k, v in full.items()} for i in range(size)]
 
 
-def full_params(model, group) -> dict[str, torch.Tensor]:
-    """Parameters gathered over the TMP shards."""
-    from oases_ds.parallel.collectives import start_all_gather
-
-    out = {}
-    for name, p in model.named_parameters():
-        dim = getattr(p, "tp_dim", None)
-        t = p.detach().float()
-        out[name] = t.clone() if dim is None else start_all_gather(t, group, dim).wait()
-    return out
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Parameters gathered over the TMP shards (``model`` is an OperatorModel)."""
+    return {name: model.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
 
 
 def _module_class():
@@ -116,7 +109,7 @@ def lightning_runs(work_dir: str) -> dict:
         trainer.fit(module, ckpt_path=ckpt_path)
         engine = trainer.strategy.deepspeed_engine
         out[name] = {
-            "params": full_params(module.model, trainer.strategy.parallel_context.tp_group),
+            "params": full_params(module.model),
             "losses": record.losses, "steps": record.steps, "val_losses": record.val_losses,
             "global_step": trainer.global_step, "engine_steps": engine.global_steps,
             "gas": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
@@ -148,7 +141,7 @@ def lightning_runs(work_dir: str) -> dict:
         for b in range(SAMPLES // MICRO):
             idx = order[b * MICRO : (b + 1) * MICRO]
             losses.append(float(engine.train_batch({k: v[idx] for k, v in full.items()})))
-            params.append(full_params(engine.module, engine.parallel_context.tp_group))
+            params.append(full_params(engine.module))
         val.append(float(engine.eval_batch(make_batch(tiny_config("gpt"), MICRO, 99))))
     out["direct"] = {"params": params, "losses": losses, "val_losses": val}
     return out

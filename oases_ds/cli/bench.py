@@ -292,19 +292,11 @@ class ActivationProbe:
         return self.peak
 
 
-def _flat_grad_sync(model, comm, dp_group, dp: int) -> None:
+def _flat_grad_sync(model, comm, dp_group) -> None:
     """DP gradient mean as one bucket through the (emulated) communicator, like DeepSpeed's bucket."""
-    import torch
+    from oases_ds.runtime.executor import all_reduce_grads
 
-    if dp == 1:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    flat = comm.all_reduce(flat, dp_group, "grad_sync").wait() / dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_grads(list(model.parameters()), comm, dp_group, mean=True)
 
 
 def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
@@ -378,7 +370,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
             dist.barrier(world_group)
             t0 = time.perf_counter()
             executor.run(batches[mb_of[label]])
-            _flat_grad_sync(model, executor.comm, ctx.dp_group, dp)
+            _flat_grad_sync(model, executor.comm, ctx.dp_group)
             dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
             if rep >= spec["warmup"]:

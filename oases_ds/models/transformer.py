@@ -45,6 +45,7 @@ from oases_ds.parallel.collectives import (
     GatherFromTensorParallel,
     Group,
     SplitToTensorParallel,
+    start_all_gather,
     copy_to_tensor_parallel,
     group_rank,
     group_size,
@@ -263,25 +264,32 @@ class OperatorModel(nn.Module):
             return self.layouts[idx][0 if attn else 1].group
         return self.group
 
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor for parameter ``name``."""
-        param = dict(self.named_parameters())[name]
+    def shard_of(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full``, an unsharded value of parameter ``name``."""
         dim = getattr(param, "tp_dim", None)
         if dim is None:
             return full
         group = self._group_of(name)
         return full.chunk(group_size(group), dim=dim)[group_rank(group)]
 
+    def gather_full(self, name: str, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded value of ``local`` (a shard of parameter ``name``, or of its
+        gradient): the inverse of :meth:`shard_of`.  Collective over the parameter's
+        group; always a new tensor, never a view of ``local``."""
+        dim = getattr(param, "tp_dim", None)
+        local = local.detach().clone()
+        return local if dim is None else start_all_gather(local, self._group_of(name), dim).wait()
+
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         for name, param in self.named_parameters():
-            param.copy_(self.shard_of(name, init_full_parameter(name, self.full_shape(name, param), seed)))
+            param.copy_(self.shard_of(name, param, init_full_parameter(name, self.full_shape(name, param), seed)))
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Load unsharded weights (e.g. from a reference model), keeping this rank's shards."""
         for name, param in self.named_parameters():
-            param.copy_(self.shard_of(name, full[name].to(param.dtype)))
+            param.copy_(self.shard_of(name, param, full[name].to(param.dtype)))
 
     # -- operators ---------------------------------------------------------------
     def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None, replica: int = 0) -> torch.Tensor:

@@ -157,9 +157,11 @@ class CostTable:
 
 def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:
     """Ring AllGather among ``ranks`` producing ``gathered_bytes`` on each: every rank
-    receives the ``(ranks-1)/ranks`` it lacks, after one link latency."""
-    bytes_per_ms = table.bandwidth_gbps * 1e9 / 8 / 1e3
-    return table.latency_us / 1e3 + (ranks - 1) / ranks * gathered_bytes / bytes_per_ms
+    receives the ``(ranks-1)/ranks`` it lacks, after one link latency -- the same link
+    model the runtime's emulator uses."""
+    from oases_ds.runtime.comm import LinkModel
+
+    return LinkModel(table.bandwidth_gbps, table.latency_us).seconds("all_gather", gathered_bytes, ranks) * 1e3
 
 
 def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:

@@ -75,6 +75,7 @@ class Executor:
         self.record = record
         self.timeline = Timeline()
         self._frees = last_reads(schedule.instructions, self.ops)
+        self._replica_groups = model.replica_groups()  # fixed by the plan: derive once, not per micro-batch
         self._handlers: dict[type, Callable[[Instruction], None]] = {
             Forward: self._forward,
             Recompute: self._recompute,
@@ -98,7 +99,7 @@ class Executor:
                 global batch (keys dropout; default: this rank alone).
         Returns the micro-batch's mean loss (detached).
         """
-        self._prepare(batch, sample_offset, global_batch, training=True)
+        self._prepare(batch, sample_offset, global_batch)
         self.timeline.clear()
         for idx, ins in enumerate(self.schedule.instructions):
             self._handlers[type(ins)](ins)
@@ -115,34 +116,12 @@ class Executor:
         """Blocks planned below the full TMP degree ran as several replicas, each on its
         share of the batch: their gradients are partial sums, completed here (one
         flat AllReduce per replica group)."""
-        for params, group in self.model.replica_groups():
-            with_grad = [p for p in params if p.grad is not None]
-            if not with_grad:
-                continue
-            flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
-            flat = self.comm.all_reduce(flat, group, "grad_sync").wait()
-            offset = 0
-            for p in with_grad:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-
-    @torch.no_grad()
-    def evaluate(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
-        """Loss of ``batch`` without dropout or gradients (collectives synchronous)."""
-        ctxs = self._prepare(batch, sample_offset, global_batch, training=False, parts=1)
-        acts: Acts = ()
-        for op in self.ops:
-            if isinstance(op, CommOp):
-                if op.forward is not None:
-                    acts = _replace(acts, op.index, op.start(self.comm, acts[op.index], "forward", "forward").wait())
-            else:
-                acts = op.fn(ctxs[0], acts)
-        return acts[0].detach()
+        for params, group in self._replica_groups:
+            all_reduce_grads(params, self.comm, group)
 
     # -- set-up --------------------------------------------------------------------
-    def _prepare(self, batch, sample_offset, global_batch, training: bool, parts: int | None = None) -> list[OpContext]:
-        parts = parts or self.schedule.sub_batches
+    def _prepare(self, batch, sample_offset, global_batch) -> list[OpContext]:
+        parts = self.schedule.sub_batches
         subs = split_batch(batch, parts)
         b = batch["tokens"].shape[0]
         replicas = self.model.max_replicas
@@ -162,7 +141,7 @@ class Executor:
                 loss_scale=1.0 / tokens,
                 rng=self.rng,
                 comm=self.comm,
-                training=training,
+                training=True,  # evaluation goes through OperatorModel.forward
             )
             for j, sub in enumerate(subs)
         ]
@@ -260,12 +239,22 @@ def _replace(acts: Acts, index: int, value: torch.Tensor) -> Acts:
     return acts[:index] + (value,) + acts[index + 1 :]
 
 
+def all_reduce_grads(params, comm: Communicator, group: dist.ProcessGroup | None, mean: bool = False) -> None:
+    """Sum (or average) the gradients of ``params`` over ``group`` as one flat bucket
+    through ``comm`` (so it is counted, and held to an emulated link if there is one)."""
+    size = 1 if group is None else dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if size == 1 or not grads:
+        return
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "grad_sync").wait()
+    if mean:
+        flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def average_data_parallel_grads(model: torch.nn.Module, dp_group: dist.ProcessGroup | None) -> None:
     """Mean of parameter gradients over the DP group (what DeepSpeed does for the engine)."""
-    size = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if size == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=dp_group)
-            p.grad.div_(size)
+    all_reduce_grads(list(model.parameters()), Communicator(), dp_group, mean=True)
