@@ -131,3 +131,54 @@ def test_weak_scaling_simulation_from_fixture(tmp_path):
         for name, step in base.items():
             assert row[name]["step_s"] == pytest.approx(step + row["reduce_s"])
     assert any(p.name.startswith("weak_scaling_simulated-") for p in tmp_path.iterdir())
+
+
+def _validation(tmp_path, oases_fair_ratio: float, verdict_fair: str) -> str:
+    row = lambda fair: {**{f"{k}_{s}": v for k in ("shaped", "nominal", "probed", "probed_fair")
+                          for s, v in (("median_s", 0.5), ("min_s", 0.4), ("max_s", 0.6))},
+                        "nominal_ratio": 0.9, "probed_ratio": 0.95, "probed_fair_ratio": fair}
+    v = {"status": "ok", "description": "fixture", "probe_s": {"65536": 0.003}, "verdict": "PASS: fifo",
+         "verdict_fair": verdict_fair, "probed_link": {"bandwidth_gbps": 0.19, "latency_us": 0.0},
+         "schedules": {"megatron": row(1.01), "oases": row(oases_fair_ratio)},
+         "host_cost": {"shaped": {"allreduce_bytes": 2 << 20, "cpu_s_per_allreduce": 0.005,
+                                  "compute_slowdown_beside_allreduce": 1.33}},
+         "compute_busy_median_s": {"shaped": {"megatron": 0.33, "oases": 0.328}}}
+    path = tmp_path / f"validation-{oases_fair_ratio}.json"
+    path.write_text(json.dumps(v))
+    return str(path)
+
+
+def test_validation_section_states_host_cost_and_the_verdict(tmp_path):
+    passed = _validation(tmp_path, 0.989, "PASS: fair, 1.1%")
+    text = "\n".join(bench_report.validation_section(passed))
+    assert "5.0 ms CPU per 2048 KiB AllReduce" in text and "1.33x slower" in text
+    assert "| `oases` | 0.328 |" in text and "Verdict: PASS: fair, 1.1%" in text
+    assert "within 1.1%" in bench_report.validation_caution(passed)[0]
+    failed = _validation(tmp_path, 0.83, "FAIL: fair, 17.0%")
+    caution = bench_report.validation_caution(failed)[0]
+    assert "Caution" in caution and "`oases` at 0.83x" in caution
+
+
+def _load_validate_link():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_link", os.path.join(ROOT, "benchmarks", "validate_link.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_link_probe_fit_recovers_bandwidth_and_latency():
+    vl = _load_validate_link()
+    probe = {b: 80e-6 + 8 * b / 0.2e9 for b in vl.PROBE_SIZES}
+    gbps, latency_us = vl.fit_link(probe)
+    assert gbps == pytest.approx(0.2, rel=1e-9) and latency_us == pytest.approx(80, rel=1e-6)
+    assert vl.payload_fraction(1500) == pytest.approx(1448 / 1514) and vl.payload_fraction(9000) == pytest.approx(8948 / 9014)
+
+
+@pytest.mark.parametrize("args,message", [(["--mtu", "100"], "--mtu must be between"),
+                                          (["--mtu", "9000", "--burst-bytes", "4000"], "--burst-bytes must be >= one frame")])
+def test_validate_link_rejects_bad_shaping_in_one_line(args, message):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "validate_link.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

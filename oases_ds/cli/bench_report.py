@@ -306,6 +306,17 @@ def validation_section(path: str) -> list[str]:
     out += ["", f"AllReduce probe over the shaped link (median of 8 each): "
             + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
             + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
+    if "host_cost" in v:
+        out += ["", "Host CPU cost of the link (what a sleeping emulator does not charge): " + "; ".join(
+            f"{kind} {h['cpu_s_per_allreduce'] * 1e3:.1f} ms CPU per {h['allreduce_bytes'] // 1024} KiB AllReduce, "
+            f"a matmul loop beside it {h['compute_slowdown_beside_allreduce']:.2f}x slower"
+            for kind, h in v["host_cost"].items()) + "."]
+    if "compute_busy_median_s" in v:
+        kinds = list(v["compute_busy_median_s"])
+        out += ["", "Compute-lane busy seconds per step (rank 0, median):", "",
+                "| schedule | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+        out += [f"| `{name}` | " + " | ".join(f"{v['compute_busy_median_s'][k].get(name, float('nan')):.3f}" for k in kinds)
+                + " |" for name in names]
     out += ["", f"Verdict: {v['verdict']}", ""]
     if fair:
         out += [f"Verdict: {v['verdict_fair']}", "",
@@ -324,6 +335,10 @@ def validation_caution(path: str) -> list[str]:
     key = "probed_fair_ratio" if "probed_fair_ratio" in next(iter(v["schedules"].values())) else "probed_ratio"
     verdict = v.get("verdict_fair", v["verdict"]) if key == "probed_fair_ratio" else v["verdict"]
     worst = max(v["schedules"].items(), key=lambda kv: abs(kv[1][key] - 1))
+    if verdict.startswith("PASS"):
+        return [f"> The link emulator ({'fair sharing' if key == 'probed_fair_ratio' else 'fifo'}) was checked against a "
+                f"kernel-shaped link (section at the end): step times within {abs(worst[1][key] - 1):.1%} "
+                f"(worst: `{worst[0]}`, bar 10%).", ""]
     return [f"> **Caution**: against a kernel-shaped link (section at the end) the emulator "
             f"({'fair sharing' if key == 'probed_fair_ratio' else 'fifo'}) ran `{worst[0]}` at "
             f"{worst[1][key]:.2f}x the shaped step time ({verdict.split(':')[0]}); speedups of "
