@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--bandwidth-gbps", default="auto")
     parser.add_argument("--latency-us", type=float, default=50.0)
-    parser.add_argument("--sharing", default="fair", choices=["fair", "fifo"],
+    parser.add_argument("--sharing", default="fair", choices=["fair", "fifo", "ring"],
                         help="concurrent collectives share the emulated link (fair, as gloo over TCP) or queue (fifo)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)

@@ -26,7 +26,8 @@ class LinkConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bandwidth_gbps: float = Field(gt=0, description="link bandwidth in Gbit/s per direction")
     latency_us: float = Field(default=0.0, ge=0, description="per-message latency in microseconds")
-    sharing: Literal["fifo", "fair"] = Field(default="fifo", description="concurrent collectives: in turn or shared")
+    sharing: Literal["fifo", "fair", "ring"] = Field(
+        default="fifo", description="concurrent collectives: in turn, shared equally, or interleaved by ring step")
 
     def model(self) -> LinkModel:
         return LinkModel(self.bandwidth_gbps, self.latency_us, self.sharing)

@@ -5,6 +5,7 @@ Nothing here compares times: the machine is shared, so a timing bar would be a f
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -109,6 +110,26 @@ def test_report_from_fixture_writes_tables_and_plots(tmp_path):
         with open(tmp_path / p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert f"]({p})" in "".join(open(x).read() for x in written)
+
+
+def test_report_numbers_are_per_round_ratios_of_the_fixture(tmp_path):
+    """The summary and batch-split tables quote the median of per-round ratios, computed here by hand."""
+    lines = [json.loads(l) for l in open(FIXTURE)]
+    written = bench_report.main(["--results", FIXTURE, "--out-dir", str(tmp_path),
+                                 "--validation", str(tmp_path / "absent.json")])
+    text = {os.path.basename(p).rsplit("-", 3)[0]: open(p).read() for p in written}
+    e2e = next(r for r in lines if r["study"] == "e2e" and r["config"]["cluster"]["name"] == "eth_25g")
+    ratios = sorted(m / o for m, o in zip(e2e["variants"]["megatron"]["step_s"], e2e["variants"]["oases"]["step_s"]))
+    cell = f"{sum(ratios) / 2:.2f}x ({ratios[0]:.2f}-{ratios[1]:.2f})"  # two rounds: the median is the mean
+    row = next(l for l in text["e2e"].splitlines() if l.startswith("| gpt") and "eth_25g" in l)
+    assert row.split(" | ")[1] == cell
+    split = next(r for r in lines if r["study"] == "batch_split")
+    full, half = split["variants"]["none@b8"]["step_s"], split["variants"]["none@b4"]["step_s"]
+    per_round = sorted((4 / h) / (8 / f) for f, h in zip(full, half))
+    h = split["config"]["model"]["hidden_size"]
+    expected = f"| {h} | {8 * split['config']['model']['seq_len'] / statistics.median(full):,.0f} |"
+    assert any(l.startswith(expected) and f"({per_round[0]:.3f}-{per_round[1]:.3f})" in l
+               for l in text["batch_split"].splitlines())
 
 
 def test_weak_scaling_simulation_from_fixture(tmp_path):

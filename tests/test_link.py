@@ -60,7 +60,7 @@ def test_emulated_collective_completes_no_earlier_than_the_link_allows():
     assert early["done"] >= late["issued"] + early["expected"] * 0.999
 
 
-def _issued(comm, seconds, start):
+def _issued(comm, seconds, start, steps=1):
     """A message as the communicator sees it once every rank has issued it."""
     import torch
 
@@ -70,7 +70,7 @@ def _issued(comm, seconds, start):
         def wait(self):
             return None
 
-    m = _LinkMessage(seconds, torch.tensor([start], dtype=torch.float64), Done())
+    m = _LinkMessage(seconds, torch.tensor([start], dtype=torch.float64), Done(), steps)
     comm._unresolved.append(m)
     return m
 
@@ -86,3 +86,22 @@ def test_fair_sharing_splits_the_link_between_messages_in_flight():
     fifo = Communicator(LinkModel(bandwidth_gbps=8.0))
     e, f = _issued(fifo, 1.0, 0.0), _issued(fifo, 1.0, 0.0)
     assert fifo._resolve(e) == pytest.approx(1.0) and fifo._resolve(f) == pytest.approx(2.0)
+
+
+def test_ring_sharing_interleaves_collectives_step_by_step():
+    """Two concurrent AllReduces on 2 ranks (2 ring steps each) finish at 1.5x and 2x one's
+    time -- the shaped-veth measurement that neither fifo (1x, 2x) nor fair (2x, 2x) gives."""
+    link = LinkModel(bandwidth_gbps=8.0, sharing="ring")
+    assert link.ring_steps("all_reduce", 2) == 2 and link.ring_steps("all_reduce", 4) == 6
+    assert link.ring_steps("all_gather", 4) == 3
+    comm = Communicator(link)
+    a, b = _issued(comm, 1.0, 0.0, steps=2), _issued(comm, 1.0, 0.0, steps=2)
+    assert comm._resolve(b) == pytest.approx(2.0) and a.deadline == pytest.approx(1.5)
+    # a later collective joins between the steps of one already on the link
+    c, d = _issued(comm, 1.0, 10.0, steps=2), _issued(comm, 0.5, 10.25, steps=2)
+    assert comm._resolve(c) == pytest.approx(11.25)  # c1 10-10.5, d1 10.5-10.75, c2 10.75-11.25
+    assert comm._resolve(d) == pytest.approx(11.5)
+    # latency is paid once, by the first step
+    lat = Communicator(LinkModel(bandwidth_gbps=8.0, latency_us=100_000, sharing="ring"))
+    e = _issued(lat, 1.1, 0.0, steps=2)
+    assert lat._resolve(e) == pytest.approx(1.1)

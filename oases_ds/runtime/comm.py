@@ -28,6 +28,10 @@ from oases_ds.parallel.collectives import Group, Pending, group_size, start_all_
 PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync")
 
 
+SHARING: tuple[str, ...] = ("fifo", "fair", "ring")
+"""How collectives in flight together share an emulated link (see ``LinkModel.sharing``)."""
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """A point-to-point link: ``bandwidth_gbps`` (gigabits/s per direction) and latency.
@@ -43,14 +47,20 @@ class LinkModel:
     """How collectives in flight together share the link.  ``fifo``: one after the
     other in issue order, as NCCL runs the collectives of one communicator.
     ``fair``: all in flight progress at once at an equal share of the bandwidth
-    (processor sharing), closer to gloo over TCP, where concurrent collectives
-    interleave on the wire."""
+    (processor sharing).  ``ring``: a collective is its ring's sequence of steps
+    (``2 (n-1)`` for an AllReduce, ``n-1`` for an AllGather, each carrying an equal
+    share of the bytes); the link serves steps first come first served, and a
+    collective's next step joins the queue only when its previous step has
+    arrived, so concurrent collectives interleave step by step -- as gloo's ring
+    algorithms do over one TCP connection.  Two concurrent 1 MiB AllReduces on
+    two ranks then finish at 1.5x and 2x one's time, which is what a tbf-shaped
+    veth link measured (fifo: 1x and 2x, fair: 2x and 2x)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
             raise ValueError(f"link.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
-        if self.sharing not in ("fifo", "fair"):
-            raise ValueError(f"link.sharing must be 'fifo' or 'fair', got {self.sharing!r}")
+        if self.sharing not in SHARING:
+            raise ValueError(f"link.sharing must be one of {', '.join(SHARING)}, got {self.sharing!r}")
         if self.latency_us < 0:
             raise ValueError(f"link.latency_us must be >= 0, got {self.latency_us}")
 
@@ -59,6 +69,10 @@ class LinkModel:
             return 0.0
         factor = 2.0 * (ranks - 1) / ranks if kind == "all_reduce" else (ranks - 1) / ranks
         return factor * nbytes
+
+    def ring_steps(self, kind: str, ranks: int) -> int:
+        """Sequential steps of the ring algorithm for ``kind`` over ``ranks`` ranks."""
+        return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
 
     def seconds(self, kind: str, nbytes: int, ranks: int) -> float:
         if ranks <= 1:
@@ -98,12 +112,14 @@ class _LinkMessage:
     """One collective on the emulated link; its start time is known only once every
     rank of the group has issued it (a MAX AllReduce of the issue times)."""
 
-    def __init__(self, seconds: float, issued: torch.Tensor, work: dist.Work) -> None:
+    def __init__(self, seconds: float, issued: torch.Tensor, work: dist.Work, steps: int = 1) -> None:
         self.seconds = seconds
+        self.steps = steps
         self.issued = issued
         self.work = work
         self.deadline: float | None = None
         self.start: float | None = None
+        self.ready: float = 0.0  # ring sharing: when this collective's next step may take the link
         self.remaining = seconds
 
 
@@ -166,7 +182,7 @@ class Communicator:
         # the emulator's scope).
         issued = torch.tensor([time.perf_counter()], dtype=torch.float64)
         work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        message = _LinkMessage(self.link.seconds(kind, nbytes, ranks), issued, work)
+        message = _LinkMessage(self.link.seconds(kind, nbytes, ranks), issued, work, self.link.ring_steps(kind, ranks))
         self._unresolved.append(message)
         return _EmulatedPending(pending, self, message)
 
@@ -176,6 +192,8 @@ class Communicator:
         about to be) by the time it waits for one of them."""
         if self.link is not None and self.link.sharing == "fair":
             return self._resolve_fair(message)
+        if self.link is not None and self.link.sharing == "ring":
+            return self._resolve_ring(message)
         while message.deadline is None:
             head = self._unresolved.pop(0)
             head.work.wait()
@@ -210,6 +228,32 @@ class Communicator:
                 m.deadline = t
                 self._active.remove(m)
         self._unresolved = waiting
+        self._clock = t
+        return message.deadline
+
+    def _resolve_ring(self, message: _LinkMessage) -> float:
+        """Ring steps served first come first served: simulate the link from ``_clock``
+        until ``message``'s last step has crossed it.  A step is ready when its
+        collective was issued (first step; it also carries the latency) or when the
+        collective's previous step arrived; ties go to the earlier-issued collective."""
+        for m in self._unresolved:
+            if m.start is None:
+                m.work.wait()
+                m.start = float(m.issued[0])
+                m.ready = m.start
+        self._active.extend(self._unresolved)
+        self._unresolved = []
+        latency = self.link.latency_us * 1e-6 if self.link is not None else 0.0
+        t = self._clock
+        while message.deadline is None:
+            m = min(self._active, key=lambda m: m.ready)  # min keeps the first (earliest issued) of equals
+            step = (m.seconds - latency) / m.steps + (latency if m.remaining == m.seconds else 0.0)
+            t = max(t, m.ready) + step
+            m.remaining -= step
+            m.ready = t
+            if m.remaining <= 1e-12 * max(m.seconds, 1.0):
+                m.deadline = t
+                self._active.remove(m)
         self._clock = t
         return message.deadline
 
