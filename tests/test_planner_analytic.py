@@ -20,8 +20,8 @@ from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
 from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
 from oases_ds.runtime.comm import LinkModel
+from test_planner_cli import ROOT, plan_cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)
 ONE_TFLOPS = DeviceModel("test", peak_tflops=2.0, achieved_fraction=0.5)  # 1e12 FLOP/s sustained
 PCIE = LinkModel(96.0, 10.0)
@@ -193,3 +193,39 @@ def test_ilp_plans_gpt_39_1b_on_pcie_3090_under_a_binding_memory_limit():
                if predict_memory_bytes(costs, Plan.uniform(8, 48, t)) <= limit]
     assert plan.predicted_step_ms <= min(fitting) + 1e-6
     assert plan.solver_ms < 20_000, plan.solver_ms  # ~1 s on the 2-core development machine
+
+
+# -- the CLI -----------------------------------------------------------------------
+def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = plan_cli("cost=analytic", "model=gpt_39_1b", "cluster=pcie_3090", "devices=8", "micro_batch=16",
+                    "layers=6", "memory_limit=22GiB", f"out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rtx3090@28.4TFLOPs,analytic|oases|8 | 6 layers | analytic:" in proc.stdout
+    assert "nothing launched" in proc.stdout and "best uniform:" in proc.stdout
+    plan = Plan.from_json(out)
+    assert plan.layers == 6 and plan.memory_bytes <= 22 * 2**30
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model=gpt_tiny", "cluster=local"),
+     "error: cost=analytic needs cluster.link and cluster.device; cluster=local has no cluster.link and no "
+     "cluster.device: pick a cluster that states both (e.g. cluster=pcie_3090) or use cost=profile"),
+    (("cluster=cpu_fixed_link",), "error: cost=analytic needs cluster.link and cluster.device; "
+                                  "cluster=cpu_fixed_link has no cluster.device:"),
+    (("cluster=pcie_3090", "devices=8", "micro_batch=8"), "error: micro_batch=8: the degree-1 share"),
+    (("cluster=pcie_3090", "mode=accuracy"), "error: mode=accuracy measures plans on this machine"),
+    (("cluster=pcie_3090", "table=costs.json"), "error: table= and cost=analytic both supply the cost table"),
+])
+def test_cli_bad_analytic_input_is_one_line(tmp_path, overrides, message):
+    proc = plan_cli("cost=analytic", *overrides, f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_unknown_cost_names_the_choices(tmp_path):
+    proc = plan_cli("cost=guess", f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: cost='guess' unknown; choose one of profile, analytic"
