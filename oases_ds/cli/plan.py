@@ -1,5 +1,8 @@
 """``oases-plan``: profile (or reuse) a layer's cost table, solve for per-block TMP degrees, write the plan.
 
+``cost=analytic`` computes the table from FLOPs, the cluster's device and its
+link instead (:mod:`oases_ds.planner.analytic`): paper-size models, no processes.
+
 Prints the plan in the shape of the paper's Table II (runs of equal layers
 collapsed), its predicted step time, the solver time, and the best uniform-degree
 plan next to it -- the baseline a plan must beat.  Hydra lives here and in
@@ -16,6 +19,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from oases_ds.cli.common import CONFIG_DIR, fail
+
+COSTS = ("profile", "analytic")
+"""Where the cost table comes from: measured on this machine, or computed for the cluster."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -59,11 +65,48 @@ def _spec(cfg: dict) -> Any:
     )
 
 
+def _device(cfg: dict) -> Any:
+    """The cluster's device for ``cost=analytic``; one line naming what is missing."""
+    from oases_ds.planner.analytic import DeviceModel
+
+    cluster = cfg["cluster"]
+    missing = [f"cluster.{key}" for key in ("link", "device") if not cluster.get(key)]
+    if missing:
+        raise ValueError(f"cost=analytic needs cluster.link and cluster.device; cluster={cluster['name']} has no "
+                         f"{' and no '.join(missing)}: pick a cluster that states both (e.g. cluster=pcie_3090) "
+                         f"or use cost=profile")
+    try:
+        return DeviceModel(**cluster["device"])
+    except TypeError as err:
+        raise ValueError(f"cluster.device: {err}; give name, peak_tflops and achieved_fraction") from None
+
+
+def _analytic(cfg: dict) -> tuple[Any, str]:
+    from oases_ds.planner.analytic import analytic_table
+
+    if cfg["planner"]["exposed"] != "model":
+        raise ValueError(f"planner.exposed={cfg['planner']['exposed']!r} needs a measured timeline; "
+                         f"cost=analytic models the exposed comm: use planner.exposed=model or cost=profile")
+    device = _device(cfg)
+    started = time.perf_counter()
+    table = analytic_table(_spec(cfg), device, cfg["layers"] or cfg["model"]["num_layers"])
+    link = cfg["cluster"]["link"]
+    return table, (f"analytic: {device.name} at {device.peak_tflops:g} TFLOP/s x {device.achieved_fraction:g}, "
+                   f"link {link['bandwidth_gbps']:g} Gbit/s + {link['latency_us']:g} us; "
+                   f"computed in {(time.perf_counter() - started) * 1e3:.1f} ms, nothing launched")
+
+
 def _load_table(cfg: dict) -> tuple[Any, str]:
     """The cost table and a line saying where it came from."""
     from oases_ds.planner.costs import CostTable
     from oases_ds.planner.profile import cache_path, profile
 
+    if cfg["cost"] not in COSTS:
+        raise ValueError(f"cost={cfg['cost']!r} unknown; choose one of {', '.join(COSTS)}")
+    if cfg["table"] and cfg["cost"] == "analytic":
+        raise ValueError("table= and cost=analytic both supply the cost table; drop one of them")
+    if cfg["cost"] == "analytic":
+        return _analytic(cfg)
     if cfg["table"]:
         table = CostTable.from_json(cfg["table"])
         if cfg["layers"]:
@@ -113,6 +156,8 @@ def run(cfg: dict) -> None:
 
     if cfg["mode"] not in ("plan", "profile", "accuracy"):
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
+    if cfg["mode"] == "accuracy" and cfg["cost"] == "analytic":
+        raise ValueError("mode=accuracy measures plans on this machine against its profile; use cost=profile")
     limit = parse_bytes("memory_limit", cfg["memory_limit"])
     table, source = _load_table(cfg)
     print(f"oases-plan: {table.key()} | {table.layers} layers | {source}", flush=True)

@@ -119,6 +119,25 @@ class _Layer(nn.Module):
             self.mlp.fc2 = RowParallelLinear(cfg.ffn, H, mlp_group, bias)
 
 
+def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
+    """Parameters one device holds of one layer's "attn" and "mlp" block at TMP degree ``degree``.
+
+    Counted on the layer itself, built on the meta device (shapes, no storage),
+    so a paper-size layer costs nothing to count and the count cannot drift from
+    the model: a parameter split over TMP ranks (``tp_dim`` set) contributes
+    ``numel / degree``, a replicated one (norms, row-parallel biases) all of it.
+    Each norm belongs to the block it normalises for.
+    """
+    cfg.check_tp(degree)
+    with torch.device("meta"):
+        layer = _Layer(cfg, None, None)
+    counts = {"attn": 0, "mlp": 0}
+    for name, param in layer.named_parameters():
+        kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
+        counts[kind] += param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()
+    return counts
+
+
 class OperatorModel(nn.Module):
     """A transformer of one family, sharded for a TMP group, with its operator sequence.
 

@@ -194,7 +194,7 @@ def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any
     from oases_ds.models.ops import CommOp, OpContext
     from oases_ds.parallel.random import RNGTracker
     from oases_ds.runtime.comm import Communicator
-    from oases_ds.schedule.generators import fine_grained_segments, layer_segments, selective_segments
+    from oases_ds.schedule.generators import held_inputs, schedule_segments
 
     comm = Communicator()
     ctx = OpContext(sub_batch, 0, sub_batch["tokens"].shape[0], 1.0, RNGTracker(spec.seed), comm, training=False)
@@ -210,24 +210,10 @@ def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any
             else:
                 acts = op.fn(ctx, acts)
     ops = model.ops
-    if spec.schedule == "none":
-        segments = []
-    elif spec.schedule == "megatron_selective":
-        segments = selective_segments(ops)
-    elif spec.schedule == "oases" and spec.options.fine_grained_recompute:
-        segments = fine_grained_segments(ops)
-    else:
-        segments = layer_segments(ops)
     saved = {kind: 0.0 for kind in BLOCK_KINDS}
-    covered: set[int] = set()
-    for seg in segments:
-        if seg.recompute:
-            covered.update(range(seg.start, seg.recompute_end))
-            if ops[seg.start].block in saved:
-                saved[ops[seg.start].block] += input_bytes[seg.start]
-    for index, op in enumerate(ops):  # kept ops hold their inputs for Backward
-        if index not in covered and op.block in saved and not isinstance(op, CommOp):
-            saved[op.block] += input_bytes[index]
+    for index in held_inputs(ops, schedule_segments(spec.schedule, ops, spec.options)):
+        if ops[index].block in saved:
+            saved[ops[index].block] += input_bytes[index]
     return saved
 
 
@@ -237,7 +223,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     import torch.distributed as dist
 
     from oases_ds.models.ops import CommOp
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.transformer import OperatorModel, layer_parameter_counts
     from oases_ds.parallel.context import ParallelContext
     from oases_ds.parallel.random import RNGTracker
     from oases_ds.runtime.comm import Communicator
@@ -319,10 +305,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
             result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
 
         # Memory and gradient sync from parameter shapes.
-        numel = {kind: 0 for kind in BLOCK_KINDS}
-        for name, param in model.named_parameters():
-            if name.startswith("layers.0."):
-                numel["attn" if "attn" in name.split(".")[2] else "mlp"] += param.numel()
+        numel = layer_parameter_counts(cfg, degree)
         saved = _checkpoint_bytes(spec, model, split_batch(batch, sub)[0], group)
         for kind in BLOCK_KINDS:
             result[f"{kind}.params"] = numel[kind]

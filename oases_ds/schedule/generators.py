@@ -140,6 +140,38 @@ def selective_segments(ops: Sequence[Op]) -> list[Segment]:
     return _cut(ops, starts, lambda a, b: a in core_set, fine=False)
 
 
+def schedule_segments(name: str, ops: Sequence[Op], options: ScheduleOptions = ScheduleOptions()) -> list[Segment]:
+    """The segments schedule ``name`` cuts ``ops`` into: the one choice
+    :func:`build_schedule` runs and the memory models (profiler, analytic costs) count."""
+    if name not in SCHEDULES:
+        raise ValueError(f"oases.schedule={name!r} unknown; choose one of {', '.join(SCHEDULES)}")
+    if name == "none":
+        return [Segment(0, len(ops), False, len(ops))]
+    if name == "megatron_selective":
+        return selective_segments(ops)
+    if name == "oases" and options.fine_grained_recompute:
+        return fine_grained_segments(ops)
+    return layer_segments(ops)
+
+
+def held_inputs(ops: Sequence[Op], segs: Sequence[Segment]) -> list[int]:
+    """Ops whose input tuple stays alive from forward to backward, increasing.
+
+    A recomputed segment keeps only its first op's input (the checkpoint Recompute
+    restarts from); a kept segment's compute ops keep theirs in the autograd graph.
+    The transient working set of a recompute is not counted: it lives for one
+    segment, not the whole step.
+    """
+    covered: set[int] = set()
+    held = []
+    for seg in segs:
+        if seg.recompute:
+            covered.update(range(seg.start, seg.recompute_end))
+            held.append(seg.start)
+    held += [i for i, op in enumerate(ops) if i not in covered and not isinstance(op, CommOp)]
+    return sorted(held)
+
+
 # -- per-sub-batch streams ------------------------------------------------------
 def _forward_stream(ops: Sequence[Op], segs: list[Segment], mb: int) -> list[_Item]:
     out: list[_Item] = []
@@ -235,16 +267,10 @@ def build_schedule(name: str, ops: Sequence[Op], options: ScheduleOptions = Sche
         raise ValueError(f"oases.schedule={name!r} unknown; choose one of {', '.join(SCHEDULES)}")
     if not ops or not getattr(ops[-1], "is_loss", False):
         raise ValueError("operator sequence must end with the loss operator")
-    if name == "none":
-        segs = [Segment(0, len(ops), False, len(ops))]
-        return Schedule(name, tuple(_passes(ops, segs, 1, True)), 1, True)
-    if name == "megatron":
-        return Schedule(name, tuple(_passes(ops, layer_segments(ops), 1, True)), 1, False)
-    if name == "megatron_selective":
-        return Schedule(name, tuple(_passes(ops, selective_segments(ops), 1, True)), 1, False)
+    segs = schedule_segments(name, ops, options)
+    if name in ("none", "megatron", "megatron_selective"):
+        return Schedule(name, tuple(_passes(ops, segs, 1, True)), 1, name == "none")
     mbs = options.sub_batches
     if name == "split_overlap":
-        return Schedule(name, tuple(_passes(ops, layer_segments(ops), mbs, False)), mbs, False)
-    fine = options.fine_grained_recompute
-    segs = fine_grained_segments(ops) if fine else layer_segments(ops)
-    return Schedule(name, tuple(_passes(ops, segs, mbs, options.cross_pass)), mbs, fine)
+        return Schedule(name, tuple(_passes(ops, segs, mbs, False)), mbs, False)
+    return Schedule(name, tuple(_passes(ops, segs, mbs, options.cross_pass)), mbs, options.fine_grained_recompute)

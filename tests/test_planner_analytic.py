@@ -1,0 +1,231 @@
+"""The analytic cost table: hand-counted FLOPs and bytes, its trends in t and link, the paper presets,
+the ILP on a paper-size table, and ``oases-plan cost=analytic`` as a user runs it.
+
+No rank processes: the table is arithmetic; only the CLI tests start one ``oases-plan`` subprocess.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.planner import analytic
+from oases_ds.planner.analytic import DeviceModel, analytic_table, block_forward_flops
+from oases_ds.planner.costs import BLOCK_KINDS
+from oases_ds.planner.dp import solve_dp
+from oases_ds.planner.plan import Plan
+from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
+from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
+from oases_ds.runtime.comm import LinkModel
+from test_planner_cli import ROOT, plan_cli
+
+SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)
+ONE_TFLOPS = DeviceModel("test", peak_tflops=2.0, achieved_fraction=0.5)  # 1e12 FLOP/s sustained
+PCIE = LinkModel(96.0, 10.0)
+RTX3090 = DeviceModel("rtx3090", 71.0, 0.4)
+PAPER_PRESETS = {"gpt_7_5b": 7.5e9, "gpt_18_4b": 18.4e9, "gpt_39_1b": 39.1e9, "bert_1_3b": 1.3e9, "llama_65b": 65.2e9}
+
+
+def preset(name: str) -> ModelConfig:
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "configs", "model", f"{name}.yaml"))))
+
+
+def table(model: ModelConfig = SMALL, devices: int = 4, micro_batch: int = 16, schedule: str = "oases",
+          link: LinkModel = PCIE, device: DeviceModel = ONE_TFLOPS, layers: int = 2):
+    spec = ProfileSpec(model=model, devices=devices, micro_batch=micro_batch, schedule=schedule, link=link,
+                       cluster="test")
+    return analytic_table(spec, device, layers)
+
+
+# -- compute ---------------------------------------------------------------------
+def test_forward_flops_match_a_hand_count():
+    H, s = 64, 16  # Megatron: 24 H^2 + 4 s H per token and layer, of which the MLP is 16 H^2
+    assert block_forward_flops(SMALL, "attn", 1, tokens=1) == 2 * H * 3 * H + 2 * 2 * s * H + 2 * H * H == 36864
+    assert block_forward_flops(SMALL, "mlp", 1, tokens=1) == 2 * 2 * H * 4 * H == 65536
+    llama = dataclasses.replace(SMALL, family="llama", ffn_size=96)
+    assert block_forward_flops(llama, "mlp", 1, tokens=1) == 3 * 2 * H * 96
+
+
+def test_flops_of_a_fixed_batch_fall_as_one_over_t_but_a_device_always_does_one_share():
+    tokens = 1000.0
+    for kind in BLOCK_KINDS:
+        one = block_forward_flops(SMALL, kind, 1, tokens)
+        for t in (2, 4):
+            assert block_forward_flops(SMALL, kind, t, tokens) == pytest.approx(one / t, rel=1e-12)
+    # The T/t replicas split the micro-batch, so per device the forward is the same at every degree.
+    costs = table(devices=4, micro_batch=16)
+    tokens_per_device = 16 / 4 * 16
+    for kind, flops in (("attn", 36864), ("mlp", 65536)):
+        for t in costs.degrees:
+            assert costs.blocks[kind][t].fwd_ms == pytest.approx(tokens_per_device * flops / 1e12 * 1e3, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule, recompute", [
+    ("oases", {"attn": 1.0, "mlp": 1.0}),          # every product is recomputed
+    ("megatron", {"attn": 1.0, "mlp": 1.0}),
+    ("none", {"attn": 0.0, "mlp": 0.0}),
+    ("megatron_selective", {"attn": 4 * 16 * 64 / 36864, "mlp": 0.0}),  # only the attention core
+])
+def test_backward_is_twice_forward_plus_what_the_schedule_recomputes(schedule, recompute):
+    costs = table(schedule=schedule)
+    for kind in BLOCK_KINDS:
+        for t in costs.degrees:
+            c = costs.blocks[kind][t]
+            assert c.bwd_ms == pytest.approx((2 + recompute[kind]) * c.fwd_ms, rel=1e-12)
+
+
+# -- memory ----------------------------------------------------------------------
+def test_state_is_sixteen_bytes_per_parameter_and_shrinks_with_t():
+    H = 64
+    costs = table()
+    for t in costs.degrees:  # q, k, v, o weights and q, k, v biases sharded; o bias and LayerNorm replicated
+        attn_params = 4 * H * H / t + 3 * H / t + H + 2 * H
+        mlp_params = 2 * 4 * H * H / t + 4 * H / t + H + 2 * H
+        assert costs.blocks["attn"][t].state_bytes == 16 * attn_params
+        assert costs.blocks["mlp"][t].state_bytes == 16 * mlp_params
+    for kind in BLOCK_KINDS:
+        states = [costs.blocks[kind][t].state_bytes for t in costs.degrees]
+        assert states == sorted(states, reverse=True) and len(set(states)) == len(states)
+
+
+def test_oases_holds_two_fp16_tensors_per_block_of_the_device_share():
+    costs = table(devices=4, micro_batch=16)
+    for t in costs.degrees:
+        tokens = 16 * t / 4 * 16  # the replica's share grows with t: activations are replicated on its t ranks
+        for kind in BLOCK_KINDS:  # (x, y) after each forward AllReduce: the fine-grained checkpoint
+            assert costs.blocks[kind][t].act_bytes == 2 * tokens * 64 * 2
+    assert costs.reshard_bytes == 16 / 2 * 16 * 64 * 2  # one sub-batch, fp16
+
+
+def test_a_paper_size_block_needs_less_memory_at_every_higher_degree():
+    costs = table(model=preset("gpt_39_1b"), devices=8, micro_batch=16, device=RTX3090, layers=48)
+    for kind in BLOCK_KINDS:
+        memory = [costs.blocks[kind][t].memory_bytes for t in costs.degrees]
+        assert all(a > b for a, b in zip(memory, memory[1:])), memory
+
+
+# -- communication ---------------------------------------------------------------
+def test_raw_allreduce_is_the_ring_formula_on_the_link():
+    costs = table(devices=4, micro_batch=16, schedule="megatron")
+    for t in costs.degrees:
+        nbytes = 16 * t / 4 * 16 * 64 * 2  # megatron: one batch, the whole share at once
+        expected = 0.0 if t == 1 else 10e-3 + 2 * (t - 1) / t * nbytes * 8 / 96e9 * 1e3
+        for kind in BLOCK_KINDS:  # synchronous: fwd AllReduce, bwd AllReduce + the recompute's repeat
+            assert costs.blocks[kind][t].comm_fwd_ms == pytest.approx(expected, rel=1e-12)
+            assert costs.blocks[kind][t].comm_bwd_ms == pytest.approx(2 * expected, rel=1e-12)
+
+
+def test_a_faster_link_lowers_tmp_comm_and_gradient_sync():
+    slow = table(schedule="megatron", link=LinkModel(10.0, 10.0))
+    fast = table(schedule="megatron", link=LinkModel(100.0, 10.0))
+    for kind in BLOCK_KINDS:
+        for t in slow.degrees:
+            s, f = slow.blocks[kind][t], fast.blocks[kind][t]
+            assert (f.comm_fwd_ms + f.comm_bwd_ms < s.comm_fwd_ms + s.comm_bwd_ms) if t > 1 else s.comm_fwd_ms == 0
+            assert (f.grad_sync_ms < s.grad_sync_ms) if t < slow.devices else s.grad_sync_ms == 0
+            assert f.fwd_ms == s.fwd_ms and f.state_bytes == s.state_bytes
+
+
+def test_oases_hides_what_megatron_exposes():
+    model = preset("gpt_7_5b")
+    oases = table(model=model, devices=8, micro_batch=16, device=RTX3090, schedule="oases")
+    megatron = table(model=model, devices=8, micro_batch=16, device=RTX3090, schedule="megatron")
+    for kind in BLOCK_KINDS:
+        for t in oases.degrees[1:]:
+            o, m = oases.blocks[kind][t], megatron.blocks[kind][t]
+            assert o.comm_fwd_ms + o.comm_bwd_ms < m.comm_fwd_ms + m.comm_bwd_ms
+
+
+def test_per_op_evidence_replays_to_the_block_compute():
+    """The per-op times kept in the table drive the step simulator; its compute lane must equal the blocks'."""
+    costs = table(schedule="megatron", devices=2, micro_batch=4)
+    for t in costs.degrees:
+        result = simulate_profiled_layer(costs, SMALL, t, PCIE)
+        blocks = sum(costs.blocks[kind][t].fwd_ms + costs.blocks[kind][t].bwd_ms for kind in BLOCK_KINDS)
+        assert result.compute_ms == pytest.approx(blocks, rel=1e-9)
+
+
+def test_an_operator_it_cannot_price_is_a_clear_error(monkeypatch):
+    shapes = analytic.op_shapes
+    monkeypatch.setattr(analytic, "op_shapes", lambda cfg, t: {k: v for k, v in shapes(cfg, t).items() if k != "core"})
+    with pytest.raises(ValueError, match=r"no FLOP/size entry for operator 'L0.core'"):
+        table()
+
+
+def test_a_spec_without_a_link_is_refused():
+    spec = ProfileSpec(model=SMALL, devices=2, micro_batch=4)
+    with pytest.raises(ValueError, match="needs a link"):
+        analytic_table(spec, RTX3090, 2)
+    with pytest.raises(ValueError, match="achieved_fraction"):
+        DeviceModel("x", 10.0, 1.5)
+
+
+# -- presets and the planner -------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PAPER_PRESETS))
+def test_paper_presets_validate_and_have_their_nominal_size(name):
+    from oases_ds.models.transformer import layer_parameter_counts
+
+    cfg = preset(name)
+    for t in (1, 2, 4, 8):
+        cfg.check_tp(t)
+    # One embedding table (the papers' counts tie input and output); positions and norms are noise here.
+    params = cfg.num_layers * sum(layer_parameter_counts(cfg).values()) + cfg.vocab_size * cfg.hidden_size
+    assert params == pytest.approx(PAPER_PRESETS[name], rel=0.03)
+
+
+def test_ilp_plans_gpt_39_1b_on_pcie_3090_under_a_binding_memory_limit():
+    from oases_ds.planner.ilp import solve
+
+    costs = table(model=preset("gpt_39_1b"), devices=8, micro_batch=16, device=RTX3090, layers=48)
+    free = solve_dp(costs, None)
+    lean = sum(min(c.memory_bytes for c in costs.blocks[kind].values()) for kind in costs.block_kinds())
+    limit = (lean + free.memory_bytes) / 2
+    assert free.memory_bytes > limit  # the limit binds
+    plan = solve(costs, limit, time_limit_s=60)
+    assert plan.layers == 48 and plan.memory_bytes <= limit
+    assert predict_memory_bytes(costs, plan) == plan.memory_bytes
+    assert predict_step_ms(costs, plan) == pytest.approx(plan.predicted_step_ms, rel=1e-6)
+    assert plan.predicted_step_ms == pytest.approx(solve_dp(costs, limit).predicted_step_ms, rel=1e-6)
+    fitting = [predict_step_ms(costs, Plan.uniform(8, 48, t)) for t in costs.degrees
+               if predict_memory_bytes(costs, Plan.uniform(8, 48, t)) <= limit]
+    assert plan.predicted_step_ms <= min(fitting) + 1e-6
+    assert plan.solver_ms < 20_000, plan.solver_ms  # ~1 s on the 2-core development machine
+
+
+# -- the CLI -----------------------------------------------------------------------
+def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = plan_cli("cost=analytic", "model=gpt_39_1b", "cluster=pcie_3090", "devices=8", "micro_batch=16",
+                    "layers=6", "memory_limit=22GiB", f"out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rtx3090@28.4TFLOPs,analytic|oases|8 | 6 layers | analytic:" in proc.stdout
+    assert "nothing launched" in proc.stdout and "best uniform:" in proc.stdout
+    plan = Plan.from_json(out)
+    assert plan.layers == 6 and plan.memory_bytes <= 22 * 2**30
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model=gpt_tiny", "cluster=local"),
+     "error: cost=analytic needs cluster.link and cluster.device; cluster=local has no cluster.link and no "
+     "cluster.device: pick a cluster that states both (e.g. cluster=pcie_3090) or use cost=profile"),
+    (("cluster=cpu_fixed_link",), "error: cost=analytic needs cluster.link and cluster.device; "
+                                  "cluster=cpu_fixed_link has no cluster.device:"),
+    (("cluster=pcie_3090", "devices=8", "micro_batch=8"), "error: micro_batch=8: the degree-1 share"),
+    (("cluster=pcie_3090", "mode=accuracy"), "error: mode=accuracy measures plans on this machine"),
+    (("cluster=pcie_3090", "table=costs.json"), "error: table= and cost=analytic both supply the cost table"),
+])
+def test_cli_bad_analytic_input_is_one_line(tmp_path, overrides, message):
+    proc = plan_cli("cost=analytic", *overrides, f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_unknown_cost_names_the_choices(tmp_path):
+    proc = plan_cli("cost=guess", f"out={tmp_path / 'p.json'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: cost='guess' unknown; choose one of profile, analytic"
