@@ -12,10 +12,12 @@ import sys
 import pytest
 
 from oases_ds.cli import bench, bench_report
+from oases_ds.cli.common import PLAN_PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bench_lines.jsonl")
-PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "experiment")) if f.endswith(".yaml"))
+ALL_PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "experiment")) if f.endswith(".yaml"))
+PRESETS = [p for p in ALL_PRESETS if p not in PLAN_PRESETS]  # oases-bench's; the planner's are run below
 SMOKE = ["model=gpt_tiny", "repeats=1", "warmup=0", "timeout_s=120"]
 
 
@@ -97,7 +99,7 @@ def test_append_jsonl_writes_whole_lines(tmp_path):
 
 def test_report_from_fixture_writes_tables_and_plots(tmp_path):
     written = bench_report.main(["--results", FIXTURE, "--out-dir", str(tmp_path),
-                                 "--validation", str(tmp_path / "absent.json")])
+                                 "--validation", str(tmp_path / "absent.json"), "--accuracy", str(tmp_path / "no.json")])
     studies = {os.path.basename(p).rsplit("-", 3)[0] for p in written}
     assert {"e2e", "batch_split", "weak_scaling", "selective"} <= studies
     e2e = next(p for p in written if os.path.basename(p).startswith("e2e-"))
@@ -155,11 +157,15 @@ def test_weak_scaling_simulation_from_fixture(tmp_path):
 
 
 def _validation(tmp_path, oases_fair_ratio: float, verdict_fair: str) -> str:
-    row = lambda fair: {**{f"{k}_{s}": v for k in ("shaped", "nominal", "probed", "probed_fair")
+    kinds = ("nominal", "probed_fifo", "probed_fair", "probed_ring")
+    row = lambda fair: {**{f"{k}_{s}": v for k in ("shaped",) + kinds
                           for s, v in (("median_s", 0.5), ("min_s", 0.4), ("max_s", 0.6))},
-                        "nominal_ratio": 0.9, "probed_ratio": 0.95, "probed_fair_ratio": fair}
-    v = {"status": "ok", "description": "fixture", "probe_s": {"65536": 0.003}, "verdict": "PASS: fifo",
-         "verdict_fair": verdict_fair, "probed_link": {"bandwidth_gbps": 0.19, "latency_us": 0.0},
+                        "nominal_ratio": 0.9, "probed_fifo_ratio": 0.95, "probed_fair_ratio": fair,
+                        "probed_ring_ratio": 0.97}
+    v = {"status": "ok", "description": "fixture", "probe_s": {"65536": 0.003}, "rate_mbit": 200, "mtu": 9000,
+         "burst_bytes": 18028, "kinds": list(kinds[:-1]) + ["probed_ring"],
+         "verdicts": {"probed_fifo": "PASS: fifo", "probed_fair": verdict_fair, "probed_ring": "PASS: ring"},
+         "probed_link": {"bandwidth_gbps": 0.19, "latency_us": 0.0},
          "schedules": {"megatron": row(1.01), "oases": row(oases_fair_ratio)},
          "host_cost": {"shaped": {"allreduce_bytes": 2 << 20, "cpu_s_per_allreduce": 0.005,
                                   "compute_slowdown_beside_allreduce": 1.33}},
@@ -171,13 +177,27 @@ def _validation(tmp_path, oases_fair_ratio: float, verdict_fair: str) -> str:
 
 def test_validation_section_states_host_cost_and_the_verdict(tmp_path):
     passed = _validation(tmp_path, 0.989, "PASS: fair, 1.1%")
-    text = "\n".join(bench_report.validation_section(passed))
+    text = "\n".join(bench_report.validation_section(passed, "fair"))
     assert "5.0 ms CPU per 2048 KiB AllReduce" in text and "1.33x slower" in text
-    assert "| `oases` | 0.328 |" in text and "Verdict: PASS: fair, 1.1%" in text
-    assert "within 1.1%" in bench_report.validation_caution(passed)[0]
+    assert "| `oases` | 0.328 |" in text and "Verdict: PASS: fair, 1.1%" in text and "Verdict: PASS: ring" in text
+    assert "probed, ring: median s (min-max)" in text
+    assert "within 1.1%" in bench_report.validation_caution(passed, "fair")[0]
+    assert "within 3.0%" in bench_report.validation_caution(passed, "ring")[0]  # worst ring ratio 0.97
     failed = _validation(tmp_path, 0.83, "FAIL: fair, 17.0%")
-    caution = bench_report.validation_caution(failed)[0]
+    caution = bench_report.validation_caution(failed, "fair")[0]
     assert "Caution" in caution and "`oases` at 0.83x" in caution
+
+
+def test_validation_files_from_before_the_ring_model_still_read(tmp_path):
+    old_row = {f"{k}_{s}": 0.5 for k in ("shaped", "nominal", "probed", "probed_fair") for s in ("median_s", "min_s", "max_s")}
+    old_row.update(nominal_ratio=0.9, probed_ratio=0.8, probed_fair_ratio=0.85)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"status": "ok", "schedules": {"oases": old_row}, "verdict": "FAIL: fifo 20%",
+                                "verdict_fair": "FAIL: fair 15%", "rate_mbit": 200, "burst_bytes": 32768}))
+    v = bench_report._load_validation(str(path))
+    assert v["kinds"] == ["nominal", "probed_fifo", "probed_fair"]
+    assert v["schedules"]["oases"]["probed_fifo_ratio"] == 0.8 and "probed_ratio" not in v["schedules"]["oases"]
+    assert "`oases` at 0.85x" in bench_report.validation_caution(str(path), "fair")[0]
 
 
 def _load_validate_link():
@@ -203,3 +223,31 @@ def test_validate_link_rejects_bad_shaping_in_one_line(args, message):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "validate_link.py"), *args],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", PLAN_PRESETS)
+def test_every_planner_preset_runs_and_reports(tmp_path, preset):
+    """`oases-plan experiment=cost_model` on the tiny model (3 plans, 1 untimed-warm-up-free round each),
+    then its report: the study a user runs, shrunk, nothing timed."""
+    acc = tmp_path / "acc.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", f"experiment={preset}", "model=gpt_tiny",
+                           "accuracy.plans=3", "accuracy.warmup=0", "accuracy.repeats=1", f"accuracy.out={acc}",
+                           f"out={tmp_path / 'plan.json'}", f"planner.cache_dir={tmp_path / 'cache'}", "timeout_s=300"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(acc.read_text())
+    assert len(result["rows"]) == 3 and result["config"]["study"] == preset and result["link"]["bandwidth_gbps"] == 0.2
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in result["rows"])
+    written = bench_report.main(["--results", FIXTURE, "--out-dir", str(tmp_path / "rep"), "--study", preset,
+                                 "--accuracy", str(acc)])
+    text = open(written[-1]).read()
+    assert f"**Spearman rank correlation, predicted vs measured: {result['spearman']:.3f}**" in text
+    assert text.count("| 1") + text.count("| 2") >= 3 and (tmp_path / "rep" / (os.path.basename(written[-1])[:-3] + "-scatter.png")).exists()
+
+
+def test_oases_bench_points_planner_presets_to_oases_plan():
+    proc = cli("experiment=cost_model")
+    assert proc.returncode == 2 and "run `oases-plan experiment=cost_model`" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -46,7 +46,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, fail
+from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
 
 REPO_ROOT = os.path.dirname(CONFIG_DIR)
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.jsonl")
@@ -393,14 +393,6 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent: launch, assemble, append ---------------------------------------------------------
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "hostname": platform.node()}
@@ -537,6 +529,10 @@ def first_point(args: list[str]) -> list[str]:
 
 def precheck(args: list[str]) -> None:
     """Compose the (first point of the) config before Hydra runs: a typo is one line, exit 2."""
+    for preset in PLAN_PRESETS:
+        if f"experiment={preset}" in args:
+            fail(f"experiment={preset} is a planner study: run `oases-plan experiment={preset}`, "
+                 f"then `oases-bench report`")
     try:
         cfg = compose_config(first_point(args))
         resolve(cfg)

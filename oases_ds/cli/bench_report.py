@@ -14,6 +14,8 @@ from rank 0's executor timeline.
 from __future__ import annotations
 
 import argparse
+import datetime
+import glob
 import json
 import os
 import statistics
@@ -34,6 +36,7 @@ STUDY_TITLES = {
     "selective": "Selective recomputation vs Oases: time and activation memory (paper Fig. 8)",
     "batch_split": "Batch-split sensitivity: compute-only throughput at full vs half micro-batch (paper Fig. 5)",
     "weak_scaling": "Weak scaling over the DP degree (paper Fig. 10)",
+    "cost_model": "Cost-model accuracy: predicted vs measured step time of different plans (paper Fig. 9)",
 }
 
 STUDY_NOTES = {
@@ -287,76 +290,120 @@ def plot_memory(records: list[dict], path: str) -> None:
 
 
 # -- the report -----------------------------------------------------------------------------------
-def validation_section(path: str) -> list[str]:
+def _load_validation(path: str) -> dict[str, Any]:
+    """A validate_link result; files from before the ring model (``probed`` = fifo,
+    ``verdict``/``verdict_fair``) are read in today's shape (``kinds``, ``verdicts``)."""
+    with open(path) as f:
+        v = json.load(f)
+    if v.get("status") == "ok" and "kinds" not in v:
+        rename = {"probed": "probed_fifo"}
+        for row in v["schedules"].values():
+            for suffix in ("s", "median_s", "min_s", "max_s", "ratio"):
+                if f"probed_{suffix}" in row:
+                    row[f"probed_fifo_{suffix}"] = row.pop(f"probed_{suffix}")
+        v["kinds"] = [k for k in ("nominal", "probed_fifo", "probed_fair")
+                      if f"{k}_ratio" in next(iter(v["schedules"].values()))]
+        v["verdicts"] = {"probed_fifo": v["verdict"], **({"probed_fair": v["verdict_fair"]} if "verdict_fair" in v else {})}
+        v["compute_busy_median_s"] = {rename.get(k, k): per for k, per in v.get("compute_busy_median_s", {}).items()}
+    return v
+
+
+def _kind_label(kind: str) -> str:
+    return "nominal rate" if kind == "nominal" else f"probed, {kind.split('_', 1)[1]}"
+
+
+def validation_section(path: str, sharing: str = "fair") -> list[str]:
+    """The emulator-vs-shaped-link comparison for the e2e report, and a line per other saved run."""
     if not os.path.exists(path):
         return ["## Link emulator vs kernel-shaped link", "",
                 f"Not run yet (`python benchmarks/validate_link.py` writes `{os.path.relpath(path, REPO_ROOT)}`).", ""]
-    with open(path) as f:
-        v = json.load(f)
+    v = _load_validation(path)
     out = ["## Link emulator vs kernel-shaped link (`benchmarks/validate_link.py`)", ""]
     if v.get("status") != "ok":
         return out + [f"Not measured: {v.get('reason', 'unknown reason')}", ""]
-    fair = "probed_fair_ratio" in next(iter(v["schedules"].values()))
+    kinds = v["kinds"]
     out += [f"{v['description']}", "",
-            "| schedule | shaped (tbf) median s (min-max) | nominal emulation median s (min-max) | nominal / shaped "
-            "| probed, fifo, median s (min-max) | probed fifo / shaped |"
-            + (" probed, fair sharing, median s (min-max) | probed fair / shaped |" if fair else ""),
-            "|---|---|---|---|---|---|" + ("---|---|" if fair else "")]
+            "| schedule | shaped (tbf) median s (min-max) | "
+            + " | ".join(f"{_kind_label(k)}: median s (min-max) | / shaped" for k in kinds) + " |",
+            "|---|---|" + "---|---|" * len(kinds)]
 
     def cell(row: dict, kind: str) -> str:
         return f"{row[kind + '_median_s']:.3f} ({row[kind + '_min_s']:.3f}-{row[kind + '_max_s']:.3f})"
 
     for name, row in v["schedules"].items():
-        out.append(f"| `{name}` | {cell(row, 'shaped')} | {cell(row, 'nominal')} | {row['nominal_ratio']:.3f} | "
-                   f"{cell(row, 'probed')} | {row['probed_ratio']:.3f} |"
-                   + (f" {cell(row, 'probed_fair')} | {row['probed_fair_ratio']:.3f} |" if fair else ""))
+        out.append(f"| `{name}` | {cell(row, 'shaped')} | "
+                   + " | ".join(f"{cell(row, k)} | {row[k + '_ratio']:.3f}" for k in kinds) + " |")
     probe = v["probed_link"]
     names = list(v["schedules"])
     if len(names) >= 2:
-        a, b = v["schedules"][names[0]], v["schedules"][names[1]]
-        out += ["", f"Speedup `{names[1]}` over `{names[0]}` (ratio of medians): " + ", ".join(
-            f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x"
-            for kind in ("shaped", "nominal", "probed") + (("probed_fair",) if fair else ()))]
+        a, b = v["schedules"][names[0]], v["schedules"][names[-1]]
+        out += ["", f"Speedup `{names[-1]}` over `{names[0]}` (ratio of medians): " + ", ".join(
+            f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x" for kind in ["shaped"] + kinds)]
     out += ["", f"AllReduce probe over the shaped link (median of 8 each): "
             + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
             + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
+    if "tbf_mean_packet_bytes" in v:
+        out[-1] += f" tbf released {v['tbf_mean_packet_bytes']:.0f} bytes per packet on average."
     if "host_cost" in v:
         out += ["", "Host CPU cost of the link (what a sleeping emulator does not charge): " + "; ".join(
             f"{kind} {h['cpu_s_per_allreduce'] * 1e3:.1f} ms CPU per {h['allreduce_bytes'] // 1024} KiB AllReduce, "
             f"a matmul loop beside it {h['compute_slowdown_beside_allreduce']:.2f}x slower"
             for kind, h in v["host_cost"].items()) + "."]
-    if "compute_busy_median_s" in v:
-        kinds = list(v["compute_busy_median_s"])
+    if v.get("compute_busy_median_s"):
+        busy = v["compute_busy_median_s"]
         out += ["", "Compute-lane busy seconds per step (rank 0, median):", "",
-                "| schedule | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-        out += [f"| `{name}` | " + " | ".join(f"{v['compute_busy_median_s'][k].get(name, float('nan')):.3f}" for k in kinds)
-                + " |" for name in names]
-    out += ["", f"Verdict: {v['verdict']}", ""]
-    if fair:
-        out += [f"Verdict: {v['verdict_fair']}", "",
-                "The measurements in this report use `emulation.sharing=fair` (recorded per measurement).", ""]
+                "| schedule | " + " | ".join(busy) + " |", "|---|" + "---|" * len(busy)]
+        out += [f"| `{name}` | " + " | ".join(f"{busy[k].get(name, float('nan')):.3f}" for k in busy) + " |"
+                for name in names]
+    out += [""] + [f"Verdict: {text}  " for text in v["verdicts"].values()]
+    out += ["", f"The measurements in this report use `emulation.sharing={sharing}` (recorded per measurement).", ""]
+    others = sorted(p for p in glob.glob(os.path.join(os.path.dirname(path), "validate_link-*.json"))
+                    if os.path.abspath(p) != os.path.abspath(path))
+    rows = []
+    for other in others:
+        o = _load_validation(other)
+        if o.get("status") == "ok":
+            rows.append(f"| `{os.path.basename(other)}` | {o['rate_mbit']:g} | {o.get('mtu', 1500)} | {o['burst_bytes']} "
+                        f"| {', '.join(o['schedules'])} | "
+                        + "; ".join(f"{k.split('_', 1)[1]} " + ", ".join(
+                            f"{n} {r[k + '_ratio']:.3f}" for n, r in o["schedules"].items())
+                            for k in o["kinds"] if k != "nominal") + " |")
+    if rows:
+        out += ["Other validation runs kept in `benchmarks/results/` (emulated / shaped median step per schedule):", "",
+                "| file | tbf Mbit/s | MTU | bucket B | schedules | probed sharing: ratio per schedule |",
+                "|---|---|---|---|---|---|"] + rows + [""]
     return out
 
 
-def validation_caution(path: str) -> list[str]:
-    """One line under the summary when the emulator-vs-shaped check found a bias."""
+def validation_caution(path: str, sharing: str = "fair") -> list[str]:
+    """One line under the summary: how far the emulator, with the sharing model this
+    report's measurements used, was from the kernel-shaped link."""
     if not os.path.exists(path):
         return ["> The link emulator has not been checked against a shaped link on this machine yet.", ""]
-    with open(path) as f:
-        v = json.load(f)
+    v = _load_validation(path)
     if v.get("status") != "ok":
         return [f"> The link emulator could not be checked against a shaped link here: {v.get('reason')}", ""]
-    key = "probed_fair_ratio" if "probed_fair_ratio" in next(iter(v["schedules"].values())) else "probed_ratio"
-    verdict = v.get("verdict_fair", v["verdict"]) if key == "probed_fair_ratio" else v["verdict"]
+    kind = f"probed_{sharing}"
+    if kind not in v["kinds"]:
+        return [f"> The link emulator's `{sharing}` sharing model was not part of the shaped-link check "
+                f"(section at the end).", ""]
+    key = kind + "_ratio"
     worst = max(v["schedules"].items(), key=lambda kv: abs(kv[1][key] - 1))
-    if verdict.startswith("PASS"):
-        return [f"> The link emulator ({'fair sharing' if key == 'probed_fair_ratio' else 'fifo'}) was checked against a "
-                f"kernel-shaped link (section at the end): step times within {abs(worst[1][key] - 1):.1%} "
-                f"(worst: `{worst[0]}`, bar 10%).", ""]
-    return [f"> **Caution**: against a kernel-shaped link (section at the end) the emulator "
-            f"({'fair sharing' if key == 'probed_fair_ratio' else 'fifo'}) ran `{worst[0]}` at "
-            f"{worst[1][key]:.2f}x the shaped step time ({verdict.split(':')[0]}); speedups of "
-            f"overlapped schedules in this report may be optimistic by that much.", ""]
+    scope = (f"{v.get('rate_mbit', 0):g} Mbit/s tbf, MTU {v.get('mtu', 1500)}, literal emulation, "
+             f"{', '.join(v['schedules'])}")
+    if v["verdicts"][kind].startswith("PASS"):
+        return [f"> The link emulator ({sharing} sharing) was checked against a kernel-shaped link ({scope}; section "
+                f"at the end): step times within {abs(worst[1][key] - 1):.1%} (worst: `{worst[0]}`, bar 10%). The "
+                f"rows above use scaled emulation at other rates, which that check does not cover directly.", ""]
+    return [f"> **Caution**: against a kernel-shaped link ({scope}; section at the end) the emulator "
+            f"({sharing} sharing) ran `{worst[0]}` at {worst[1][key]:.2f}x the shaped step time (FAIL); speedups of "
+            f"overlapped schedules in this report may be off by that much.", ""]
+
+
+def sharing_of(records: list[dict]) -> str:
+    """The emulated link's sharing model the measurements used (the commonest, if mixed)."""
+    found = [r["config"].get("emulation", {}).get("sharing", "fifo") for r in records]
+    return max(set(found), key=found.count) if found else "fair"
 
 
 def summary_table(records: list[dict]) -> list[str]:
@@ -405,7 +452,7 @@ def write_study(study: str, records: list[dict], out_dir: str, validation: str) 
     if summary:
         md += ["## Summary", ""] + summary
     if study == "e2e":
-        md += validation_caution(validation)
+        md += validation_caution(validation, sharing_of(records))
     plots = []
     if study == "batch_split":
         plot_batch_split(records, os.path.join(out_dir, f"{stem}-ratio.png"))
@@ -439,12 +486,65 @@ def write_study(study: str, records: list[dict], out_dir: str, validation: str) 
         md += record_table(r) + [""]
     md += ["## Plots", ""] + [f"![{caption}]({name})  \n*{caption}*\n" for name, caption in plots]
     if study == "e2e":
-        md += validation_section(validation)
+        md += validation_section(validation, sharing_of(records))
     path = os.path.join(out_dir, f"{stem}.md")
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(md) + "\n")
     os.replace(path + ".tmp", path)
     return path
+
+
+def write_cost_model(path: str, out_dir: str) -> str:
+    """Study (f) from ``oases-plan experiment=cost_model``'s result: the plans' table and a scatter plot."""
+    with open(path) as f:
+        acc = json.load(f)
+    when = acc.get("time") or datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc).isoformat()
+    stem = f"cost_model-{when[:10]}"
+    os.makedirs(out_dir, exist_ok=True)
+    rows, cfg = acc["rows"], acc.get("config", {})
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    for r in rows:
+        mark = "*" if r.get("is_solver_plan") else ("s" if len(set(r["attn"] + r["mlp"])) == 1 else "o")
+        ax.errorbar(r["predicted_ms"], r["measured_ms"], yerr=[[r["measured_ms"] - r["min_ms"]], [r["max_ms"] - r["measured_ms"]]],
+                    fmt=mark, ms=11 if mark == "*" else 6, color="tab:red" if mark == "*" else "tab:blue", capsize=2)
+    ax.set_xlabel("predicted step ms (cost model)")
+    ax.set_ylabel("measured step ms (median, min-max)")
+    ax.set_title(f"Spearman {acc['spearman']:.3f} over {len(rows)} plans (star: solver's, square: uniform)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{stem}-scatter.png"), dpi=110)
+    plt.close(fig)
+    model = cfg.get("model", {})
+    link = acc.get("link")
+    m = acc.get("machine", {})
+    md = [f"# {STUDY_TITLES['cost_model']}", "",
+          f"Generated by `oases-bench report` from `{os.path.relpath(path, REPO_ROOT)}` "
+          f"(`oases-plan experiment=cost_model`), measured {when}.", "",
+          "## Machine and configuration", ""]
+    if m:
+        md.append(f"- machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, Python {m.get('python')}")
+    md += [f"- code: git {acc.get('git_commit', 'unknown')[:10]}",
+           f"- model {model.get('family')} h{model.get('hidden_size')} L{model.get('num_layers')} seq "
+           f"{model.get('seq_len')}; {cfg.get('devices')} ranks; micro-batch {cfg.get('micro_batch')}; schedule "
+           f"{cfg.get('schedule', {}).get('name')}; cost table `{acc.get('table_key')}`",
+           f"- link: " + (f"EMULATED {link['bandwidth_gbps']} Gbit/s, {link.get('latency_us', 0)} us, sharing "
+                          f"{link.get('sharing', 'fifo')}" if link else "no emulation"),
+           f"- plans measured interleaved (one step each, round robin), {cfg.get('accuracy', {}).get('warmup')} warm-up "
+           f"+ {cfg.get('accuracy', {}).get('repeats')} timed rounds; median step, slowest rank", "",
+           f"**Spearman rank correlation, predicted vs measured: {acc['spearman']:.3f}** (p = {acc['p_value']:.3g}, "
+           f"{len(rows)} plans; paper Fig. 9: 0.844 / 0.876).", "",
+           "| attn degrees | mlp degrees | predicted ms | measured ms (min-max) | measured / predicted |",
+           "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["predicted_ms"]):
+        tag = " (solver's)" if r.get("is_solver_plan") else ""
+        md.append(f"| {','.join(map(str, r['attn']))}{tag} | {','.join(map(str, r['mlp']))} | {r['predicted_ms']:.1f} | "
+                  f"{r['measured_ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f}) | {r['measured_ms'] / r['predicted_ms']:.3f} |")
+    md += ["", f"![predicted vs measured]({stem}-scatter.png)", ""]
+    out = os.path.join(out_dir, f"{stem}.md")
+    with open(out + ".tmp", "w") as f:
+        f.write("\n".join(md) + "\n")
+    os.replace(out + ".tmp", out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -454,6 +554,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--out-dir", default=os.path.join(REPO_ROOT, "benchmarks", "reports"))
     parser.add_argument("--study", action="append", help="only these studies (repeatable)")
     parser.add_argument("--validation", default=os.path.join(REPO_ROOT, "benchmarks", "results", "validate_link.json"))
+    parser.add_argument("--accuracy", default=os.path.join(REPO_ROOT, "benchmarks", "results", "planner_accuracy.json"),
+                        help="oases-plan experiment=cost_model's result, for the cost_model report")
     args = parser.parse_args(argv)
     if not os.path.exists(args.results):
         print(f"error: no results at {args.results}; run oases-bench first", file=sys.stderr)
@@ -463,6 +565,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         if not args.study or r["study"] in args.study:
             by_study[r["study"]].append(r)
     written = [write_study(s, rs, args.out_dir, args.validation) for s, rs in sorted(by_study.items())]
+    if (not args.study or "cost_model" in args.study) and os.path.exists(args.accuracy):
+        written.append(write_cost_model(args.accuracy, args.out_dir))
     for path in written:
         print(f"wrote {os.path.relpath(path)}")
     return written

@@ -2,11 +2,25 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from typing import NoReturn
 
 # The repository's configs/ (the package is installed in development mode).
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+PLAN_PRESETS: tuple[str, ...] = ("cost_model",)
+"""Study presets in configs/experiment/ that ``oases-plan`` runs (the rest are ``oases-bench``'s)."""
+
+
+def git_commit() -> str:
+    """The repository's HEAD, recorded with every result so it can be reproduced."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(CONFIG_DIR), capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def fail(message: str, detail: str | None = None) -> NoReturn:

@@ -11,6 +11,7 @@ plan next to it -- the baseline a plan must beat.  Hydra lives here and in
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, fail
+from oases_ds.cli.common import CONFIG_DIR, fail, git_commit
 
 COSTS = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -193,6 +194,7 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     """Measure >= ``accuracy.plans`` plans for real and rank-correlate with the cost model."""
     import dataclasses as dc
 
+    from oases_ds.cli.bench import machine
     from oases_ds.models.config import ModelConfig
     from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
     from oases_ds.runtime.comm import LinkModel
@@ -224,7 +226,9 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
           f"{len(plans)} plans; paper: 0.844 / 0.876)")
     print(f"measured: solver plan {mine['measured_ms']:.1f} ms vs best uniform (degree {best['attn'][0]}) "
           f"{best['measured_ms']:.1f} ms -> {best['measured_ms'] / mine['measured_ms']:.3f}x")
-    result.update({"emulated_link": bool(link), "link": link, "table_key": table.key(), "config": cfg})
+    result.update({"emulated_link": bool(link), "link": link, "table_key": table.key(), "config": cfg,
+                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "git_commit": git_commit(), "machine": machine()})
     write_json_atomic(acc["out"], result)
     print(f"wrote {acc['out']}")
 
