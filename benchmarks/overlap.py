@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--bandwidth-gbps", default="auto")
     parser.add_argument("--latency-us", type=float, default=50.0)
-    parser.add_argument("--sharing", default="fair", choices=["fair", "fifo", "ring"],
-                        help="concurrent collectives share the emulated link (fair, as gloo over TCP) or queue (fifo)")
+    parser.add_argument("--sharing", default="ring", choices=["ring", "fair", "fifo"],
+                        help="how concurrent collectives share the emulated link: ring steps interleaved (as gloo "
+                             "over TCP, validated by validate_link.py), equal shares, or queued (NCCL-like)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/overlap.json")

@@ -9,40 +9,42 @@ Runs alternate shaped / emulated (the emulated runs use the same namespaces with
 the shaping removed), and per schedule the medians are compared: the emulator
 is good enough if they agree within 10%.
 
-Two emulated links are compared with the shaped one:
+The emulated runs:
 
 * **nominal**: the tbf rate converted to payload rate (tbf counts Ethernet frame
   bytes; a TCP segment on a 9000-byte MTU carries 8948 payload bytes, timestamps
   on, in a 9014-byte frame: 0.993 x the tbf rate; 0.956 x at MTU 1500), latency 0.
-* **probed**: bandwidth and per-collective latency fitted (least squares,
-  ``t = latency + wire_bytes / bandwidth``) to timed AllReduces of 64 KiB-2 MiB
-  over the shaped link -- what one would do on a real cluster with a collective
-  microbenchmark.  The fixed term captures what a pure rate model misses: gloo's
-  two ring phases, TCP slow start after idle, acknowledgements.
+* **probed_fifo / probed_fair / probed_ring**: bandwidth and per-collective
+  latency fitted (least squares, ``t = latency + wire_bytes / bandwidth``) to
+  timed AllReduces of 64 KiB-2 MiB over the shaped link -- what one would do on a
+  real cluster with a collective microbenchmark -- under each of the emulator's
+  models of how collectives in flight together share the link
+  (``LinkModel.sharing``).
 
-The emulator is good enough if the probed emulation's step times agree with the
-shaped ones within 10%.
+A sharing model is good enough if its step times agree with the shaped ones
+within 10% for every schedule.
 
 **Why jumbo frames and a two-frame bucket (the defaults).**  The veth has no
-interrupt coalescing, and tbf paces a backlogged queue one packet at a time, so
-every frame wakes the receiving gloo thread.  At MTU 1500 and a 32 KiB bucket, a
-2 MiB AllReduce over the shaped link cost a rank several times the CPU of the
-same AllReduce unshaped, and a matmul loop running beside it was 1.6-2.5x
-slower: on 2 cores that contention, not link timing, decided the overlapped
-schedules' step times.  A real NIC coalesces interrupts, offloads segmentation
-and moves the data by DMA, and cluster fabrics commonly run jumbo frames.  MTU
-9000 cuts the per-frame wake-ups six-fold.  The bucket stays small (two frames),
-because a large one lets every collective that follows idle time start with a
-free burst, which the pure rate model (rightly) does not grant.  The probe
-records the host cost on the shaped and the unshaped link (``host_cost``), so a
-run states how much CPU contention it carried.
+interrupt coalescing, so every packet tbf releases wakes the receiving gloo
+thread, and tbf cuts a GSO packet larger than its bucket into MTU-sized
+segments.  At MTU 1500 and a 32 KiB bucket a 2 MiB AllReduce over the shaped
+link cost a rank 17 ms of CPU (2.5 ms unshaped), and a matmul loop running beside
+it was 2.56x slower: on 2 cores that contention, not link timing, decided the
+overlapped schedules' step times.  A real NIC coalesces interrupts and moves the
+data by DMA, and cluster fabrics commonly run jumbo frames; MTU 9000 makes the
+segments six times larger.  The bucket stays small (two frames), because a large
+one lets every collective that follows idle time start with a free burst, which
+the rate model (rightly) does not grant.  The probe records the host cost on the
+shaped and the unshaped link (``host_cost``), so a run states how much CPU
+contention it carried.
+
 Needs root, ``ip`` and ``tc``; everything it creates (two namespaces
 ``oasesvl<pid>a/b``, one veth pair, addresses in 10.231.0.0/24 inside those
 namespaces only) is removed at the end, also on error.  Where that is not
 permitted the result file records why and nothing is compared.
 
-    python benchmarks/validate_link.py                     # 200 Mbit/s, MTU 9000, megatron + oases, 3 rounds
-    python benchmarks/validate_link.py --rate-mbit 100 --rounds 5
+    python benchmarks/validate_link.py                     # 200 Mbit/s, MTU 9000, megatron + oases, 5 rounds
+    python benchmarks/validate_link.py --rate-mbit 100 --schedules megatron,split_overlap,oases --rounds 3
     python benchmarks/validate_link.py --mtu 1500 --burst-bytes 32768   # the CPU-bound case described above
 """
 from __future__ import annotations

@@ -75,7 +75,7 @@ class LinkSchema:
 
     bandwidth_gbps: float = MISSING
     latency_us: float = 0.0
-    sharing: Optional[str] = None  # fifo (NCCL-like) or fair (gloo over TCP); None: emulation.sharing
+    sharing: Optional[str] = None  # ring | fair | fifo (LinkModel.sharing); None: emulation.sharing
 
 
 @dataclass
@@ -110,7 +110,7 @@ class ReferenceSchema:
 @dataclass
 class EmulationSchema:
     mode: str = "scaled"
-    sharing: str = "fair"  # collectives in flight together share the link (gloo over TCP); fifo = NCCL-like
+    sharing: str = "ring"  # see LinkModel.sharing: ring = gloo over TCP (validated), fair, fifo = NCCL-like
     reference: ReferenceSchema = field(default_factory=ReferenceSchema)
 
 
@@ -192,7 +192,7 @@ def resolve(cfg: dict) -> dict[str, Any]:
         raise ValueError(f"emulation.mode={mode} needs a cluster with a link; cluster={cluster['name']} has none "
                          f"(use emulation.mode=off or e.g. cluster=pcie_3090)")
     if cluster.get("link"):
-        LinkModel(**{**cluster["link"], "sharing": cluster["link"].get("sharing") or cfg["emulation"].get("sharing", "fair")})
+        LinkModel(**{**cluster["link"], "sharing": cluster["link"].get("sharing") or cfg["emulation"].get("sharing", "ring")})
     if mode == "scaled":
         if not cluster.get("device"):
             raise ValueError(f"emulation.mode=scaled needs cluster.device; cluster={cluster['name']} has none")
@@ -329,7 +329,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
     link = None
-    sharing = spec["emulation"].get("sharing", "fair")
+    sharing = spec["emulation"].get("sharing", "ring")
     if mode == "literal":
         link = LinkModel(**{**spec["cluster"]["link"], "sharing": spec["cluster"]["link"].get("sharing") or sharing})
     elif mode == "scaled":

@@ -41,8 +41,9 @@ STUDY_TITLES = {
 
 STUDY_NOTES = {
     "e2e": "Reading against the paper (1.20-1.95x over Megatron on the 3090 cluster): Oases wins where TMP "
-           "communication is comparable to compute (25 GbE here, r = 1.66), and is at or below Megatron where it is "
-           "small (NVLink pair, r = 0.031; PCIe node, r = 0.43), for three reasons visible in the tables. (1) The "
+           "communication is comparable to compute (25 GbE here, r = 1.66), gains less on the PCIe node (r = 0.43) "
+           "and nothing on the NVLink pair (r = 0.031), where it also trails `megatron_selective`, for three "
+           "reasons visible in the tables. (1) The "
            "models are h128 on one CPU thread per rank, so the overlap has little to hide and the split into two "
            "sub-batches costs arithmetic density (study batch_split: 0-4% at h128). (2) Every collective has a fixed "
            "host cost (the gloo call and the emulator's issue-time exchange), and Oases issues more of them (each "
