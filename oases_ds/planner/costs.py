@@ -23,6 +23,11 @@ SUB_BATCHES = 2
 """Sub-batches per micro-batch (DESIGN: the overlapped schedule splits each in two);
 each is resharded separately, so an edge pays its collective this many times."""
 
+COST_MODEL_VERSION = 2
+"""Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
+so a cached profile from an older model is re-profiled, never silently reused.
+2: last sub-batch's collective moved from the node to the edge cost; boundary edges."""
+
 SLICE_MS = 0.005
 """Cost of taking a local slice of a tensor: no communication, only a copy."""
 
@@ -59,6 +64,13 @@ class BlockCost:
     grad_sync_ms: float
     """All-reduce of this block's gradients across its ``T/t`` replicas; a lower
     degree means more replicas of larger shards, which is the price of less TMP traffic."""
+    comm_fwd_last_ms: float = 0.0
+    """Forward collective of the *last* sub-batch, not in the node cost: in a
+    pipelined schedule it hides behind the first sub-batch's compute of the next
+    block, so what shows depends on that block -- :func:`edge_ms` charges it."""
+    comm_bwd_last_ms: float = 0.0
+    """Backward collective of the last sub-batch, hidden behind the previous block's
+    backward (recompute + backward) of the first sub-batch; :func:`edge_ms` charges it."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -130,7 +142,7 @@ class CostTable:
 
     def key(self) -> str:
         """Identity of the profile: a table is reusable for any run sharing this key."""
-        return f"{self.model}|{self.cluster}|{self.schedule}|{self.devices}"
+        return f"{self.model}|{self.cluster}|{self.schedule}|{self.devices}|cm{COST_MODEL_VERSION}"
 
     def block_kinds(self) -> list[str]:
         """Kind of each block in execution order: attn0, mlp0, attn1, mlp1, ..."""
@@ -148,6 +160,11 @@ class CostTable:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> CostTable:
         data = read_dataclass_fields(path, cls)
+        for by_degree in data["blocks"].values():
+            for cost in by_degree.values():
+                if "comm_fwd_last_ms" not in cost:
+                    raise ValueError(f"{path}: a cost table of an older cost model (no comm_fwd_last_ms); "
+                                     f"profile again (version {COST_MODEL_VERSION})")
         data["blocks"] = {
             kind: {int(degree): BlockCost(**cost) for degree, cost in by_degree.items()}
             for kind, by_degree in data["blocks"].items()
@@ -189,3 +206,42 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
     small, big = sorted((t_from, t_to))
     gathered_bytes = table.reshard_bytes * big / table.devices
     return SUB_BATCHES * (SLICE_MS + allgather_ms(table, big // small, gathered_bytes))
+
+
+def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
+    """Edge cost between block ``block`` at ``t_from`` and block ``block + 1`` at ``t_to``.
+
+    Besides the reshard, it carries the collectives the node costs leave out
+    (:attr:`BlockCost.comm_fwd_last_ms`): with ``s`` sub-batches, block i's forward
+    collective of the last sub-batch overlaps sub-batch 0's compute of block i+1
+    (``fwd_ms / s``), and block i+1's backward collective of the last sub-batch
+    overlaps sub-batch 0's backward of block i (``bwd_ms / s``)::
+
+        compute  ..i(s0) i(s1) | i+1(s0) i+1(s1) ..
+        link          [C_i(s0)][C_i(s1)]
+
+    Only when both blocks run at the same degree: a reshard between them is a
+    segment boundary of its own, so the collective is waited for in full, after
+    which the reshard's AllGather is charged as :func:`reshard_ms` says.
+    """
+    kinds = table.block_kinds()
+    here, there = table.blocks[kinds[block]][t_from], table.blocks[kinds[block + 1]][t_to]
+    if t_from == t_to:
+        return (max(0.0, here.comm_fwd_last_ms - there.fwd_ms / SUB_BATCHES)
+                + max(0.0, there.comm_bwd_last_ms - here.bwd_ms / SUB_BATCHES))
+    return reshard_ms(table, t_from, t_to) + here.comm_fwd_last_ms + there.comm_bwd_last_ms
+
+
+def first_block_ms(table: CostTable, degree: int) -> float:
+    """Edge from the embedding (always at the full degree T) into the first block.
+
+    The embedding's compute is not in the table, so the first block's last backward
+    collective is charged in full, as at a reshard."""
+    first = table.blocks[table.block_kinds()[0]][degree]
+    return reshard_ms(table, table.devices, degree) + first.comm_bwd_last_ms
+
+
+def last_block_ms(table: CostTable, degree: int) -> float:
+    """Edge from the last block into the head (always at the full degree T); see :func:`first_block_ms`."""
+    last = table.blocks[table.block_kinds()[-1]][degree]
+    return reshard_ms(table, degree, table.devices) + last.comm_fwd_last_ms

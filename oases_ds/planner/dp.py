@@ -25,7 +25,7 @@ import bisect
 import time
 from typing import Sequence
 
-from oases_ds.planner.costs import CostTable, reshard_ms
+from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.simulate import check_memory_feasible, sequence_memory_bytes, sequence_step_ms
 
@@ -88,8 +88,11 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None) ->
     kinds = table.block_kinds()
     degrees = table.degrees
     node = [{t: table.blocks[kind][t].step_ms for t in degrees} for kind in kinds]
+    for t in degrees:  # the edges from the embedding and into the head depend on one block each
+        node[0][t] += first_block_ms(table, t)
+        node[-1][t] += last_block_ms(table, t)
     mem = [{t: table.blocks[kind][t].memory_bytes for t in degrees} for kind in kinds]
-    edge = {(a, t): reshard_ms(table, a, t) for a in degrees for t in degrees}
+    edge = [{(a, t): edge_ms(table, block, a, t) for a in degrees for t in degrees} for block in range(len(kinds) - 1)]
     lean_rest = _suffix_minima([min(m.values()) for m in mem])
     cheap_rest = _suffix_minima([min(c.values()) for c in node])
     limit = float("inf") if memory_limit_bytes is None else memory_limit_bytes * (1 + MEMORY_REL_EPS)
@@ -113,7 +116,7 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None) ->
             cost_bound = incumbent - node[block][t] - cheap_rest[block + 1]
             for a in degrees:
                 source = previous[a]
-                step = edge[a, t]
+                step = edge[block - 1][a, t]
                 for index, (memory, cost) in enumerate(zip(source.memory, source.cost)):
                     if memory > memory_bound:
                         break  # memory ascending: the rest are fatter still

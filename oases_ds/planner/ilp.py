@@ -9,7 +9,9 @@ plain Python.  Formulation, with blocks b = attn0, mlp0, attn1, mlp1, ...:
   ``sum_t switch[b][a][t] = choose[b][a]`` and ``sum_a switch[b][a][t] = choose[b+1][t]``,
   tighter than the textbook ``y >= x1 + x2 - 1``: without the memory row the LP
   is a shortest path through a layered graph and already integral.
-* minimise sum of node costs (``BlockCost.step_ms``) + edge costs (``reshard_ms``),
+* minimise sum of node costs (``BlockCost.step_ms``, plus the embedding and head
+  edges on the first and last block) + edge costs (``edge_ms``: reshard and the last
+  sub-batch's collectives),
   subject to sum of per-block memory <= limit.
 
 Why a memory bound makes it slow: the LP may split every block between two
@@ -35,7 +37,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from oases_ds.planner.costs import CostTable, reshard_ms
+from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.simulate import check_memory_feasible, sequence_memory_bytes
 
@@ -94,11 +96,14 @@ def solve(
             solver.Add(solver.Sum(pairs[a, degree] for a in degrees) == choose[block + 1][degree])
         switch.append(pairs)
 
+    last = len(kinds) - 1
     node_cost = solver.Sum(
-        table.blocks[kind][t].step_ms * choose[block][t] for block, kind in enumerate(kinds) for t in degrees
+        (table.blocks[kind][t].step_ms + (first_block_ms(table, t) if block == 0 else 0.0)
+         + (last_block_ms(table, t) if block == last else 0.0)) * choose[block][t]
+        for block, kind in enumerate(kinds) for t in degrees
     )
     edge_cost = solver.Sum(
-        reshard_ms(table, a, t) * var for pairs in switch for (a, t), var in pairs.items() if a != t
+        edge_ms(table, block, a, t) * var for block, pairs in enumerate(switch) for (a, t), var in pairs.items()
     )
     solver.Minimize(node_cost + edge_cost)
 

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms
-from oases_ds.planner.costs import BLOCK_KINDS, BlockCost, CostTable
+from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms, pipelined_comm_ms
+from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, BlockCost, CostTable
 from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
 
@@ -131,7 +131,7 @@ class ProfileSpec:
 
     def key(self) -> str:
         """Equal to :meth:`CostTable.key` of the table this spec produces."""
-        return f"{self.model_label()}|{self.cluster_label()}|{self.schedule_label()}|{self.devices}"
+        return f"{self.model_label()}|{self.cluster_label()}|{self.schedule_label()}|{self.devices}|cm{COST_MODEL_VERSION}"
 
 
 def cache_path(cache_dir: str | Path, key: str) -> Path:
@@ -350,8 +350,8 @@ def table_from_measurements(
                 comm_fwd_ms=rank0[f"{kind}.collectives_fwd"] * sub * ar_ms,
                 comm_bwd_ms=rank0[f"{kind}.collectives_bwd"] * sub * ar_ms,
             )
-            measured = (get("exposed_fwd"), get("exposed_bwd"))
-            modelled = exposed_comm_ms(timing, spec.schedule, sub)
+            measured = (get("exposed_fwd"), get("exposed_bwd"), 0.0, 0.0)  # the timeline saw the whole layer
+            modelled = pipelined_comm_ms(timing, spec.schedule, sub)
             exposed = modelled if spec.exposed == "model" else measured
             blocks[kind][degree] = BlockCost(
                 fwd_ms=timing.fwd_ms,
@@ -361,11 +361,14 @@ def table_from_measurements(
                 state_bytes=rank0[f"{kind}.state_bytes"],
                 act_bytes=rank0[f"{kind}.act_bytes"],
                 grad_sync_ms=get("grad_sync_ms"),
+                comm_fwd_last_ms=exposed[2],
+                comm_bwd_last_ms=exposed[3],
             )
             evidence[str(degree)]["blocks"][kind] = {
                 **dataclasses.asdict(timing),
-                "exposed_measured_ms": list(measured),
+                "exposed_measured_ms": list(measured[:2]),
                 "exposed_modelled_ms": list(modelled),
+                "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule, sub)),
                 "params_per_device": rank0[f"{kind}.params"],
             }
     top = spec.devices

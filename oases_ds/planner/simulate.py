@@ -9,15 +9,17 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from oases_ds.planner.costs import CostTable, reshard_ms
+from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 
 
 def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
-    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...)."""
+    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...): node costs, the
+    edges between neighbouring blocks, and the edges from the embedding and into the head."""
     nodes = sum(table.blocks[kind][degree].step_ms for kind, degree in zip(table.block_kinds(), block_degrees))
-    edges = sum(reshard_ms(table, a, b) for a, b in zip(block_degrees, block_degrees[1:]))
-    return nodes + edges
+    edges = sum(edge_ms(table, i, a, b) for i, (a, b) in enumerate(zip(block_degrees, block_degrees[1:])))
+    ends = first_block_ms(table, block_degrees[0]) + last_block_ms(table, block_degrees[-1])
+    return nodes + edges + ends
 
 
 def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> float:
