@@ -119,9 +119,9 @@ class VethPair:
                "burst", str(burst_bytes), "latency", "200ms")
 
     def sent(self) -> dict[str, int]:
-        """Bytes and packets both tbf qdiscs have sent since shaping: their ratio is the size of
-        what the shaper released one at a time (tbf cuts a GSO packet larger than its bucket
-        into MTU-sized segments)."""
+        """Bytes and packets both tbf qdiscs have sent since shaping.  The kernel counts a GSO
+        packet as its segments, and both directions (acknowledgements too) are summed, so the
+        ratio is the mean *frame* on the wire, not the size of what tbf released at once."""
         total = {"bytes": 0, "packets": 0}
         for ns, dev in zip(self.ns, self.dev):
             for q in json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev, "root")):
@@ -319,8 +319,8 @@ def main() -> None:
                           host_cost={"shaped": probe["host_cost"], "unshaped": unshaped["host_cost"]},
                           tbf_mean_packet_bytes=sent["bytes"] / max(sent["packets"], 1))
             print(f"probe over tbf {args.rate_mbit:g} Mbit/s: fitted {gbps * 1000:.1f} Mbit/s, {latency_us:.0f} us per "
-                  f"AllReduce (nominal payload rate {nominal_gbps * 1000:.1f} Mbit/s); tbf released "
-                  f"{result['tbf_mean_packet_bytes']:.0f} bytes per packet on average", flush=True)
+                  f"AllReduce (nominal payload rate {nominal_gbps * 1000:.1f} Mbit/s); mean frame through tbf "
+                  f"{result['tbf_mean_packet_bytes']:.0f} bytes (both directions)", flush=True)
             for kind, host in result["host_cost"].items():
                 print(f"host cost, {kind} link: {host['cpu_s_per_allreduce'] * 1e3:.1f} ms CPU per "
                       f"{host['allreduce_bytes'] // 1024} KiB AllReduce, compute beside it "
@@ -344,9 +344,11 @@ def main() -> None:
     except Unavailable as err:
         print(f"link validation not run: {err}", file=sys.stderr)
         previous = None
-        if os.path.exists(args.out):
+        try:
             with open(args.out) as f:
                 previous = json.load(f).get("status")
+        except (OSError, ValueError):  # absent or unreadable: nothing worth keeping
+            previous = None
         if previous == "ok":  # never replace a measured comparison by a record that nothing was measured
             print(f"kept the earlier measurement in {args.out}", file=sys.stderr)
         else:

@@ -118,7 +118,7 @@ def test_report_numbers_are_per_round_ratios_of_the_fixture(tmp_path):
     """The summary and batch-split tables quote the median of per-round ratios, computed here by hand."""
     lines = [json.loads(l) for l in open(FIXTURE)]
     written = bench_report.main(["--results", FIXTURE, "--out-dir", str(tmp_path),
-                                 "--validation", str(tmp_path / "absent.json")])
+                                 "--validation", str(tmp_path / "absent.json"), "--accuracy", str(tmp_path / "no.json")])
     text = {os.path.basename(p).rsplit("-", 3)[0]: open(p).read() for p in written}
     e2e = next(r for r in lines if r["study"] == "e2e" and r["config"]["cluster"]["name"] == "eth_25g")
     ratios = sorted(m / o for m, o in zip(e2e["variants"]["megatron"]["step_s"], e2e["variants"]["oases"]["step_s"]))
@@ -244,10 +244,19 @@ def test_every_planner_preset_runs_and_reports(tmp_path, preset):
                                  "--accuracy", str(acc)])
     text = open(written[-1]).read()
     assert f"**Spearman rank correlation, predicted vs measured: {result['spearman']:.3f}**" in text
-    assert text.count("| 1") + text.count("| 2") >= 3 and (tmp_path / "rep" / (os.path.basename(written[-1])[:-3] + "-scatter.png")).exists()
+    plan_rows = [l for l in text.splitlines() if l.startswith("| ") and l[2].isdigit()]
+    assert len(plan_rows) == 3 and (tmp_path / "rep" / (os.path.basename(written[-1])[:-3] + "-scatter.png")).exists()
 
 
-def test_oases_bench_points_planner_presets_to_oases_plan():
-    proc = cli("experiment=cost_model")
+@pytest.mark.parametrize("args", [["experiment=cost_model"], ["--multirun", "experiment=e2e,cost_model"]])
+def test_oases_bench_points_planner_presets_to_oases_plan(args):
+    proc = cli(*args)
     assert proc.returncode == 2 and "run `oases-plan experiment=cost_model`" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_oases_plan_points_bench_presets_to_oases_bench(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", "experiment=e2e", f"out={tmp_path / 'p.json'}"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "run `oases-bench --multirun experiment=e2e`" in proc.stderr
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / ".oases").exists()  # refused before profiling

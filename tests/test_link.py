@@ -105,3 +105,22 @@ def test_ring_sharing_interleaves_collectives_step_by_step():
     lat = Communicator(LinkModel(bandwidth_gbps=8.0, latency_us=100_000, sharing="ring"))
     e = _issued(lat, 1.1, 0.0, steps=2)
     assert lat._resolve(e) == pytest.approx(1.1)
+
+
+def test_a_settled_deadline_waits_for_no_later_collective():
+    """Once a simulation has settled a message, waiting for it must not block on the issue-time
+    exchange of collectives issued after it (peers may not have issued those yet)."""
+    import torch
+
+    from oases_ds.runtime.comm import _LinkMessage
+
+    class Unissued:
+        def wait(self):
+            raise AssertionError("blocked on a later collective's issue-time exchange")
+
+    for sharing in ("fair", "ring"):
+        comm = Communicator(LinkModel(bandwidth_gbps=8.0, sharing=sharing))
+        a, b = _issued(comm, 1.0, 0.0, steps=2), _issued(comm, 1.0, 0.0, steps=2)
+        comm._resolve(b)  # settles a as well
+        comm._unresolved.append(_LinkMessage(1.0, torch.tensor([5.0], dtype=torch.float64), Unissued(), 2))
+        assert comm._resolve(a) == a.deadline

@@ -329,9 +329,10 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
     link = None
-    sharing = spec["emulation"].get("sharing", "ring")
+    cluster_link = spec["cluster"].get("link") or {}
+    sharing = cluster_link.get("sharing") or spec["emulation"].get("sharing", "ring")  # the profile's, else the bench's
     if mode == "literal":
-        link = LinkModel(**{**spec["cluster"]["link"], "sharing": spec["cluster"]["link"].get("sharing") or sharing})
+        link = LinkModel(**{**cluster_link, "sharing": sharing})
     elif mode == "scaled":
         calib_variant = {"schedule": "megatron", "sub_batches": 1, "cross_pass": True, "fine_grained_recompute": True}
         probe, _ = build(calib_variant, None)
@@ -529,10 +530,12 @@ def first_point(args: list[str]) -> list[str]:
 
 def precheck(args: list[str]) -> None:
     """Compose the (first point of the) config before Hydra runs: a typo is one line, exit 2."""
-    for preset in PLAN_PRESETS:
-        if f"experiment={preset}" in args:
-            fail(f"experiment={preset} is a planner study: run `oases-plan experiment={preset}`, "
-                 f"then `oases-bench report`")
+    for arg in args:
+        key, _, values = arg.partition("=")
+        for preset in PLAN_PRESETS:
+            if key.lstrip("+~") == "experiment" and preset in values.split(","):
+                fail(f"experiment={preset} is a planner study: run `oases-plan experiment={preset}`, "
+                     f"then `oases-bench report`")
     try:
         cfg = compose_config(first_point(args))
         resolve(cfg)

@@ -313,7 +313,7 @@ def _kind_label(kind: str) -> str:
     return "nominal rate" if kind == "nominal" else f"probed, {kind.split('_', 1)[1]}"
 
 
-def validation_section(path: str, sharing: str = "fair") -> list[str]:
+def validation_section(path: str, sharing: str = "ring") -> list[str]:
     """The emulator-vs-shaped-link comparison for the e2e report, and a line per other saved run."""
     if not os.path.exists(path):
         return ["## Link emulator vs kernel-shaped link", "",
@@ -344,7 +344,8 @@ def validation_section(path: str, sharing: str = "fair") -> list[str]:
             + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
             + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
     if "tbf_mean_packet_bytes" in v:
-        out[-1] += f" tbf released {v['tbf_mean_packet_bytes']:.0f} bytes per packet on average."
+        out[-1] += (f" Mean frame through the two tbf qdiscs during the probe: {v['tbf_mean_packet_bytes']:.0f} bytes "
+                    f"(both directions, acknowledgements included).")
     if "host_cost" in v:
         out += ["", "Host CPU cost of the link (what a sleeping emulator does not charge): " + "; ".join(
             f"{kind} {h['cpu_s_per_allreduce'] * 1e3:.1f} ms CPU per {h['allreduce_bytes'] // 1024} KiB AllReduce, "
@@ -376,7 +377,7 @@ def validation_section(path: str, sharing: str = "fair") -> list[str]:
     return out
 
 
-def validation_caution(path: str, sharing: str = "fair") -> list[str]:
+def validation_caution(path: str, sharing: str = "ring") -> list[str]:
     """One line under the summary: how far the emulator, with the sharing model this
     report's measurements used, was from the kernel-shaped link."""
     if not os.path.exists(path):
@@ -403,8 +404,8 @@ def validation_caution(path: str, sharing: str = "fair") -> list[str]:
 
 def sharing_of(records: list[dict]) -> str:
     """The emulated link's sharing model the measurements used (the commonest, if mixed)."""
-    found = [r["config"].get("emulation", {}).get("sharing", "fifo") for r in records]
-    return max(set(found), key=found.count) if found else "fair"
+    found = [r["link_emulation"]["sharing"] for r in records if r.get("link_emulation", {}).get("sharing")]
+    return max(set(found), key=found.count) if found else "ring"
 
 
 def summary_table(records: list[dict]) -> list[str]:

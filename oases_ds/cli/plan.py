@@ -19,7 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, fail, git_commit
+from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
 
 COSTS = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -155,6 +155,9 @@ def run(cfg: dict) -> None:
     from oases_ds.planner.plan import PlanInfeasibleError
     from oases_ds.planner.profile import profile_rows
 
+    if cfg.get("study") not in (None, *PLAN_PRESETS):
+        raise ValueError(f"experiment={cfg['study']} is an oases-bench study: run `oases-bench --multirun "
+                         f"experiment={cfg['study']}`; oases-plan takes {', '.join(PLAN_PRESETS)}")
     if cfg["mode"] not in ("plan", "profile", "accuracy"):
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
     if cfg["mode"] == "accuracy" and cfg["cost"] == "analytic":

@@ -190,6 +190,8 @@ class Communicator:
         """Deadline of ``message``.  Every rank issues a group's collectives in the same
         order, so the issue times of everything this rank issued so far are known (or
         about to be) by the time it waits for one of them."""
+        if message.deadline is not None:  # settled while simulating an earlier wait: block on nobody
+            return message.deadline
         if self.link is not None and self.link.sharing == "fair":
             return self._resolve_fair(message)
         if self.link is not None and self.link.sharing == "ring":
