@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, simulate_step
+from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import ScheduleOptions, build_schedule
 from test_schedules import block_ops
@@ -100,3 +100,31 @@ def test_one_sub_batch_hides_nothing_and_bad_names_fail():
         exposed_comm_ms(TIMING, "gpipe")
     with pytest.raises(ValueError, match="BlockTiming.fwd_ms must be >= 0"):
         BlockTiming(-1.0, 0, 0, 0, 0)
+
+
+# fwd 4, recompute 3, backward 5; collectives 10 forward, 12 backward (both sub-batches).
+SLOW_LINK_TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=10.0, comm_bwd_ms=12.0)
+
+
+@pytest.mark.parametrize(
+    "schedule, sub_batches, expected",
+    [
+        # node: 1/2 * (10 - 4) forward, 1/2 * (12 - 3 - 5) backward; last sub-batch's 10/2, 12/2 to the edge
+        ("oases", 2, (3.0, 2.0, 5.0, 6.0)),
+        # 3/4 * (10 - 4), 3/4 * (12 - 8); a quarter of each collective to the edge
+        ("oases", 4, (4.5, 3.0, 2.5, 3.0)),
+        # forward as oases; backward not pipelined across blocks: (10 - 3/2) + (12 - 5/2), nothing to the edge
+        ("split_overlap", 2, (3.0, 18.0, 5.0, 0.0)),
+        # blocking schedules and one sub-batch keep the whole-block form, nothing to the edge
+        ("megatron", 2, (10.0, 22.0, 0.0, 0.0)),
+        ("oases", 1, (10.0, 12.0, 0.0, 0.0)),
+    ],
+)
+def test_pipelined_comm_by_schedule(schedule, sub_batches, expected):
+    assert pipelined_comm_ms(SLOW_LINK_TIMING, schedule, sub_batches) == pytest.approx(expected)
+
+
+def test_pipelined_comm_hides_fully_when_compute_covers_it():
+    fast_link = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=2.0, comm_bwd_ms=6.0)
+    # nothing left on the node; the last sub-batch's collective still goes to the edge
+    assert pipelined_comm_ms(fast_link, "oases", 2) == pytest.approx((0.0, 0.0, 1.0, 3.0))

@@ -6,7 +6,7 @@ import pytest
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.plan import PlanInfeasibleError
-from oases_ds.planner.simulate import brute_force, predict_memory_bytes, predict_step_ms
+from oases_ds.planner.simulate import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 from test_planner_ilp import REL_TOL, memory_extremes, random_table
 
 
@@ -25,7 +25,7 @@ def test_dp_equals_brute_force(seed):
         dp, oracle = solve_dp(table, limit), brute_force(table, limit)
         assert dp.predicted_step_ms == pytest.approx(oracle.predicted_step_ms, rel=REL_TOL)
         assert dp.predicted_step_ms == pytest.approx(predict_step_ms(table, dp), rel=1e-12)
-        assert limit is None or predict_memory_bytes(table, dp) <= limit * (1 + 1e-12)
+        assert fits_memory(predict_memory_bytes(table, dp), limit)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -62,6 +62,7 @@ def test_key_separates_links_and_schedule_ablations():
     base = ProfileSpec(model=TINY, devices=2, micro_batch=4)
     slow = ProfileSpec(model=TINY, devices=2, micro_batch=4, link=LinkModel(10.0, 50.0))
     ablated = ProfileSpec(model=TINY, devices=2, micro_batch=4, options=ScheduleOptions(cross_pass=False))
-    assert len({base.key(), slow.key(), ablated.key()}) == 3
-    assert "@10Gbps+50us" in slow.key()
+    ring = ProfileSpec(model=TINY, devices=2, micro_batch=4, link=LinkModel(10.0, 50.0, sharing="ring"))
+    assert len({base.key(), slow.key(), ablated.key(), ring.key()}) == 4  # the sharing model changes every wait
+    assert "@10Gbps+50us,fifo" in slow.key() and "@10Gbps+50us,ring" in ring.key()
     assert base.key() == ProfileSpec(model=TINY.__class__(**{**TINY.to_dict(), "num_layers": 9}), devices=2, micro_batch=4).key()

@@ -27,12 +27,13 @@ from typing import Sequence
 
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.simulate import check_memory_feasible, sequence_memory_bytes, sequence_step_ms
-
-# Plans whose memory totals differ by float rounding only are treated as equal
-# (relative); far below any byte count a profile can tell apart.
-MEMORY_REL_EPS = 1e-12
-
+from oases_ds.planner.simulate import (
+    MEMORY_REL_EPS,
+    check_memory_feasible,
+    fits_memory,
+    sequence_memory_bytes,
+    sequence_step_ms,
+)
 
 class _Front:
     """Pareto front of labels (memory, cost, back-pointer), memory ascending, cost strictly descending."""
@@ -73,7 +74,7 @@ def _greedy_incumbent(table: CostTable, limit: float | None) -> float:
     for attn in table.degrees:
         for mlp in table.degrees:
             sequence = [attn if kind == "attn" else mlp for kind in kinds]
-            if limit is None or sequence_memory_bytes(table, sequence) <= limit:
+            if fits_memory(sequence_memory_bytes(table, sequence), limit):
                 best = min(best, sequence_step_ms(table, sequence))
     lean = [min(table.degrees, key=lambda t: table.blocks[kind][t].memory_bytes) for kind in kinds]
     return min(best, sequence_step_ms(table, lean))

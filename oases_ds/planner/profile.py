@@ -127,7 +127,9 @@ class ProfileSpec:
     def cluster_label(self) -> str:
         if self.link is None:
             return self.cluster
-        return f"{self.cluster}@{self.link.bandwidth_gbps:g}Gbps+{self.link.latency_us:g}us"
+        # The sharing model changes every overlapped wait, so a table measured under
+        # another one must not be reused.
+        return f"{self.cluster}@{self.link.bandwidth_gbps:g}Gbps+{self.link.latency_us:g}us,{self.link.sharing}"
 
     def key(self) -> str:
         """Equal to :meth:`CostTable.key` of the table this spec produces."""

@@ -12,6 +12,18 @@ from typing import Sequence
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 
+MEMORY_REL_EPS = 1e-12
+"""Plans whose memory totals differ by float rounding only are treated as equal
+(relative): the same blocks summed in another order can land one ulp above a limit
+they meet exactly.  Far below any byte count a profile can tell apart; the ILP's own
+feasibility tolerance is looser still."""
+
+
+def fits_memory(memory_bytes: float, memory_limit_bytes: float | None) -> bool:
+    """Whether a plan's memory meets the limit, up to :data:`MEMORY_REL_EPS`: the one
+    test of the limit shared by the DP, the brute-force oracle and the tests."""
+    return memory_limit_bytes is None or memory_bytes <= memory_limit_bytes * (1 + MEMORY_REL_EPS)
+
 
 def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
     """Objective of a block-degree sequence (attn0, mlp0, attn1, ...): node costs, the
@@ -70,7 +82,7 @@ def brute_force(table: CostTable, memory_limit_bytes: float | None) -> Plan:
     feasible = (
         sequence
         for sequence in itertools.product(table.degrees, repeat=2 * table.layers)
-        if memory_limit_bytes is None or sequence_memory_bytes(table, sequence) <= memory_limit_bytes
+        if fits_memory(sequence_memory_bytes(table, sequence), memory_limit_bytes)
     )
     best = min(feasible, key=lambda sequence: sequence_step_ms(table, sequence))
     return Plan.from_block_degrees(
