@@ -31,7 +31,8 @@ hidden size ``H``, MLP width ``F``, sequence ``s``, micro-batch ``B`` split into
   (``n/k x H`` fp16) on the ``t`` ranks, timed by the runtime's
   :class:`~oases_ds.runtime.comm.LinkModel` (the emulator's model), times the
   block's forward / backward collectives and ``k``.  What the schedule leaves
-  *exposed* comes from :func:`~oases_ds.planner.costmodel.exposed_comm_ms`,
+  *exposed* -- inside the block and, for the last sub-batch, on the edge to the
+  next block -- comes from :func:`~oases_ds.planner.costmodel.pipelined_comm_ms`,
   exactly as the profiler's default ``exposed=model``.
 * **Gradient sync**: a ring AllReduce of the block's per-device gradients (fp16)
   over its ``T/t`` replicas, on the same link.
@@ -59,7 +60,7 @@ Assumptions (stated, not measured):
 * Embedding and head are outside the table, as in a profile.
 * Oases ablations (``cross_pass`` or ``fine_grained_recompute`` off) get their own
   recompute and memory, but their exposed communication is priced as full Oases'
-  by :func:`~oases_ds.planner.costmodel.exposed_comm_ms`, as in a profile with
+  by :func:`~oases_ds.planner.costmodel.pipelined_comm_ms`, as in a profile with
   ``exposed=model``.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ from dataclasses import dataclass
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import CommOp, Op
-from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms
+from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, BlockCost, CostTable
 from oases_ds.planner.profile import ProfileSpec
 
@@ -240,7 +241,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                 comm_fwd_ms=n_fwd * sub * allreduce_ms,
                 comm_bwd_ms=n_bwd * sub * allreduce_ms,
             )
-            exposed = exposed_comm_ms(timing, spec.schedule, sub)
+            exposed = pipelined_comm_ms(timing, spec.schedule, sub)
             held_elements = sum(shape.input_elements for i, shape in mine.items() if i in held)
             blocks[kind][degree] = BlockCost(
                 fwd_ms=timing.fwd_ms,
@@ -250,6 +251,8 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                 state_bytes=float(params[kind] * STATE_BYTES_PER_PARAM),
                 act_bytes=held_elements * tokens * ACTIVATION_BYTES,
                 grad_sync_ms=link.seconds("all_reduce", params[kind] * GRADIENT_BYTES, T // degree) * 1e3,
+                comm_fwd_last_ms=exposed[2],
+                comm_bwd_last_ms=exposed[3],
             )
             evidence[str(degree)]["blocks"][kind] = {
                 **dataclasses.asdict(timing),

@@ -202,14 +202,19 @@ class Communicator:
             head.deadline = self.reserve(head.seconds, now=float(head.issued[0]))
         return message.deadline
 
+    def _learn_starts(self) -> None:
+        """Wait for the issue-time exchange of everything issued so far: a message starts
+        when its last rank issued it (and its first ring step is ready then)."""
+        for m in self._unresolved:
+            if m.start is None:
+                m.work.wait()
+                m.start = m.ready = float(m.issued[0])
+
     def _resolve_fair(self, message: _LinkMessage) -> float:
         """Processor sharing: simulate the link from ``_clock`` -- messages join when
         issued (by their last rank) and every message on the link progresses at
         ``1/len(active)`` of the bandwidth -- until ``message`` has crossed it."""
-        for m in self._unresolved:
-            if m.start is None:
-                m.work.wait()
-                m.start = float(m.issued[0])
+        self._learn_starts()
         waiting = sorted(self._unresolved, key=lambda m: m.start)
         self._unresolved = []
         t = self._clock
@@ -238,11 +243,7 @@ class Communicator:
         until ``message``'s last step has crossed it.  A step is ready when its
         collective was issued (first step; it also carries the latency) or when the
         collective's previous step arrived; ties go to the earlier-issued collective."""
-        for m in self._unresolved:
-            if m.start is None:
-                m.work.wait()
-                m.start = float(m.issued[0])
-                m.ready = m.start
+        self._learn_starts()
         self._active.extend(self._unresolved)
         self._unresolved = []
         latency = self.link.latency_us * 1e-6 if self.link is not None else 0.0
