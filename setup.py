@@ -9,6 +9,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["oases_ds", "oases_ds.*", "lightning_strategy", "lightning_strategy.*"]),
+    # The Hydra configs travel inside the package so the CLIs work from a wheel, not only a clone.
+    package_data={"oases_ds": ["configs/*.yaml", "configs/*/*.yaml"]},
+    include_package_data=True,
     install_requires=[
         # torch is not pinned here: GPU users bring their CUDA build, CPU users take the [cpu] extra.
         "torch>=2.1",
@@ -18,6 +21,7 @@ setup(
         "hydra-core>=1.3,<1.4",
         "pydantic>=2",
         "numpy",
+        "scipy",  # the planner's cost-model accuracy study (Spearman rank correlation)
         "matplotlib",
     ],
     extras_require={

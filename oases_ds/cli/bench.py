@@ -46,9 +46,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
+from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, REPO_ROOT, fail, git_commit
 
-REPO_ROOT = os.path.dirname(CONFIG_DIR)
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.jsonl")
 EMULATION_MODES = ("scaled", "literal", "off")
 

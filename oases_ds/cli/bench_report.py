@@ -23,9 +23,8 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from oases_ds.cli.common import CONFIG_DIR
+from oases_ds.cli.common import REPO_ROOT
 
-REPO_ROOT = os.path.dirname(CONFIG_DIR)
 BASELINE = "megatron"
 MiB = 2**20
 

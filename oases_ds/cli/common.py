@@ -6,8 +6,11 @@ import subprocess
 import sys
 from typing import NoReturn
 
-# The repository's configs/ (the package is installed in development mode).
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+# The Hydra configs ship inside the package (``oases_ds/configs``; the repository's
+# top-level ``configs`` is a link to it), so the CLIs work from a wheel as well as a clone.
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The source checkout (where ``benchmarks/`` lives); meaningless for a wheel install."""
 
 
 PLAN_PRESETS: tuple[str, ...] = ("cost_model",)
@@ -17,7 +20,7 @@ PLAN_PRESETS: tuple[str, ...] = ("cost_model",)
 def git_commit() -> str:
     """The repository's HEAD, recorded with every result so it can be reproduced."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(CONFIG_DIR), capture_output=True,
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
