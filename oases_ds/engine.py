@@ -18,8 +18,10 @@ backward per micro-batch, at the cost of one multiply-add per parameter.
 DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``DeepSpeedEngine._backward_prologue`` / ``_backward_prologue_per_tensor`` and
 ``deepspeed.runtime.utils.register_output_backward_hooks`` (what
-``DeepSpeedEngine.forward`` registers on a loss), and ``save_checkpoint``'s
-``save_latest`` flag (to publish a checkpoint only once it is complete).
+``DeepSpeedEngine.forward`` registers on a loss), ``save_checkpoint``'s
+``save_latest`` flag (to publish a checkpoint only once it is complete), and the
+``checkpoint_engine`` attribute every checkpoint read goes through (replaced by
+:class:`~oases_ds.checkpoint.SafeCheckpointEngine`).
 """
 from __future__ import annotations
 
@@ -31,11 +33,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
-from oases_ds.config import OasesConfig
+from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
+                                 check_save_tag, prune, publish, read_latest)
+from oases_ds.config import OasesConfig, OasesConfigError
 from oases_ds.models.transformer import OperatorModel
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
@@ -52,6 +57,7 @@ class OasesEngine(DeepSpeedEngine):
 
     def __init__(self, *args: Any, oases: OasesConfig, parallel_context: ParallelContext, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.checkpoint_engine = self._safe_checkpoint_engine()
         if not isinstance(self.module, OperatorModel):
             raise TypeError("OasesEngine needs an oases_ds OperatorModel (pass a ModelConfig to oases_ds.initialize)")
         self.oases = oases
@@ -63,6 +69,15 @@ class OasesEngine(DeepSpeedEngine):
         self.executor = Executor(model, self.schedule, self.oases_comm, model.rng, record=oases.record_timeline)
         self.last_stats: dict[str, float] = {}
         self._oases_data_iter: Iterator | None = None
+
+    def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
+        """DeepSpeed's default engine with a load that cannot run code; the others
+        (``checkpoint.writer``, DataStates) load with ``weights_only=False`` too, so
+        they are refused rather than silently left unsafe."""
+        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
+            raise OasesConfigError(f"{type(self.checkpoint_engine).__name__} is not supported with oases (its load can run "
+                                   "code from a checkpoint); remove checkpoint.writer / datastates from the config")
+        return SafeCheckpointEngine(self._config)
 
     # -- the training step -------------------------------------------------------
     def train_batch(self, batch: dict[str, torch.Tensor] | None = None, data_iter: Iterator | None = None) -> torch.Tensor:
@@ -155,32 +170,76 @@ class OasesEngine(DeepSpeedEngine):
         return start_all_reduce(loss.float(), self.parallel_context.dp_group).wait() / self.parallel_context.dp_size
 
     # -- checkpoints ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """DeepSpeed's checkpoint (TMP shards by mp rank, ZeRO states by DP rank),
-        written under ``<tag>.partial`` and renamed to ``<tag>`` by rank 0 only
-        once every rank finished; ``latest`` is replaced atomically after that.  A
-        crash mid-save leaves the previous checkpoint and ``latest`` intact (re-saving
-        an existing tag has a moment where only ``<tag>.old`` holds it).  Ranks on
-        several nodes need a shared filesystem: rank 0 does the renames."""
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        partial = f"{tag}.partial"
-        ok = super().save_checkpoint(save_dir, partial, client_state or {}, save_latest=False,
+    def checkpoint_meta(self) -> CheckpointMeta:
+        """What a checkpoint of this engine must match to be loaded by it."""
+        degrees = [layout.degree for pair in self.module.layouts for layout in pair]
+        return CheckpointMeta.build(self.module.cfg, self.parallel_context.tp_size, degrees, self.bfloat16_enabled(),
+                                    self.zero_optimization_stage(), self.parallel_context.dp_size)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False,
+                        keep: int = 0):
+        """DeepSpeed's checkpoint (TMP shards by mp rank, ZeRO states by DP rank), staged
+        under ``<tag>.partial`` and published by rank 0 once every rank finished
+        (:func:`oases_ds.checkpoint.publish`: ``latest`` names a complete checkpoint at
+        every instant, re-saves included).  ``keep > 0`` then removes all but the
+        newest ``keep`` checkpoints (never the one ``latest`` names).  Ranks on several
+        nodes need a shared filesystem: rank 0 does the renames."""
+        if keep < 0:
+            raise CheckpointError(f"keep must be >= 0 (0 keeps all), got {keep}")
+        tag = check_save_tag(str(tag if tag is not None else f"global_step{self.global_steps}"))
+        staged = os.path.join(save_dir, f"{tag}{STAGING_SUFFIX}")
+        if dist.get_rank() == 0:
+            shutil.rmtree(staged, ignore_errors=True)  # a leftover of an interrupted save
+        dist.barrier()
+        ok = super().save_checkpoint(save_dir, os.path.basename(staged), client_state or {}, save_latest=False,
                                      exclude_frozen_parameters=exclude_frozen_parameters)
         dist.barrier()
+        error = None
         if dist.get_rank() == 0:
-            final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f"{tag}.old")
-            shutil.rmtree(old, ignore_errors=True)  # a leftover from an interrupted save
-            if os.path.exists(final):
-                os.replace(final, old)
-            os.replace(os.path.join(save_dir, partial), final)
-            shutil.rmtree(old, ignore_errors=True)
-            if save_latest:
-                tmp = os.path.join(save_dir, "latest.tmp")
-                with open(tmp, "w") as f:
-                    f.write(tag)
-                os.replace(tmp, os.path.join(save_dir, "latest"))
-        dist.barrier()
+            try:
+                self.checkpoint_meta().write(staged, self.global_steps)
+                publish(save_dir, tag, staged, save_latest)
+                prune(save_dir, keep)
+            except OSError as err:
+                error = f"saving checkpoint {os.path.join(save_dir, tag)} failed: {err}"
+        self._agree_or_raise(error)
         return ok
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load, after checks it lacks: the tag (from ``latest`` or given) is
+        a plain name of a completed checkpoint under ``load_dir``, and its
+        ``oases_meta.json`` matches this engine; files are unpickled without running
+        code (:class:`~oases_ds.checkpoint.SafeCheckpointEngine`).  A failure on any rank
+        is raised on every rank, so none is left waiting in a later collective.
+        Without a ``latest`` file it returns ``(None, None)`` as DeepSpeed does."""
+        if tag is None:
+            tag = read_latest(load_dir)
+            if tag is None:
+                return super().load_checkpoint(load_dir, None)  # DeepSpeed's warning and (None, None)
+        else:
+            tag = check_complete(load_dir, str(tag))
+        tag_dir = os.path.join(load_dir, tag)
+        CheckpointMeta.read(tag_dir).refuse_mismatch(tag_dir, self.checkpoint_meta(),
+                                                     optimizer_states=load_optimizer_states and not load_module_only)
+        result, error = (None, None), None
+        try:
+            result = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        except CheckpointError as err:
+            error = str(err)
+        self._agree_or_raise(error)
+        return result
+
+    def _agree_or_raise(self, error: str | None) -> None:
+        """Every rank learns the first rank's error (by rank order) and raises it."""
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise CheckpointError(first)
 
     def save_trace(self, path: str) -> None:
         """Chrome/Perfetto trace of the last micro-batch's schedule on this rank."""

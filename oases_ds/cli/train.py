@@ -50,6 +50,7 @@ def ds_config(cfg: dict) -> dict:
 
 def validate(cfg: dict) -> None:
     """Fail before launching anything, with one line naming the field."""
+    from oases_ds.checkpoint import CheckpointMeta, preflight
     from oases_ds.config import check_deepspeed_section, parse_oases_section
     from oases_ds.data import DataConfig
     from oases_ds.models.config import ModelConfig
@@ -80,6 +81,10 @@ def validate(cfg: dict) -> None:
     for key in ("steps", "micro_batch", "grad_accum", "log_every"):
         if cfg[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    ckpt = cfg["checkpoint"]
+    expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
+                                    cfg["bf16"], cfg["zero_stage"], world // oases.tensor_parallel_size)
+    preflight(ckpt["dir"], ckpt["resume"], expected)
 
 
 def train_rank(cfg: dict) -> dict[str, Any]:
@@ -95,8 +100,8 @@ def train_rank(cfg: dict) -> dict[str, Any]:
     ctx = engine.parallel_context
     data = TokenBatches(DataConfig(**cfg["data"]), model_cfg.vocab_size, model_cfg.seq_len, masked_lm=model_cfg.family == "bert")
     ckpt = cfg["checkpoint"]
-    if ckpt["resume"] and ckpt["dir"] and os.path.exists(os.path.join(ckpt["dir"], "latest")):
-        engine.load_checkpoint(ckpt["dir"])
+    if ckpt["resume"] and engine.load_checkpoint(ckpt["dir"])[0] is None:  # validate() saw one; it went away since
+        raise FileNotFoundError(f"checkpoint.resume=true but checkpoint.dir={ckpt['dir']} holds no checkpoint")
     is_main = torch.distributed.get_rank() == 0
     gas, micro, dp = cfg["grad_accum"], cfg["micro_batch"], ctx.dp_size
     slots = gas * dp
@@ -108,6 +113,7 @@ def train_rank(cfg: dict) -> dict[str, Any]:
               f"{torch.distributed.get_world_size()} ranks = TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
               f"{label} | from step {start_step}", flush=True)
     t_start = time.perf_counter()
+    saved = False
     for step in range(start_step, cfg["steps"]):
         parts = [data.batch(step, slots, a * dp + ctx.dp_rank, micro) for a in range(gas)]
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
@@ -119,10 +125,11 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
             print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
                   f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}", flush=True)
-        if ckpt["dir"] and ckpt["every"] and (step + 1) % ckpt["every"] == 0:
-            engine.save_checkpoint(ckpt["dir"])
-    if ckpt["dir"] and history:
-        engine.save_checkpoint(ckpt["dir"])
+        saved = bool(ckpt["dir"] and ckpt["every"] and (step + 1) % ckpt["every"] == 0)
+        if saved:
+            engine.save_checkpoint(ckpt["dir"], keep=ckpt.get("keep", 0))
+    if ckpt["dir"] and history and not saved:  # the last step's checkpoint, unless just written
+        engine.save_checkpoint(ckpt["dir"], keep=ckpt.get("keep", 0))
     eval_batch = data.batch(10**6, dp, ctx.dp_rank, micro)  # a fixed batch no step trains on
     eval_loss = float(engine.eval_batch(eval_batch))
     if cfg["trace"] and is_main:
