@@ -141,9 +141,11 @@ class CheckpointMeta:
         """``(name, saved, this run)`` for every fact that differs; names as the user sets them."""
         diffs = [(f"model.{k}", self.model.get(k), run.model.get(k))
                  for k in sorted(set(self.model) | set(run.model)) if self.model.get(k) != run.model.get(k)]
-        pairs = [("tensor_parallel_size", self.tensor_parallel_size, run.tensor_parallel_size),
-                 ("plan block degrees", list(self.block_degrees), list(run.block_degrees)),
-                 ("precision", self.precision, run.precision)]
+        pairs = [("tensor_parallel_size", self.tensor_parallel_size, run.tensor_parallel_size)]
+        if (self.tensor_parallel_size == run.tensor_parallel_size  # else the degrees differ as a consequence
+                and len(self.block_degrees) == len(run.block_degrees)):
+            pairs.append(("plan block degrees", list(self.block_degrees), list(run.block_degrees)))
+        pairs.append(("precision", self.precision, run.precision))
         if optimizer_states:
             pairs.append(("zero_stage", self.zero_stage, run.zero_stage))
             if self.zero_stage > 0 and self.zero_stage == run.zero_stage:

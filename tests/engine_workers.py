@@ -143,3 +143,68 @@ def bad_world_run() -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+class _OpenOnUnpickle:
+    """A pickle payload: unpickling it calls ``open(marker, "w")``, creating the file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant_payload(path: str, marker: str) -> None:
+    """Overwrite checkpoint file ``path`` with a state dict carrying a code payload."""
+    torch.save({"module": {}, "payload": _OpenOnUnpickle(marker)}, path)
+
+
+def checkpoint_safety_run(root: str) -> dict:
+    """One rank.  (1) fp32/bf16 x ZeRO 0/1 with Adam + WarmupLR: save, load into a fresh
+    engine through the safe loader, compare; (2) a bf16 checkpoint loaded by an fp32 engine;
+    (3) a planted payload; (4) ``latest`` pointing outside the directory."""
+    import shutil
+
+    import oases_ds
+    from oases_ds.checkpoint import CheckpointError
+
+    def engine_for(bf16: bool, zero: int):
+        cfg = ds_config(4, 1, zero, oases={"enabled": True, "tensor_parallel_size": 1, "seed": 7}, bf16=bf16)
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}}
+        return oases_ds.initialize(model=tiny_config("gpt"), config=cfg)[0]
+
+    def refused(engine, directory: str) -> str:
+        try:
+            engine.load_checkpoint(directory)
+        except CheckpointError as err:
+            return str(err)
+        return "loaded"
+
+    out: dict = {"roundtrip": {}}
+    for bf16 in (False, True):
+        for zero in (0, 1):
+            mode = f"{'bf16' if bf16 else 'fp32'}_zero{zero}"
+            saver = engine_for(bf16, zero)
+            saver.train_batch(make_batch(tiny_config("gpt"), 4, 0))
+            saver.save_checkpoint(os.path.join(root, mode))
+            loader = engine_for(bf16, zero)
+            path, _ = loader.load_checkpoint(os.path.join(root, mode))
+            same = all(torch.equal(a, b) for a, b in zip(saver.module.state_dict().values(), loader.module.state_dict().values()))
+            out["roundtrip"][mode] = {"path": path, "same_params": same, "global_steps": loader.global_steps,
+                                      "lr": loader.get_lr() == saver.get_lr()}
+    fp32 = engine_for(False, 0)
+    out["mismatch"] = refused(fp32, os.path.join(root, "bf16_zero0"))
+    evil = os.path.join(root, "evil")
+    shutil.copytree(os.path.join(root, "fp32_zero0"), evil)
+    out["evil_file"] = os.path.join(evil, "global_step1", "mp_rank_00_model_states.pt")
+    plant_payload(out["evil_file"], os.path.join(root, "marker"))
+    out["payload"] = refused(fp32, evil)
+    out["marker_exists"] = os.path.exists(os.path.join(root, "marker"))
+    shutil.copytree(os.path.join(root, "fp32_zero0"), os.path.join(root, "outside"))
+    os.makedirs(os.path.join(root, "inner"))
+    with open(os.path.join(root, "inner", "latest"), "w") as f:
+        f.write("../outside/global_step1")
+    out["traversal"] = refused(fp32, os.path.join(root, "inner"))
+    return out
