@@ -135,3 +135,16 @@ def test_initialize_names_gradient_accumulation_steps_before_deepspeed_asserts(e
     with pytest.raises(OasesConfigError, match=r"^gradient_accumulation_steps: must be an integer >= 1 \(got 0\)$"):
         oases_ds.initialize(model=ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16), config=cfg)
 
+
+def test_slow_link_warning_names_both_times_and_the_fix():
+    from oases_ds.engine import slow_link_warning
+
+    link = LinkModel(bandwidth_gbps=1e-6)
+    # one sub-batch's [2, 8, 32] fp32 activations over 2 ranks: 2 KiB on the wire -> 16.4 s at 1 kbit/s
+    collectives = [("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2), ("DP gradient AllReduce", "all_reduce", 64, 2)]
+    msg = slow_link_warning(link, 10.0, collectives)
+    assert msg == ("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 16.4 s at "
+                   "link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it would "
+                   "time out; raise process_group_timeout_s above 17 or the bandwidth")
+    assert slow_link_warning(link, 20.0, collectives) is None  # fits
+    assert slow_link_warning(LinkModel(bandwidth_gbps=1e-6), 10.0, [("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
