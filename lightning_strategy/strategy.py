@@ -34,8 +34,8 @@ Hooks overridden (tested with lightning==2.6.6, deepspeed==0.19.8):
   ``deepspeed_engine`` property (the engine lives beside the LightningModule,
   not around it, because its module is the ``OperatorModel``).
 * private Lightning internals relied on: ``_configure_launcher`` (the Trainer
-  constructor calls it once devices are known: we check the TMP degree there,
-  before processes are launched), DeepSpeedStrategy's ``_init_optimizers`` (runs
+  constructor calls it once devices are known: the TMP degree defaults to the
+  devices per node and is checked there, before processes are launched), DeepSpeedStrategy's ``_init_optimizers`` (runs
   ``configure_optimizers``), ``_init_deepspeed_distributed`` (on CPU, where
   ``setup_distributed``'s CUDA index check cannot pass), ``_load_config`` / ``_init_config_if_needed``
   (config file, ``PL_DEEPSPEED_CONFIG_PATH``, batch size and accumulation from
@@ -77,7 +77,11 @@ class OasesStrategy(DeepSpeedStrategy):
     """Tensor-model-parallel training with overlapped communication, as a Lightning strategy.
 
     Args:
-        tensor_parallel_size: TMP degree; must divide the number of processes.
+        tensor_parallel_size: TMP degree; must divide the number of processes.  Default:
+            the config's, else the Trainer's ``devices`` (devices per node), so that
+            ``Trainer(strategy="oases", devices=2)`` shards the model over both devices
+            as a user asking a TMP strategy for 2 devices expects (TMP 1 would be
+            plain data parallelism); with several nodes, DP runs across them.
         schedule: Oases schedule (``oases``, ``megatron``, ...); default: the config's, else ``oases``.
         sub_batches: sub-batches per micro-batch; default: the config's, else 2.
         seed: initial weights and dropout keys; default: the config's, else oases_ds' default.
@@ -121,6 +125,7 @@ class OasesStrategy(DeepSpeedStrategy):
             if value is not None:
                 section[key] = value
         self.oases = parse_oases_section(section)  # one-line error on a bad field, before any process starts
+        self._tp_from_devices = "tensor_parallel_size" not in section  # set in _configure_launcher
         loaded["oases"] = section
         super().__init__(
             accelerator=accelerator, config=loaded, logging_level=logging_level, parallel_devices=parallel_devices,
@@ -145,12 +150,23 @@ class OasesStrategy(DeepSpeedStrategy):
                 f"strategy=\"oases\" trains an OasesLightningModule (a LightningModule built from an oases_ds "
                 f"ModelConfig, see lightning_strategy/README.md); got {type(model).__name__}"
             )
+        if self._tp_from_devices:
+            try:
+                model.model_config.check_tp(self.oases.tensor_parallel_size)
+            except ValueError as err:
+                raise MisconfigurationException(
+                    f"{err} (strategy=\"oases\" takes its TMP degree from devices={self.oases.tensor_parallel_size}; "
+                    f"pass strategy=OasesStrategy(tensor_parallel_size=...) to choose another)"
+                ) from None
         super().connect(model)
 
     def _configure_launcher(self) -> None:
         # Called by the Trainer's constructor once devices and nodes are known: the
-        # earliest point to refuse a TMP degree that does not divide the world, before
-        # any process is launched.
+        # earliest point to take the default TMP degree from the devices, and to refuse
+        # one that does not divide the world, before any process is launched.
+        if self._tp_from_devices:
+            self.oases = self.oases.model_copy(update={"tensor_parallel_size": self.num_processes})
+            self.config["oases"]["tensor_parallel_size"] = self.num_processes  # what oases_ds.initialize reads
         try:
             Topology(world_size=self.num_nodes * self.num_processes, tp_size=self.oases.tensor_parallel_size)
         except ValueError as err:

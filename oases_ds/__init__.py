@@ -13,7 +13,8 @@ import json
 import os
 from typing import Any
 
-from oases_ds.config import OasesConfig, OasesConfigError, check_deepspeed_section, parse_oases_section
+from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
+                             parse_oases_section)
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.transformer import OperatorModel
 from oases_ds.parallel.context import ParallelContext
@@ -81,6 +82,7 @@ def initialize(
 
     cfg = _load_config(args, config, config_params)
     oases = parse_oases_section(cfg.pop("oases", None))
+    check_batch_section(cfg)
     avoid_cpu_jit_builds(cfg)
     if args is not None and getattr(args, "deepspeed_config", None):
         args = copy.copy(args)
@@ -112,6 +114,7 @@ def initialize(
         raise OasesConfigError(
             f"model: Oases needs an oases_ds.ModelConfig (or an OperatorModel), got {type(model).__name__}"
         )
+    check_batch_section(cfg, ctx.dp_size)
     model_mpu = ctx.mpu()
     config_class = DeepSpeedConfig(cfg, model_mpu)
     engine = OasesEngine(model=model, mpu=model_mpu, config=cfg, config_class=config_class, oases=oases,

@@ -2,8 +2,11 @@
 
 DeepSpeed silently ignores top-level keys it does not know, so a typo such as
 ``"sub_batch": 4`` would otherwise run the default schedule without a word.
-Every key here is checked (unknown keys are errors) and every error is one line
-naming the field and what to change.
+Every key here is checked (unknown keys are errors), types are strict (``"yes"``,
+``1`` or ``"off"`` is not a boolean and ``"2"`` or ``true`` not an integer: JSON
+written by hand or by a template engine is where such values come from, and
+coercing them silently turns ``"enabled": "off"`` into "on"), and every error is
+one line naming the field and what to change.
 """
 from __future__ import annotations
 
@@ -20,10 +23,14 @@ class OasesConfigError(ValueError):
     """The DeepSpeed config asks for something Oases cannot do; one line says what."""
 
 
+# strict: no coercion between JSON types (an int is still accepted where a float is asked for).
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class LinkConfig(BaseModel):
     """Emulated link between TMP ranks (benchmarks only; results say "emulated")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     bandwidth_gbps: float = Field(gt=0, description="link bandwidth in Gbit/s per direction")
     latency_us: float = Field(default=0.0, ge=0, description="per-message latency in microseconds")
     sharing: Literal["fifo", "fair", "ring"] = Field(
@@ -52,7 +59,7 @@ class OasesConfig(BaseModel):
             own TMP degree; default: every block at ``tensor_parallel_size``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     enabled: bool = False
     tensor_parallel_size: int = Field(default=1, ge=1)
     schedule: Literal["none", "megatron", "megatron_selective", "split_overlap", "oases"] = "oases"
@@ -117,3 +124,44 @@ def check_deepspeed_section(config: dict) -> None:
         raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
     if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):
         raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set oases.tensor_parallel_size")
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_batch_section(config: dict, dp_size: int | None = None) -> None:
+    """The DeepSpeed batch keys, checked before ``DeepSpeedConfig`` sees them: it checks
+    them with bare ``assert``s (``Gradient accumulation steps: 0 has to be greater than
+    0``, or a ``TypeError`` for ``"4"``), which name no config key and vanish under
+    ``python -O``.  With ``dp_size`` (the data-parallel size DeepSpeed divides by) the
+    values DeepSpeed derives from the given ones are checked too."""
+    for key in BATCH_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise OasesConfigError(f"{key}: must be an integer >= 1 (got {value!r})")
+    train, micro, gas = (config.get(key) for key in BATCH_KEYS)
+    if train is None and micro is None:
+        raise OasesConfigError("train_micro_batch_size_per_gpu: missing; set it (or train_batch_size)")
+    if dp_size is None or train is None:
+        return  # DeepSpeed derives train_batch_size from the others: always consistent
+    # The derivation of DeepSpeedConfig._set_batch_related_parameters (floor division).
+    given_micro, given_gas = micro, gas
+    if micro is None:
+        micro = train // (dp_size * (gas or 1))
+    if gas is None:
+        gas = train // (micro * dp_size) if micro >= 1 else 1
+    if micro >= 1 and train == micro * gas * dp_size:
+        return
+    if given_micro is not None and given_gas is not None:
+        expected = given_micro * given_gas * dp_size
+        raise OasesConfigError(
+            f"train_batch_size={train} but train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel "
+            f"ranks = {given_micro} x {given_gas} x {dp_size} = {expected}; set it to {expected} or drop it"
+        )
+    known = given_micro if given_micro is not None else given_gas
+    name = BATCH_KEYS[1] if given_micro is not None else BATCH_KEYS[2]
+    per = f"{name}={known} x " if known is not None else ""
+    raise OasesConfigError(
+        f"train_batch_size={train} is not a multiple of {per}{dp_size} data-parallel rank(s); "
+        f"set train_micro_batch_size_per_gpu and gradient_accumulation_steps instead"
+    )

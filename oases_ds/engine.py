@@ -22,12 +22,29 @@ DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``save_latest`` flag (to publish a checkpoint only once it is complete), and the
 ``checkpoint_engine`` attribute every checkpoint read goes through (replaced by
 :class:`~oases_ds.checkpoint.SafeCheckpointEngine`).
+
+What the engine refuses instead of doing silently wrong:
+
+* DeepSpeed's own loop, ``loss = engine(batch); engine.backward(loss);
+  engine.step()``, would train without the Oases schedule (eager collectives,
+  no sub-batches, no fine-grained recomputation) while looking like it works.
+  ``backward`` and ``step`` are refused outside ``train_batch``, and so is
+  ``engine(batch)`` in training mode with autograd on.  Unlike DeepSpeed's
+  ``PipelineEngine``, which refuses ``forward`` outright, ``engine(batch)`` stays
+  allowed for evaluation (``engine.eval()`` or ``torch.no_grad()``): it runs
+  the model's eager forward on the shards, which is exact, and scripts written
+  for a plain DeepSpeedEngine evaluate that way.
+* A non-finite loss raises :class:`NonFiniteLossError` naming the optimizer
+  step that produced it, checked on the step's loss after its DP reduction (the
+  one host sync a step has anyway, not one per micro-batch).
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -35,25 +52,49 @@ import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.dataloader import RepeatingLoader
-from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_save_tag, prune, publish, read_latest)
 from oases_ds.config import OasesConfig, OasesConfigError
 from oases_ds.models.transformer import OperatorModel
-from oases_ds.parallel.collectives import start_all_reduce
+from oases_ds.parallel.collectives import group_size, start_all_reduce
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.runtime.comm import Communicator
+from oases_ds.runtime.comm import Communicator, LinkModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.generators import build_schedule
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
+USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule: call engine.train_batch(batch) instead "
+                   "of engine(batch)/engine.backward(loss)/engine.step() (engine(batch) is fine for evaluation, after "
+                   "engine.eval() or under torch.no_grad())")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step's loss is NaN or infinite; the message names the optimizer step."""
+
+
+def slow_link_warning(link: LinkModel, timeout_s: float, collectives: list[tuple[str, str, int, int]]) -> str | None:
+    """One line if the slowest of ``collectives`` (``(what, kind, payload bytes, ranks)``)
+    cannot cross ``link`` within the process-group timeout, else ``None``.  Without it a
+    too-slow link shows up only as a rank waiting out the whole timeout."""
+    timed = [(link.seconds(kind, nbytes, ranks), what, nbytes, ranks) for what, kind, nbytes, ranks in collectives]
+    if not timed:
+        return None
+    seconds, what, nbytes, ranks = max(timed)
+    if seconds <= timeout_s:
+        return None
+    return (f"oases.link: the {what} ({nbytes / 2**20:.3g} MiB over {ranks} ranks) needs {seconds:.3g} s at "
+            f"link.bandwidth_gbps={link.bandwidth_gbps:g}, longer than oases.process_group_timeout_s={timeout_s:g}: "
+            f"ranks waiting on it would time out; raise process_group_timeout_s above {math.ceil(seconds)} or the bandwidth")
 
 
 class OasesEngine(DeepSpeedEngine):
     """DeepSpeedEngine that trains an :class:`OperatorModel` with an Oases schedule."""
+
+    _oases_in_train_batch = False  # a class default: DeepSpeedEngine.__init__ runs before ours sets it
 
     def __init__(self, *args: Any, oases: OasesConfig, parallel_context: ParallelContext, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,6 +110,29 @@ class OasesEngine(DeepSpeedEngine):
         self.executor = Executor(model, self.schedule, self.oases_comm, model.rng, record=oases.record_timeline)
         self.last_stats: dict[str, float] = {}
         self._oases_data_iter: Iterator | None = None
+        if oases.link is not None and dist.get_rank() == 0:
+            message = slow_link_warning(oases.link.model(), oases.process_group_timeout_s, self._largest_collectives())
+            if message:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _largest_collectives(self) -> list[tuple[str, str, int, int]]:
+        """The biggest collective of each kind a training step issues, as
+        ``(what, kind, payload bytes, ranks)``: a TMP AllReduce carries one sub-batch's
+        ``[b, s, h]`` activations (the embedding, attention and MLP outputs all have that
+        size); a replica group of a plan sums a block's gradients; DeepSpeed sums the
+        gradients over the DP group in buckets (not held to the emulated link, but on a
+        real link of that speed it would cross it)."""
+        model, ctx, cfg = self.module, self.parallel_context, self.module.cfg
+        element = next(model.parameters()).element_size()
+        sub_batch = max(1, self.train_micro_batch_size_per_gpu() // self.schedule.sub_batches)
+        out = [("TMP activation AllReduce", "all_reduce", sub_batch * cfg.seq_len * cfg.hidden_size * element, ctx.tp_size)]
+        for params, group in model.replica_groups():
+            out.append(("replica gradient AllReduce", "all_reduce", sum(p.numel() for p in params) * element, group_size(group)))
+        bucket = self.zero_reduce_bucket_size() if self.zero_optimization_stage() else MEMORY_OPT_ALLREDUCE_SIZE
+        grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        dp_bytes = min(grads, int(bucket)) * torch.empty((), dtype=self.communication_data_type).element_size()
+        out.append(("DP gradient AllReduce", "all_reduce", dp_bytes, ctx.dp_size))
+        return out
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others
@@ -91,6 +155,13 @@ class OasesEngine(DeepSpeedEngine):
             data_iter: an iterator of micro-batches (default: the engine's
                 training data loader, if one was given to ``initialize``).
         """
+        self._oases_in_train_batch = True
+        try:
+            return self._train_batch(batch, data_iter)
+        finally:
+            self._oases_in_train_batch = False
+
+    def _train_batch(self, batch: dict[str, torch.Tensor] | None, data_iter: Iterator | None) -> torch.Tensor:
         gas, micro = self.gradient_accumulation_steps(), self.train_micro_batch_size_per_gpu()
         micro_batches = self._micro_batches(batch, data_iter, gas, micro)
         ctx = self.parallel_context
@@ -120,7 +191,29 @@ class OasesEngine(DeepSpeedEngine):
             "exposed_comm_frac": exposed / elapsed,
             "emulated_link": float(self.oases_comm.emulated),
         }
+        if not math.isfinite(self.last_stats["loss"]):  # float(loss) above was the step's one host sync
+            raise NonFiniteLossError(
+                f"loss is {self.last_stats['loss']} at optimizer step {self.global_steps} (1-based, engine.global_steps): "
+                "lower the learning rate, set gradient_clipping, or check the data; the weights are no longer trustworthy, "
+                "resume from a checkpoint saved before it"
+            )
         return loss
+
+    # -- DeepSpeed's own loop, refused (see the module docstring) --------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.module.training and torch.is_grad_enabled() and not self._oases_in_train_batch:
+            raise RuntimeError(USE_TRAIN_BATCH)
+        return super().forward(*inputs, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._oases_in_train_batch:
+            raise RuntimeError(USE_TRAIN_BATCH)
+        return super().backward(*args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._oases_in_train_batch:
+            raise RuntimeError(USE_TRAIN_BATCH)
+        return super().step(*args, **kwargs)
 
     def _run_schedule(self, batch: dict[str, torch.Tensor], offset: int, global_batch: int) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.requires_grad]

@@ -207,4 +207,48 @@ def checkpoint_safety_run(root: str) -> dict:
     with open(os.path.join(root, "inner", "latest"), "w") as f:
         f.write("../outside/global_step1")
     out["traversal"] = refused(fp32, os.path.join(root, "inner"))
+
+
+def misuse_run() -> dict:
+    """What the engine refuses or reports instead of doing silently wrong, in one launch:
+    the slow-link warning at start-up, DeepSpeed's own loop, and a NaN loss."""
+    import warnings
+
+    import oases_ds
+
+    def tmp2(**extra) -> dict:
+        return {"enabled": True, "tensor_parallel_size": 2, "seed": 7, "process_group_timeout_s": 120, **extra}
+
+    out: dict = {}
+    # 1e-7 Gbit/s: one sub-batch's [2, 8, 32] fp32 activations take ~160 s, over the 120 s timeout.
+    # This engine only starts (a step at that speed would take minutes).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        oases_ds.initialize(model=tiny_config("gpt"), optimizer=sgd,
+                            config=ds_config(4, 1, oases=tmp2(link={"bandwidth_gbps": 1e-7})))
+    out["link_warnings"] = [str(w.message) for w in caught if str(w.message).startswith("oases.link")]
+
+    engine, *_ = oases_ds.initialize(model=tiny_config("gpt"), optimizer=sgd, config=ds_config(4, 1, oases=tmp2()))
+    batch = make_batch(tiny_config("gpt"), 4, 0)
+    refused = {}
+    for name, call in (("forward", lambda: engine(batch)),
+                       ("backward", lambda: engine.backward(torch.ones((), requires_grad=True))),
+                       ("step", lambda: engine.step())):
+        try:
+            call()
+            refused[name] = "no error"
+        except RuntimeError as err:
+            refused[name] = str(err)
+    out["refused"], out["steps_after_refusals"] = refused, engine.global_steps
+    with torch.no_grad():  # evaluation stays allowed
+        out["no_grad_forward"] = float(engine(batch))
+    out["first_loss"] = float(engine.train_batch(batch))
+    with torch.no_grad():
+        engine.module.head.norm.weight.fill_(float("nan"))
+    try:
+        engine.train_batch(make_batch(tiny_config("gpt"), 4, 1))
+        out["nan"] = "no error"
+    except FloatingPointError as err:
+        out["nan"] = f"{type(err).__name__}: {err}"
+    out["global_steps"] = engine.global_steps
     return out

@@ -85,13 +85,15 @@ def _trainer(strategy, record, log_dir: str, epochs: int = EPOCHS, accumulate: i
 def lightning_runs(work_dir: str) -> dict:
     """Everything the Lightning tests check, in one pair of processes:
 
-    * "trainer": Trainer(strategy="oases") (TMP from the config file named by
-      PL_DEEPSPEED_CONFIG_PATH), 2 epochs x 2 steps, with validation, saving a
-      checkpoint at the end of epoch 0;
+    * "trainer": Trainer(strategy="oases", devices=2) (the seed from the config
+      file named by PL_DEEPSPEED_CONFIG_PATH, the TMP degree by default from the
+      devices), 2 epochs x 2 steps, with validation, saving a checkpoint at the
+      end of epoch 0;
     * "resumed": a fresh Trainer resumed from that checkpoint for epoch 1;
     * "accumulate": accumulate_grad_batches=2 over half-size batches, 1 epoch;
     * "direct": the same steps (same samples in the order Lightning's sampler
-      gives) through oases_ds.initialize + engine.train_batch.
+      gives) through oases_ds.initialize + engine.train_batch;
+    * "nan": the error a Trainer stops with when the second step's loss is NaN.
     """
     import lightning_strategy
     import oases_ds
@@ -117,7 +119,7 @@ def lightning_runs(work_dir: str) -> dict:
             "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
         }
 
-    assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the TMP degree"
+    assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the seed"
     run("trainer", "oases", Record(save_at_epoch_end=ckpt))
     out["listing"] = sorted(os.listdir(ckpt))
     del os.environ["PL_DEEPSPEED_CONFIG_PATH"]  # from here on, the constructor arguments
@@ -144,7 +146,30 @@ def lightning_runs(work_dir: str) -> dict:
             params.append(full_params(engine.module))
         val.append(float(engine.eval_batch(make_batch(tiny_config("gpt"), MICRO, 99))))
     out["direct"] = {"params": params, "losses": losses, "val_losses": val}
+    out["nan"] = _nan_run(TinyGPT, os.path.join(work_dir, "nan"))
     return out
+
+
+def _nan_run(module_class, log_dir: str) -> str:
+    """A Trainer whose weights turn NaN before its second step: the error it stops with."""
+    import lightning.pytorch as pl
+
+    from lightning_strategy import OasesStrategy
+
+    class PoisonSecondStep(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 1:
+                with torch.no_grad():
+                    module.model.head.norm.weight.fill_(float("nan"))
+
+    module = module_class()
+    module.batch_size = MICRO
+    trainer = _trainer(OasesStrategy(tensor_parallel_size=2, seed=SEED), PoisonSecondStep(), log_dir, epochs=1)
+    try:
+        trainer.fit(module)
+    except Exception as err:  # noqa: BLE001 -- the error is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 def protocol_error_run() -> str:

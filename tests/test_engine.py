@@ -138,3 +138,34 @@ def test_malformed_oases_section_and_zero2_are_rejected():
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=overlap)
     with pytest.raises(OasesConfigError, match=r"^oases.schedule: Input should be"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, oases={"enabled": True, "schedule": "gpipe"}))
+
+
+@pytest.fixture(scope="module")
+def misuse():
+    return launch(ew.misuse_run, 2, timeout_s=300)
+
+
+def test_deepspeeds_own_loop_is_refused_with_one_line(misuse):
+    from oases_ds.engine import USE_TRAIN_BATCH
+
+    for rank in misuse:
+        assert rank["refused"] == {"forward": USE_TRAIN_BATCH, "backward": USE_TRAIN_BATCH, "step": USE_TRAIN_BATCH}
+        assert rank["steps_after_refusals"] == 0
+        assert rank["no_grad_forward"] == pytest.approx(rank["first_loss"], rel=0.2)  # evaluation still runs
+    assert "\n" not in USE_TRAIN_BATCH and "engine.train_batch(batch)" in USE_TRAIN_BATCH
+
+
+def test_a_nan_loss_raises_naming_the_optimizer_step(misuse):
+    for rank in misuse:  # every rank raises (the loss is DP-reduced), so none waits on a peer
+        assert rank["nan"].startswith("NonFiniteLossError: loss is nan at optimizer step 2 (1-based, engine.global_steps): "
+                                      "lower the learning rate"), rank["nan"]
+        assert rank["global_steps"] == 2 and "\n" not in rank["nan"]
+
+
+def test_a_link_too_slow_for_the_timeout_warns_at_start(misuse):
+    warned = misuse[0]["link_warnings"]
+    assert len(warned) == 1 and "\n" not in warned[0]
+    assert warned[0].startswith("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 164 s at "
+                                "link.bandwidth_gbps=1e-07, longer than oases.process_group_timeout_s=120"), warned[0]
+    assert warned[0].endswith("raise process_group_timeout_s above 164 or the bandwidth")
+    assert misuse[1]["link_warnings"] == []  # rank 0 only

@@ -50,3 +50,101 @@ def test_executor_reports_sub_batch_error_before_running():
 def test_link_model_validates():
     with pytest.raises(ValueError, match="link.bandwidth_gbps must be > 0"):
         LinkModel(bandwidth_gbps=0)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("enabled", "yes", "Input should be a valid boolean"),
+        ("enabled", 1, "Input should be a valid boolean"),
+        ("enabled", "off", "Input should be a valid boolean"),
+        ("sub_batches", True, "Input should be a valid integer"),
+        ("tensor_parallel_size", "1", "Input should be a valid integer"),
+        ("tensor_parallel_size", 2.0, "Input should be a valid integer"),
+        ("record_timeline", "no", "Input should be a valid boolean"),
+        ("process_group_timeout_s", "300", "Input should be a valid number"),
+        ("link", {"bandwidth_gbps": "10"}, "Input should be a valid number"),
+    ],
+)
+def test_oases_section_types_are_strict(field, value, message):
+    """JSON from templates carries "yes"/1/"off"; pydantic's lax mode would turn "off" into True."""
+    from oases_ds.config import OasesConfigError, parse_oases_section
+
+    with pytest.raises(OasesConfigError) as err:
+        parse_oases_section({"enabled": True, field: value})
+    inner = value["bandwidth_gbps"] if isinstance(value, dict) else value
+    path = f"{field}.bandwidth_gbps" if isinstance(value, dict) else field
+    assert str(err.value) == f"oases.{path}: {message} (got {inner!r})"
+
+
+def test_oases_section_accepts_an_int_for_a_float():
+    from oases_ds.config import parse_oases_section
+
+    cfg = parse_oases_section({"enabled": True, "process_group_timeout_s": 30, "link": {"bandwidth_gbps": 10}})
+    assert cfg.process_group_timeout_s == 30.0 and cfg.link is not None and cfg.link.bandwidth_gbps == 10.0
+
+
+@pytest.mark.parametrize(
+    "config, dp, expected",
+    [
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 0}, None,
+         "gradient_accumulation_steps: must be an integer >= 1 (got 0)"),
+        ({"train_micro_batch_size_per_gpu": 0}, None, "train_micro_batch_size_per_gpu: must be an integer >= 1 (got 0)"),
+        ({"train_micro_batch_size_per_gpu": "4"}, None, "train_micro_batch_size_per_gpu: must be an integer >= 1 (got '4')"),
+        ({"train_batch_size": -8}, None, "train_batch_size: must be an integer >= 1 (got -8)"),
+        ({"gradient_accumulation_steps": 2}, None, "train_micro_batch_size_per_gpu: missing; set it (or train_batch_size)"),
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}, 1,
+         "train_batch_size=8 but train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks = "
+         "4 x 1 x 1 = 4; set it to 4 or drop it"),
+        ({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 4}, 1,  # DeepSpeed would derive 0 accumulation steps
+         "train_batch_size=2 is not a multiple of train_micro_batch_size_per_gpu=4 x 1 data-parallel rank(s); "
+         "set train_micro_batch_size_per_gpu and gradient_accumulation_steps instead"),
+        ({"train_batch_size": 1}, 2,  # DeepSpeed would derive a micro-batch of 0
+         "train_batch_size=1 is not a multiple of 2 data-parallel rank(s); "
+         "set train_micro_batch_size_per_gpu and gradient_accumulation_steps instead"),
+    ],
+)
+def test_deepspeed_batch_keys_are_one_line_errors(config, dp, expected):
+    """DeepSpeedConfig checks these with bare asserts that name no key."""
+    from oases_ds.config import OasesConfigError, check_batch_section
+
+    with pytest.raises(OasesConfigError) as err:
+        check_batch_section(config, dp)
+    assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("config, dp", [
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}, 2),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, 2),
+    ({"train_batch_size": 8}, 2),
+])
+def test_consistent_batch_keys_pass(config, dp):
+    from oases_ds.config import check_batch_section
+
+    check_batch_section(config, dp)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_initialize_names_gradient_accumulation_steps_before_deepspeed_asserts(enabled):
+    """Raised before any process group exists, on both the Oases and the plain DeepSpeed path."""
+    import oases_ds
+    from oases_ds.config import OasesConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 0, "oases": {"enabled": enabled}}
+    with pytest.raises(OasesConfigError, match=r"^gradient_accumulation_steps: must be an integer >= 1 \(got 0\)$"):
+        oases_ds.initialize(model=ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16), config=cfg)
+
+
+def test_slow_link_warning_names_both_times_and_the_fix():
+    from oases_ds.engine import slow_link_warning
+
+    link = LinkModel(bandwidth_gbps=1e-6)
+    # one sub-batch's [2, 8, 32] fp32 activations over 2 ranks: 2 KiB on the wire -> 16.4 s at 1 kbit/s
+    collectives = [("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2), ("DP gradient AllReduce", "all_reduce", 64, 2)]
+    msg = slow_link_warning(link, 10.0, collectives)
+    assert msg == ("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 16.4 s at "
+                   "link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it would "
+                   "time out; raise process_group_timeout_s above 17 or the bandwidth")
+    assert slow_link_warning(link, 20.0, collectives) is None  # fits
+    assert slow_link_warning(LinkModel(bandwidth_gbps=1e-6), 10.0, [("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None

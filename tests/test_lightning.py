@@ -24,7 +24,7 @@ TOL = 1e-5
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("lightning")
     config = work / "ds_config.json"
-    config.write_text(json.dumps({"oases": {"tensor_parallel_size": 2, "seed": lw.SEED}}))
+    config.write_text(json.dumps({"oases": {"seed": lw.SEED}}))  # TMP degree: by default the 2 devices
     return launch(lw.lightning_runs, 2, (str(work),), timeout_s=300,
                   env={"PL_DEEPSPEED_CONFIG_PATH": str(config)}, threads_per_rank=1)[0]
 
@@ -42,6 +42,7 @@ def test_trainer_matches_the_engine_driven_directly(runs):
     assert trainer["losses"] == pytest.approx(direct["losses"], rel=TOL)
     assert trainer["global_step"] == trainer["engine_steps"] == 4  # one Lightning step per engine step
     assert trainer["sampler"] == {"num_replicas": 1, "rank": 0}  # 2 ranks, TMP=2: one DP rank, not two
+    assert trainer["logged"]["tmp_bytes"] > 0  # strategy="oases", devices=2 shards the model (TMP 1 would send none)
 
 
 def test_validation_runs_through_eval_batch(runs):
@@ -92,3 +93,30 @@ def test_a_module_outside_the_protocol_is_one_clear_line():
     msg = launch(lw.protocol_error_run, 2, timeout_s=120, threads_per_rank=1)[0]
     assert msg.startswith('MisconfigurationException: strategy="oases" trains an OasesLightningModule'), msg
     assert msg.endswith("got Plain") and "\n" not in msg
+
+
+def test_a_nan_loss_stops_the_trainer_naming_the_step(runs):
+    assert runs["nan"].startswith("NonFiniteLossError: loss is nan at optimizer step 2 (1-based"), runs["nan"]
+    assert "\n" not in runs["nan"]
+
+
+def test_strategy_by_name_takes_its_tmp_degree_from_the_devices(monkeypatch):
+    """Trainer(strategy="oases", devices=2) used to train plain data parallel (TMP 1, tmp_bytes 0)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    import lightning_strategy  # noqa: F401  (registers "oases")
+    from lightning_strategy import OasesStrategy
+
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH", raising=False)
+    by_name = pl.Trainer(strategy="oases", accelerator="cpu", devices=2, logger=False).strategy
+    assert by_name.oases.tensor_parallel_size == by_name.config["oases"]["tensor_parallel_size"] == 2
+    explicit = pl.Trainer(strategy=OasesStrategy(tensor_parallel_size=1), accelerator="cpu", devices=2, logger=False).strategy
+    assert explicit.oases.tensor_parallel_size == explicit.config["oases"]["tensor_parallel_size"] == 1
+    # a default degree the model cannot be sharded by: one line when fit connects the module
+    three = pl.Trainer(strategy="oases", accelerator="cpu", devices=3, logger=False).strategy
+    with pytest.raises(MisconfigurationException) as err:
+        three.connect(lw._module_class()())  # tiny GPT: 4 heads
+    assert str(err.value) == ("tensor_parallel_size=3 does not divide model.num_heads=4; pick a TMP degree that divides "
+                              "it or change model.num_heads (strategy=\"oases\" takes its TMP degree from devices=3; pass "
+                              "strategy=OasesStrategy(tensor_parallel_size=...) to choose another)")
