@@ -207,6 +207,7 @@ def checkpoint_safety_run(root: str) -> dict:
     with open(os.path.join(root, "inner", "latest"), "w") as f:
         f.write("../outside/global_step1")
     out["traversal"] = refused(fp32, os.path.join(root, "inner"))
+    return out
 
 
 def misuse_run() -> dict:
