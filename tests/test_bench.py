@@ -90,6 +90,25 @@ def test_scaled_emulation_ratio_follows_the_stated_formula():
     assert bench.reference_tp(nvlink, ref) == 2
 
 
+def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
+    """One process, no link: the probe samples through ``Executor.add_hook``; full recomputation holds less than selective, which holds less than none."""
+    import torch
+
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.runtime.executor import Executor
+    from oases_ds.schedule.generators import build_schedule
+
+    cfg = ModelConfig(family="gpt", hidden_size=32, num_heads=4, num_layers=2, seq_len=16, vocab_size=64)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for name in ("megatron", "megatron_selective", "none"):
+        model = OperatorModel(cfg, seed=0)
+        executor = Executor(model, build_schedule(name, model.ops))
+        peaks[name] = bench.ActivationProbe(executor, model).run({"tokens": tokens, "labels": tokens})
+    assert 0 < peaks["megatron"] < peaks["megatron_selective"] < peaks["none"]
+
+
 def test_append_jsonl_writes_whole_lines(tmp_path):
     path = tmp_path / "r" / "x.jsonl"
     for i in range(3):

@@ -237,17 +237,15 @@ def resolve(cfg: dict) -> dict[str, Any]:
 class ActivationProbe:
     """Peak bytes of activations an executor holds: its buffers plus autograd-saved tensors.
 
-    Sampled after every instruction; parameters and their gradients are not
-    counted; tensors sharing storage count once.  It reads the executor's buffer
-    table (``Executor._buffers``), a private attribute, so it runs only in a
-    separate, untimed step and fails loudly if that attribute disappears.
+    Sampled after every instruction through the executor's public hook
+    (:meth:`Executor.add_hook`), reading its :attr:`Executor.buffers` view; parameters
+    and their gradients are not counted; tensors sharing storage count once.  The
+    sampling costs time, so it runs only in a separate, untimed step.
     """
 
     def __init__(self, executor, model) -> None:
         import weakref
 
-        if not hasattr(executor, "_buffers") or not hasattr(executor, "_handlers"):
-            raise RuntimeError("ActivationProbe: Executor no longer has _buffers/_handlers; update the probe")
         self.executor = executor
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.saved: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -264,9 +262,11 @@ class ActivationProbe:
             for item in obj:
                 self._storages(item, out)
 
-    def _sample(self) -> None:
+    def _sample(self, instruction, phase: str) -> None:
+        if phase != "after":
+            return
         live: dict[int, int] = {}
-        for value in self.executor._buffers.values():
+        for value in self.executor.buffers.values():
             self._storages(value, live)
         for t in list(self.saved.values()):
             self._storages(t, live)
@@ -279,15 +279,12 @@ class ActivationProbe:
             self.saved[id(t)] = t
             return t
 
-        handlers = self.executor._handlers
-        original = dict(handlers)
-        for kind, fn in original.items():
-            handlers[kind] = (lambda f: lambda ins: (f(ins), self._sample()))(fn)
+        remove = self.executor.add_hook(self._sample)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 self.executor.run(batch)
         finally:
-            handlers.update(original)
+            remove()
         return self.peak
 
 
