@@ -61,6 +61,47 @@ def test_every_study_preset_runs_one_step(tmp_path, preset):
 
 
 @pytest.mark.distributed
+def test_a_run_without_out_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """No ``out=``: a new dated file under ./runs, said where; benchmarks/results/bench.jsonl byte-identical."""
+    committed = os.path.join(ROOT, "benchmarks", "results", "bench.jsonl")
+    before = open(committed, "rb").read()
+    monkeypatch.chdir(tmp_path)
+    bench.default_out.cache_clear()
+    cfg = bench.compose_config(["experiment=batch_split", "micro_batches=[2]", *SMOKE])
+    assert cfg["out"] == ""
+    record = bench.run_measurement(cfg)
+    bench.print_record(record)
+    (written,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"oases-bench-\d{4}-\d{2}-\d{2}-\d{6}\.jsonl", written.name)
+    assert json.loads(written.read_text())["config"]["out"] == os.path.join("runs", written.name)
+    assert f"appended to {written}" in capsys.readouterr().out
+    assert open(committed, "rb").read() == before
+
+
+def test_overlap_script_defaults_to_a_new_file_outside_the_results():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("overlap", os.path.join(ROOT, "benchmarks", "overlap.py"))
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    out = overlap.build_parser().get_default("out")
+    assert re.fullmatch(r"runs/overlap-\d{4}-\d{2}-\d{2}-\d{6}\.json", out)
+
+
+@pytest.mark.distributed
+def test_overlap_script_tiny_run_writes_under_runs(tmp_path):
+    committed = os.path.join(ROOT, "benchmarks", "results", "overlap.json")
+    before = open(committed, "rb").read()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overlap.py"), "--hidden", "16", "--layers", "1",
+                           "--seq", "8", "--batch", "2", "--warmup", "0", "--repeats", "1"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (written,) = (tmp_path / "runs").iterdir()
+    assert f"wrote {written}" in proc.stdout and set(json.loads(written.read_text())["median_s"]) == {"megatron", "split_overlap", "oases"}
+    assert open(committed, "rb").read() == before
+
+
+@pytest.mark.distributed
 def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
     out = tmp_path / "lines.jsonl"
     record = bench.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
