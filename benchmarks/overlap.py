@@ -10,10 +10,14 @@ from the executor's timeline.
 
     python benchmarks/overlap.py                      # auto link, default model
     python benchmarks/overlap.py --bandwidth-gbps 2   # a fixed emulated link
+
+The result goes to a new dated ``runs/overlap-<date>-<time>.json`` (git-ignored) unless
+``--out`` names a file; ``--out benchmarks/results/overlap.json`` replaces the committed one.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -82,7 +86,12 @@ def _worker(args: dict) -> dict:
             "exposed": exposed, "util": util}
 
 
-def main() -> None:
+def default_out() -> str:
+    """A new file per run, outside the committed results: a trial run never replaces them."""
+    return os.path.join("runs", f"overlap-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -95,9 +104,14 @@ def main() -> None:
                              "over TCP, validated by validate_link.py), equal shares, or queued (NCCL-like)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="benchmarks/results/overlap.json")
+    parser.add_argument("--out", default=default_out(),
+                        help="result JSON (default: a new runs/overlap-<date>-<time>.json under the working directory)")
     parser.add_argument("--trace-dir", default="")
-    args = vars(parser.parse_args())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = vars(build_parser().parse_args(argv))
     rank0 = launch(_worker, 2, (args,), timeout_s=1200, threads_per_rank=1)[0]
     med = {n: statistics.median(rank0["times"][n]) for n in SCHEDULES}
     print(f"EMULATED link: {rank0['bandwidth_gbps']:.3f} Gbit/s, latency {args['latency_us']} us, sharing {args['sharing']} "
@@ -111,6 +125,7 @@ def main() -> None:
 
     write_json_atomic(args["out"], {"emulated_link": True, "machine": platform.platform(), "cpus": os.cpu_count(),
                                     "args": args, "rank0": rank0, "median_s": med})
+    print(f"wrote {os.path.abspath(args['out'])}")
 
 
 if __name__ == "__main__":

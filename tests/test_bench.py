@@ -3,11 +3,15 @@ and the report generator turns JSON lines into Markdown tables and PNG plots.
 
 Nothing here compares times: the machine is shared, so a timing bar would be a flaky test.
 """
+import difflib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import zlib
+from collections import Counter
 
 import pytest
 
@@ -57,6 +61,47 @@ def test_every_study_preset_runs_one_step(tmp_path, preset):
 
 
 @pytest.mark.distributed
+def test_a_run_without_out_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """No ``out=``: a new dated file under ./runs, said where; benchmarks/results/bench.jsonl byte-identical."""
+    committed = os.path.join(ROOT, "benchmarks", "results", "bench.jsonl")
+    before = open(committed, "rb").read()
+    monkeypatch.chdir(tmp_path)
+    bench.default_out.cache_clear()
+    cfg = bench.compose_config(["experiment=batch_split", "micro_batches=[2]", *SMOKE])
+    assert cfg["out"] == ""
+    record = bench.run_measurement(cfg)
+    bench.print_record(record)
+    (written,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"oases-bench-\d{4}-\d{2}-\d{2}-\d{6}\.jsonl", written.name)
+    assert json.loads(written.read_text())["config"]["out"] == os.path.join("runs", written.name)
+    assert f"appended to {written}" in capsys.readouterr().out
+    assert open(committed, "rb").read() == before
+
+
+def test_overlap_script_defaults_to_a_new_file_outside_the_results():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("overlap", os.path.join(ROOT, "benchmarks", "overlap.py"))
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    out = overlap.build_parser().get_default("out")
+    assert re.fullmatch(r"runs/overlap-\d{4}-\d{2}-\d{2}-\d{6}\.json", out)
+
+
+@pytest.mark.distributed
+def test_overlap_script_tiny_run_writes_under_runs(tmp_path):
+    committed = os.path.join(ROOT, "benchmarks", "results", "overlap.json")
+    before = open(committed, "rb").read()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overlap.py"), "--hidden", "16", "--layers", "1",
+                           "--seq", "8", "--batch", "2", "--warmup", "0", "--repeats", "1"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (written,) = (tmp_path / "runs").iterdir()
+    assert f"wrote {written}" in proc.stdout and set(json.loads(written.read_text())["median_s"]) == {"megatron", "split_overlap", "oases"}
+    assert open(committed, "rb").read() == before
+
+
+@pytest.mark.distributed
 def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
     out = tmp_path / "lines.jsonl"
     record = bench.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
@@ -88,6 +133,25 @@ def test_scaled_emulation_ratio_follows_the_stated_formula():
     assert bench.target_ratio(cfg["cluster"], ref) == pytest.approx(2 * 3 * 71e12 * 0.4 / (8 * 4096 * 12e9))
     nvlink = bench.compose_config(["cluster=nvlink_pair_3090"])["cluster"]
     assert bench.reference_tp(nvlink, ref) == 2
+
+
+def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
+    """One process, no link: the probe samples through ``Executor.add_hook``; full recomputation holds less than selective, which holds less than none."""
+    import torch
+
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.runtime.executor import Executor
+    from oases_ds.schedule.generators import build_schedule
+
+    cfg = ModelConfig(family="gpt", hidden_size=32, num_heads=4, num_layers=2, seq_len=16, vocab_size=64)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for name in ("megatron", "megatron_selective", "none"):
+        model = OperatorModel(cfg, seed=0)
+        executor = Executor(model, build_schedule(name, model.ops))
+        peaks[name] = bench.ActivationProbe(executor, model).run({"tokens": tokens, "labels": tokens})
+    assert 0 < peaks["megatron"] < peaks["megatron_selective"] < peaks["none"]
 
 
 def test_append_jsonl_writes_whole_lines(tmp_path):
@@ -154,6 +218,142 @@ def test_weak_scaling_simulation_from_fixture(tmp_path):
         for name, step in base.items():
             assert row[name]["step_s"] == pytest.approx(step + row["reduce_s"])
     assert any(p.name.startswith("weak_scaling_simulated-") for p in tmp_path.iterdir())
+
+
+NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")  # 3,757 is one number
+# numbers a report states by construction, not about its data: where to look in the paper, which rank
+# a lane was recorded on, the baseline's speedup over itself
+BY_CONSTRUCTION = re.compile(r"\b(?:Fig\.|Table) [0-9IVX]+|\brank 0\b|1\.00x \(1\.00-1\.00\)")
+DIGITS = str.maketrans("0123456789", "5678901234")  # no digit maps to itself
+
+
+def _perturb(obj, salt: int, path: str = ""):
+    """Every number of ``obj`` scaled by its own factor in [1.3, 2.9) (ints: also + 1, so 0 and 1 move),
+    every digit in every string and data label shifted by 5; study names kept (the report branches on them)."""
+    if isinstance(obj, bool) or obj is None:
+        return obj
+    factor = 1.3 + zlib.crc32(f"{salt}:{path}".encode()) % 1600 / 1000
+    if isinstance(obj, int):
+        return round(obj * factor) + 1
+    if isinstance(obj, float):
+        return obj * factor + factor / 100
+    if isinstance(obj, str):
+        return obj.translate(DIGITS)
+    if isinstance(obj, list):
+        return [_perturb(x, salt, f"{path}/{i}") for i, x in enumerate(obj)]
+    return {(k if k.isidentifier() else k.translate(DIGITS)): v if k == "study" else _perturb(v, salt, f"{path}/{k}")
+            for k, v in obj.items()}  # labels ("none@b8", "65536") change, schema keys ("gantt_rank0") do not
+
+
+def _consistent(record: dict) -> dict:
+    """Re-derive what oases-bench derives from the per-round step times (median, min, max, tokens/s)."""
+    for v in record["variants"].values():
+        steps = v["step_s"]
+        v.update(median_s=statistics.median(steps), min_s=min(steps), max_s=max(steps))
+        v["tokens_per_s"] = v["tokens_per_step"] / v["median_s"]
+    return record
+
+
+def _consistent_accuracy(acc: dict) -> dict:
+    for row in acc["rows"]:
+        row["min_ms"], row["measured_ms"], row["max_ms"] = sorted((row["min_ms"], row["measured_ms"], row["max_ms"]))
+    return acc
+
+
+def _report_lines(text: str, hide: list[str]) -> list[str]:
+    """Prose and table rows (not table headers) with the test's own paths and the study names hidden."""
+    lines = text.splitlines()
+    kept = []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (line.startswith("|---") or (i + 1 < len(lines) and lines[i + 1].startswith("|---"))):
+            continue
+        for h in hide:
+            line = line.replace(h, "<hidden>")
+        kept.append(BY_CONSTRUCTION.sub("<constant>", line))
+    return kept
+
+
+def _aligned_numbers(line: str, other: str) -> list[tuple[str, str]]:
+    """Pairs (number of ``line``, number of ``other``) that stand in the same text context: the two lines
+    are split into text and numbers and aligned on the text, so an added column or list item shifts nothing."""
+    split = re.compile(f"({NUMBER.pattern})").split
+    mine, theirs = split(line), split(other)  # text, number, text, number, ..., text
+    mask = lambda parts: [p if i % 2 == 0 else "#" for i, p in enumerate(parts)]
+    pairs = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, mask(mine), mask(theirs), autojunk=False).get_opcodes():
+        if tag == "equal":
+            pairs += [(mine[i], theirs[j]) for i, j in zip(range(i1, i2), range(j1, j2)) if i % 2 == 1]
+    return pairs
+
+
+def _surviving_numbers(before: list[str], after: list[str]) -> tuple[list[tuple[str, str]], int]:
+    """Numbers of ``before`` found unchanged at the same place in ``after``.  Lines are paired by their
+    text with numbers masked (a line whose text changed too is paired with the most similar one), numbers
+    within a pair by :func:`_aligned_numbers`.  A zero may stay (a perturbed tiny value still rounds to it).
+    Returns (survivors as (number, line), how many numbers were compared)."""
+    mask = lambda line: NUMBER.sub("#", line)
+    a, b = [mask(l) for l in before], [mask(l) for l in after]
+    survivors, compared = [], 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag not in ("equal", "replace"):
+            continue
+        for k, i in enumerate(range(i1, i2)):
+            j = j1 + k if tag == "equal" else max(range(j1, j2), key=lambda j: difflib.SequenceMatcher(None, a[i], b[j]).ratio())
+            pairs = _aligned_numbers(before[i], after[j])
+            compared += len(pairs)
+            survivors += [(x, before[i]) for x, y in pairs if x == y and float(x.replace(",", "")) != 0]
+    return survivors, compared
+
+
+def _accuracy_result() -> dict:
+    rows = [{"attn": [2, 2], "mlp": [2, 2], "predicted_ms": 41.5, "measured_ms": 44.0, "min_ms": 43.1, "max_ms": 47.9},
+            {"attn": [1, 2], "mlp": [2, 1], "predicted_ms": 52.25, "measured_ms": 50.5, "min_ms": 49.0, "max_ms": 53.3,
+             "is_solver_plan": True},
+            {"attn": [1, 1], "mlp": [1, 1], "predicted_ms": 61.0, "measured_ms": 66.75, "min_ms": 64.2, "max_ms": 70.1}]
+    return {"time": "2026-11-29T13:40:10+00:00", "git_commit": "97a26c7be9aa", "spearman": 0.5, "p_value": 0.667,
+            "table_key": "gpt-v256-h128|cpu_0_2g@0.2Gbps", "rows": rows,
+            "link": {"bandwidth_gbps": 0.2, "latency_us": 50.0, "sharing": "ring"},
+            "machine": {"platform": "Linux-6.18", "cpu_count": 2, "python": "3.11.7"},
+            "config": {"model": {"family": "gpt", "hidden_size": 128, "num_layers": 4, "seq_len": 128}, "devices": 2,
+                       "micro_batch": 8, "schedule": {"name": "oases"}, "accuracy": {"warmup": 2, "repeats": 5}}}
+
+
+def test_every_number_in_a_report_follows_its_data(tmp_path, monkeypatch):
+    """Perturb every number (and digit) of the results, write each record and plan twice (so counts change
+    too), regenerate: no number of the first reports may survive where it stands.  A hand-written number in a
+    note (e.g. "r = 1.66", "0-4% at h128") stays put and fails this."""
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *a, **k: None)  # text only: skip rendering
+    monkeypatch.setattr(matplotlib.figure.Figure, "tight_layout", lambda *a, **k: None)
+    records = [json.loads(l) for l in open(FIXTURE)]
+    original, perturbed = tmp_path / "a", tmp_path / "b"
+    for d in (original, perturbed):
+        d.mkdir()
+    validation = json.loads(open(_validation(tmp_path, 0.989, "PASS: fair, 1.1% (bar: 10%)")).read())
+    inputs = {original: (records, validation, _accuracy_result()),
+              perturbed: ([_consistent(_perturb(r, 1)) for r in records for _ in range(2)],
+                          _perturb(validation, 1), _consistent_accuracy(_perturb(_accuracy_result(), 1)))}
+    inputs[perturbed][2]["rows"] *= 2
+    reports = {}
+    for d, (lines, val, acc) in inputs.items():
+        (d / "lines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (d / "validation.json").write_text(json.dumps(val))
+        (d / "acc.json").write_text(json.dumps(acc))
+        written = bench_report.main(["--results", str(d / "lines.jsonl"), "--out-dir", str(d / "rep"),
+                                     "--validation", str(d / "validation.json"), "--accuracy", str(d / "acc.json")])
+        reports[d] = {os.path.basename(p).split("-")[0]: open(p).read() for p in written}
+    assert reports[original].keys() == reports[perturbed].keys() and "e2e" in reports[original]
+    hide = [os.path.relpath(str(tmp_path), bench_report.REPO_ROOT), str(tmp_path)] + sorted({r["study"] for r in records})
+    failures, compared = [], 0
+    for study, text in reports[original].items():
+        before = _report_lines(text, hide)
+        after = _report_lines(reports[perturbed][study].replace(f"{perturbed.name}/", f"{original.name}/"), hide)
+        survivors, n = _surviving_numbers(before, after)
+        compared += n
+        failures += [f"{study}: {x!r} in {line[:160]!r}" for x, line in survivors]
+    assert compared > 500  # the check looked at the reports' numbers, not at an empty diff
+    assert not failures, "numbers that did not follow the data:\n" + "\n".join(failures)
 
 
 def _validation(tmp_path, oases_fair_ratio: float, verdict_fair: str) -> str:

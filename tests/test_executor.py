@@ -1,6 +1,7 @@
 """Executor on one process: what it keeps alive, its timeline and trace."""
 import json
 
+import pytest
 import torch
 
 from oases_ds.models.config import ModelConfig
@@ -8,6 +9,7 @@ from oases_ds.models.transformer import OperatorModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.dataflow import peak_live
 from oases_ds.schedule.generators import build_schedule
+from oases_ds.schedule.instructions import Backward, Forward
 
 CFG = ModelConfig(family="gpt", hidden_size=16, num_heads=2, num_layers=4, seq_len=8, vocab_size=32)
 
@@ -28,14 +30,51 @@ def test_executor_frees_every_buffer_and_records_a_trace(tmp_path):
     ex = Executor(model, build_schedule("oases", model.ops))
     tokens = torch.randint(0, 32, (4, 8))
     loss = ex.run({"tokens": tokens, "labels": tokens})
-    assert torch.isfinite(loss) and not ex._buffers  # nothing left alive
+    assert torch.isfinite(loss) and not ex.buffers  # nothing left alive
     summary = ex.timeline.summary()
     assert 0 < summary["compute_util"] <= 1 and summary["span_s"] > 0
     path = tmp_path / "trace.json"
     ex.timeline.save_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    assert {e["ph"] for e in events} == {"X"}
+    trace = json.loads(path.read_text())["traceEvents"]
+    assert {e["ph"] for e in trace} == {"M", "X"}
+    events = [e for e in trace if e["ph"] == "X"]
     assert {e["args"]["sub_batch"] for e in events} == {0, 1}
     assert {"compute", "comm", "wait"} <= {e["args"]["lane"] for e in events}
     n_compute = sum(1 for i in ex.schedule.instructions if type(i).__name__ in ("Forward", "Recompute", "Backward"))
     assert sum(1 for e in events if e["args"]["lane"] == "compute") == n_compute
+
+
+def test_hook_sees_every_instruction_before_and_after_in_schedule_order():
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor(model, build_schedule("oases", model.ops))
+    calls, outputs_seen = [], []
+
+    def hook(ins, phase):
+        calls.append((ins, phase))
+        if phase == "after" and type(ins) is Forward:  # its output is there before any free
+            outputs_seen.append(("act", ins.op + 1, ins.mb) in ex.buffers)
+
+    remove = ex.add_hook(hook)
+    tokens = torch.randint(0, 32, (4, 8))
+    ex.run({"tokens": tokens, "labels": tokens})
+    expected = [(ins, phase) for ins in ex.schedule.instructions for phase in ("before", "after")]
+    assert calls == expected
+    assert outputs_seen and all(outputs_seen)
+    remove()
+    ex.run({"tokens": tokens, "labels": tokens})
+    assert len(calls) == len(expected)  # removed: not called again
+    remove()  # removing twice is harmless
+
+
+def test_a_failing_hook_aborts_the_run():
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor(model, build_schedule("megatron", model.ops))
+
+    def hook(ins, phase):
+        if type(ins) is Backward:
+            raise RuntimeError("probe failed")
+
+    ex.add_hook(hook)
+    tokens = torch.randint(0, 32, (2, 8))
+    with pytest.raises(RuntimeError, match="probe failed"):
+        ex.run({"tokens": tokens, "labels": tokens})

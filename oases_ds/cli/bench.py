@@ -28,10 +28,14 @@ which was used and the resulting emulated bandwidth.
     oases-bench experiment=e2e                 # one measurement (first point of the preset)
     oases-bench --multirun experiment=e2e      # the preset's sweep
     oases-bench report                         # JSON lines -> benchmarks/reports/*.md + PNG
+
+Without ``out=`` a run appends to a new dated file under ``runs/`` (git-ignored) and says
+where; ``out=benchmarks/results/bench.jsonl`` is how a run joins the committed results.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -46,9 +50,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, REPO_ROOT, fail, git_commit
+from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
 
-DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.jsonl")
+RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
 EMULATION_MODES = ("scaled", "literal", "off")
 
 
@@ -131,7 +135,7 @@ class BenchSchema:
     gantt: bool = True
     seed: int = 0
     timeout_s: int = 900
-    out: str = DEFAULT_OUT
+    out: str = ""  # empty: default_out(), a new dated file; committing a run is an explicit out=benchmarks/results/...
     note: str = ""
 
 
@@ -237,17 +241,15 @@ def resolve(cfg: dict) -> dict[str, Any]:
 class ActivationProbe:
     """Peak bytes of activations an executor holds: its buffers plus autograd-saved tensors.
 
-    Sampled after every instruction; parameters and their gradients are not
-    counted; tensors sharing storage count once.  It reads the executor's buffer
-    table (``Executor._buffers``), a private attribute, so it runs only in a
-    separate, untimed step and fails loudly if that attribute disappears.
+    Sampled after every instruction through the executor's public hook
+    (:meth:`Executor.add_hook`), reading its :attr:`Executor.buffers` view; parameters
+    and their gradients are not counted; tensors sharing storage count once.  The
+    sampling costs time, so it runs only in a separate, untimed step.
     """
 
     def __init__(self, executor, model) -> None:
         import weakref
 
-        if not hasattr(executor, "_buffers") or not hasattr(executor, "_handlers"):
-            raise RuntimeError("ActivationProbe: Executor no longer has _buffers/_handlers; update the probe")
         self.executor = executor
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.saved: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -264,9 +266,11 @@ class ActivationProbe:
             for item in obj:
                 self._storages(item, out)
 
-    def _sample(self) -> None:
+    def _sample(self, instruction, phase: str) -> None:
+        if phase != "after":
+            return
         live: dict[int, int] = {}
-        for value in self.executor._buffers.values():
+        for value in self.executor.buffers.values():
             self._storages(value, live)
         for t in list(self.saved.values()):
             self._storages(t, live)
@@ -279,15 +283,12 @@ class ActivationProbe:
             self.saved[id(t)] = t
             return t
 
-        handlers = self.executor._handlers
-        original = dict(handlers)
-        for kind, fn in original.items():
-            handlers[kind] = (lambda f: lambda ins: (f(ins), self._sample()))(fn)
+        remove = self.executor.add_hook(self._sample)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 self.executor.run(batch)
         finally:
-            handlers.update(original)
+            remove()
         return self.peak
 
 
@@ -393,6 +394,18 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent: launch, assemble, append ---------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def default_out() -> str:
+    """Where a run without ``out=`` appends: ``runs/oases-bench-<date>-<time>.jsonl`` under the
+    working directory, one file per invocation (every point of a ``--multirun`` sweep lands in it).
+
+    Why not the committed ``benchmarks/results/bench.jsonl``: the committed reports are generated
+    from it, so a trial run would silently change them; committing a run is a deliberate ``out=``.
+    """
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    return os.path.join(RUNS_DIR, f"oases-bench-{stamp}.jsonl")
+
+
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "hostname": platform.node()}
@@ -454,6 +467,7 @@ def run_measurement(config: dict) -> dict[str, Any]:
     from oases_ds.launcher import launch
 
     spec = resolve(config)
+    config = {**config, "out": config["out"] or default_out()}  # the record says where it went
     started = time.perf_counter()
     ranks = launch(measure_rank, spec["tp"] * spec["dp"], (spec,), timeout_s=spec["timeout_s"],
                    threads_per_rank=config["threads_per_rank"])
@@ -480,7 +494,7 @@ def print_record(record: dict) -> None:
     for label, v in variants.items():
         print(f"{label:<24}{v['median_s']:>10.4f}{v['min_s']:>8.4f}{v['max_s']:>8.4f}{base / v['median_s']:>8.2f}x"
               f"{v['tokens_per_s']:>9.0f}{v['exposed_comm_frac']:>9.1%}{v['compute_util']:>7.1%}")
-    print(f"appended to {record['config']['out']} ({record['wall_s']:.1f}s)", flush=True)
+    print(f"appended to {os.path.abspath(record['config']['out'])} ({record['wall_s']:.1f}s)", flush=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="bench")

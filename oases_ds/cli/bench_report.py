@@ -38,37 +38,25 @@ STUDY_TITLES = {
     "cost_model": "Cost-model accuracy: predicted vs measured step time of different plans (paper Fig. 9)",
 }
 
+# Notes true by construction of the method (what is measured and how); they state no number.
+# Everything numeric a report says about its data is computed from it: see study_notes().
 STUDY_NOTES = {
-    "e2e": "Reading against the paper (1.20-1.95x over Megatron on the 3090 cluster): Oases wins where TMP "
-           "communication is comparable to compute (25 GbE here, r = 1.66), gains less on the PCIe node (r = 0.43) "
-           "and nothing on the NVLink pair (r = 0.031), where it also trails `megatron_selective`, for three "
-           "reasons visible in the tables. (1) The "
-           "models are h128 on one CPU thread per rank, so the overlap has little to hide and the split into two "
-           "sub-batches costs arithmetic density (study batch_split: 0-4% at h128). (2) Every collective has a fixed "
-           "host cost (the gloo call and the emulator's issue-time exchange), and Oases issues more of them (each "
-           "sub-batch its own: 42 collectives per step on GPT h128 L4 against Megatron's 29, for 2/3 of the bytes): "
-           "on the NVLink profile Oases' exposed-communication share is *higher* than Megatron's. "
-           "(3) `megatron_selective` recomputes only the attention core, so on fast links it saves most of the "
-           "recompute that Megatron and Oases both pay, at the activation memory shown in study selective; the "
-           "paper's GPUs could not afford that memory at its model sizes, ours can at h128. LLaMA's SwiGLU MLP "
-           "adds a third GEMM per block, lowering its comm/compute ratio, and its NVLink/PCIe rows have the "
-           "widest spread.",
     "ablation": "The planner ablation (Oases with the solver's plan vs every block at the full TMP degree) is "
                 "measured by `oases-plan mode=accuracy`, which runs both plans interleaved under the same schedule "
                 "and link: see benchmarks/README.md, study (f).",
     "utilisation": "Utilisation here is the fraction of the step during which rank 0's compute lane was busy "
                    "(executor timeline), not the GPU SM efficiency of the paper.",
-    "selective": "Peak activation bytes: the largest total, sampled after every instruction of one extra untimed "
+    "selective": "Peak activation bytes: the largest total, sampled after every instruction of an extra untimed "
                  "step, of tensors the executor holds (its buffers and the autograd-saved tensors), parameters and "
                  "gradients excluded, shared storage counted once. Process RSS is reported separately and covers "
                  "all variants of the run together.",
-    "batch_split": "One process, no TMP and no link: this is arithmetic density on this CPU (1 thread), not on a "
-                   "GPU; the paper's '<20% loss' is a GPU statement.",
-    "weak_scaling": "DP 1 and 2 with TMP 2 are 2 and 4 processes on a 2-core machine, so DP 2 competes for cores: "
-                    "the scaling efficiency says more about this machine than about Oases. The Oases/Megatron ratio "
-                    "inside each run is the meaningful number. DP degrees beyond 2 are not measured here; "
-                    "`python benchmarks/weak_scaling_sim.py` extends the study to DP 64, SIMULATED from the DP-1 "
-                    "measurement (its own report, weak_scaling_simulated-<date>.md).",
+    "e2e": "Why the gain depends on the link (how the schedules work, not a measurement): overlap hides only "
+           "the communication there is; splitting a micro-batch into sub-batches lowers arithmetic density (study "
+           "batch_split measures by how much); every collective has a fixed host cost (the gloo call and the "
+           "emulator's issue-time exchange) and Oases issues one per sub-batch; `megatron_selective` recomputes "
+           "only the attention core, so it skips most of the recompute that Megatron and Oases both pay, at the "
+           "activation memory measured in study selective. LLaMA's SwiGLU MLP adds a GEMM per block, lowering "
+           "its comm/compute ratio against GPT's at the same hidden size. Compare the paper's Fig. 6.",
 }
 
 
@@ -221,9 +209,8 @@ def plot_weak_scaling(records: list[dict], path: str) -> None:
     for label in dict.fromkeys(l for r in records for l in r["variants"]):
         pts = [(r["data_parallel_size"], r["variants"][label]["tokens_per_s"]) for r in records if label in r["variants"]]
         line, = ax.plot(*zip(*pts), marker="o", label=label)
-        base = next((t for d, t in pts if d == 1), None)
-        if base:
-            ax.plot([d for d, _ in pts], [base * d for d, _ in pts], ls=":", color=line.get_color(), label=f"{label} ideal")
+        d0, base = pts[0]  # records are sorted by DP degree: ideal scaling starts at the smallest
+        ax.plot([d for d, _ in pts], [base * d / d0 for d, _ in pts], ls=":", color=line.get_color(), label=f"{label} ideal")
     ax.set_xlabel("DP degree (TMP 2 each)")
     ax.set_ylabel("tokens/s (global)")
     ax.set_xticks(sorted({r["data_parallel_size"] for r in records}))
@@ -339,7 +326,7 @@ def validation_section(path: str, sharing: str = "ring") -> list[str]:
         a, b = v["schedules"][names[0]], v["schedules"][names[-1]]
         out += ["", f"Speedup `{names[-1]}` over `{names[0]}` (ratio of medians): " + ", ".join(
             f"{kind} {a[kind + '_median_s'] / b[kind + '_median_s']:.2f}x" for kind in ["shaped"] + kinds)]
-    out += ["", f"AllReduce probe over the shaped link (median of 8 each): "
+    out += ["", f"AllReduce probe over the shaped link (median per size): "
             + ", ".join(f"{int(b) // 1024} KiB {t * 1e3:.1f} ms" for b, t in v["probe_s"].items())
             + f" -> fitted {probe['bandwidth_gbps'] * 1000:.1f} Mbit/s, {probe['latency_us']:.0f} us."]
     if "tbf_mean_packet_bytes" in v:
@@ -394,7 +381,7 @@ def validation_caution(path: str, sharing: str = "ring") -> list[str]:
              f"{', '.join(v['schedules'])}")
     if v["verdicts"][kind].startswith("PASS"):
         return [f"> The link emulator ({sharing} sharing) was checked against a kernel-shaped link ({scope}; section "
-                f"at the end): step times within {abs(worst[1][key] - 1):.1%} (worst: `{worst[0]}`, bar 10%). The "
+                f"at the end): step times within {abs(worst[1][key] - 1):.1%} (worst: `{worst[0]}`). The "
                 f"rows above use scaled emulation at other rates, which that check does not cover directly.", ""]
     return [f"> **Caution**: against a kernel-shaped link ({scope}; section at the end) the emulator "
             f"({sharing} sharing) ran `{worst[0]}` at {worst[1][key]:.2f}x the shaped step time (FAIL); speedups of "
@@ -423,6 +410,112 @@ def summary_table(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _listing(values) -> str:
+    return ", ".join(str(v) for v in sorted(set(values)))
+
+
+def _median_speedup(r: dict, base: str, other: str) -> float:
+    v = r["variants"]
+    return statistics.median(round_ratios(v[base]["step_s"], v[other]["step_s"]))
+
+
+def e2e_findings(records: list[dict]) -> list[str]:
+    """What the e2e tables show, computed from them: Oases' speedup per link, where it
+    trails selective recomputation, where its exposed share is higher, how many
+    collectives it issues."""
+    both = [r for r in records if {BASELINE, "oases"} <= r["variants"].keys()]
+    if not both:
+        return []
+    out = []
+    by_link: dict[str, list[dict]] = defaultdict(list)
+    for r in both:
+        by_link[r["link_emulation"]["cluster"]["name"] if r["link_emulation"]["enabled"] else "no link"].append(r)
+
+    def link_key(item):
+        ratio = item[1][0]["link_emulation"].get("target_comm_compute_ratio")
+        return (ratio is None, ratio or 0.0, item[0])
+
+    parts = []
+    for name, rs in sorted(by_link.items(), key=link_key):
+        speedups = [_median_speedup(r, BASELINE, "oases") for r in rs]
+        ratio = rs[0]["link_emulation"].get("target_comm_compute_ratio")
+        spread = f"{min(speedups):.2f}x" if len(speedups) == 1 else f"{min(speedups):.2f}-{max(speedups):.2f}x"
+        parts.append(f"`{name}`" + (f" (r = {ratio:.3g})" if ratio is not None else "") + f": {spread}")
+    out.append("Oases over Megatron, median per-round speedup (range over the measurements of a link), by link and "
+               "its emulated Megatron comm/compute ratio r: " + "; ".join(parts) + ".")
+    with_selective = [r for r in both if "megatron_selective" in r["variants"]]
+    trails = [r for r in with_selective if _median_speedup(r, "megatron_selective", "oases") < 1]
+    if with_selective:
+        out.append("Oases trails `megatron_selective` in: "
+                   + (", ".join(f"{record_label(r)} ({_median_speedup(r, 'megatron_selective', 'oases'):.2f}x)"
+                                for r in trails) if trails else "none of these measurements") + ".")
+    higher = [r for r in both
+              if r["variants"]["oases"]["exposed_comm_frac"] > r["variants"][BASELINE]["exposed_comm_frac"]]
+    if higher:
+        out.append("Oases' exposed-communication share is higher than Megatron's in: " + ", ".join(
+            f"{record_label(r)} ({r['variants'][BASELINE]['exposed_comm_frac']:.0%} -> "
+            f"{r['variants']['oases']['exposed_comm_frac']:.0%})" for r in higher) + ".")
+    counts, seen = [], set()
+    for r in both:
+        m = r["config"]["model"]
+        model = f"{m['family']} h{m['hidden_size']} L{m['num_layers']}"
+        if model in seen:
+            continue
+        seen.add(model)
+        calls = {k: sum(d["calls"] for d in r["variants"][k]["comm_bytes_rank0"].values()) for k in (BASELINE, "oases")}
+        nbytes = {k: sum(d["bytes"] for d in r["variants"][k]["comm_bytes_rank0"].values()) for k in (BASELINE, "oases")}
+        if calls[BASELINE] and nbytes[BASELINE]:
+            counts.append(f"{model}: {calls['oases']} against {calls[BASELINE]} "
+                          f"({nbytes['oases'] / nbytes[BASELINE]:.2f} of the bytes)")
+    if counts:
+        out.append("Collectives per step on rank 0, Oases against Megatron (all phases): " + "; ".join(counts) + ".")
+    spread = max(both, key=lambda r: (lambda x: max(x) - min(x))(
+        round_ratios(r["variants"][BASELINE]["step_s"], r["variants"]["oases"]["step_s"])))
+    ratios = round_ratios(spread["variants"][BASELINE]["step_s"], spread["variants"]["oases"]["step_s"])
+    out.append(f"Widest spread of that speedup over rounds: {record_label(spread)} "
+               f"({min(ratios):.2f}-{max(ratios):.2f}x).")
+    return out
+
+
+def weak_scaling_findings(records: list[dict]) -> list[str]:
+    """How many processes each DP degree ran on how many CPUs: whether the runs competed for cores."""
+    dps = [r["data_parallel_size"] for r in records]
+    procs = [r["tensor_parallel_size"] * r["data_parallel_size"] for r in records]
+    cpus = min(r["machine"]["cpu_count"] for r in records)
+    out = [f"DP {_listing(dps)} with TMP {_listing(r['tensor_parallel_size'] for r in records)} ran "
+           f"{_listing(procs)} rank processes on a {cpus}-CPU machine."]
+    if max(procs) > cpus:
+        out.append("The runs with more processes than CPUs compete for cores, so the scaling efficiency says more "
+                   "about this machine than about Oases; the Oases/Megatron ratio inside each run is the meaningful "
+                   "number.")
+    out.append(f"DP degrees beyond {max(dps)} are not measured here; `python benchmarks/weak_scaling_sim.py` extends "
+               "the study to larger DP degrees, SIMULATED from the measurement without data parallelism (its own "
+               "report, weak_scaling_simulated-<date>.md).")
+    return out
+
+
+def batch_split_findings(records: list[dict]) -> list[str]:
+    """What the batch-split numbers are a property of: this CPU, these processes and threads."""
+    procs = [r["tensor_parallel_size"] * r["data_parallel_size"] for r in records]
+    links = "no link" if not any(r["link_emulation"]["enabled"] for r in records) else "an emulated link"
+    return [f"Compute-only comparison on this CPU: {_listing(procs)} process(es) per measurement, TMP "
+            f"{_listing(r['tensor_parallel_size'] for r in records)}, "
+            f"{_listing(r['config']['threads_per_rank'] for r in records)} torch thread(s) per process, {links}. "
+            "It measures arithmetic density on this CPU, not on a GPU; the paper's bound (Fig. 5) is a GPU "
+            "statement."]
+
+
+FINDINGS = {"e2e": e2e_findings, "weak_scaling": weak_scaling_findings, "batch_split": batch_split_findings}
+
+
+def study_notes(study: str, records: list[dict]) -> list[str]:
+    """The notes under a study's configuration: computed findings, then the fixed note on method."""
+    paragraphs = FINDINGS[study](records) if study in FINDINGS else []
+    if study in STUDY_NOTES:
+        paragraphs.append(STUDY_NOTES[study])
+    return [line for text in paragraphs for line in (f"> {text}", ">")][:-1] + ([""] if paragraphs else [])
+
+
 def write_study(study: str, records: list[dict], out_dir: str, validation: str) -> str:
     date = max(r["time"] for r in records)[:10]
     stem = f"{study}-{date}"
@@ -447,8 +540,7 @@ def write_study(study: str, records: list[dict], out_dir: str, validation: str) 
            "step time = slowest rank; ratios are per round, median (min-max)",
            "- link emulation (per measurement below): the real collective runs and its wait is held to the "
            "emulated link's deadline; see `oases_ds/cli/bench.py` for the scaled mode", ""]
-    if study in STUDY_NOTES:
-        md += [f"> {STUDY_NOTES[study]}", ""]
+    md += study_notes(study, records)
     summary = summary_table(records)
     if summary:
         md += ["## Summary", ""] + summary
@@ -472,7 +564,8 @@ def write_study(study: str, records: list[dict], out_dir: str, validation: str) 
         plots.append((f"{stem}-throughput.png", "throughput normalised to Megatron"))
     if study == "weak_scaling":
         plot_weak_scaling(records, os.path.join(out_dir, f"{stem}-scaling.png"))
-        plots.append((f"{stem}-scaling.png", "tokens/s vs DP degree with ideal linear scaling from DP 1"))
+        plots.append((f"{stem}-scaling.png", "tokens/s vs DP degree with ideal linear scaling from DP "
+                                             f"{min(r['data_parallel_size'] for r in records)}"))
     if study == "selective":
         plot_memory(records, os.path.join(out_dir, f"{stem}-memory.png"))
         plots.append((f"{stem}-memory.png", "step time and peak activation memory"))
@@ -533,7 +626,7 @@ def write_cost_model(path: str, out_dir: str) -> str:
            f"- plans measured interleaved (one step each, round robin), {cfg.get('accuracy', {}).get('warmup')} warm-up "
            f"+ {cfg.get('accuracy', {}).get('repeats')} timed rounds; median step, slowest rank", "",
            f"**Spearman rank correlation, predicted vs measured: {acc['spearman']:.3f}** (p = {acc['p_value']:.3g}, "
-           f"{len(rows)} plans; paper Fig. 9: 0.844 / 0.876).", "",
+           f"{len(rows)} plans; compare the paper's Fig. 9).", "",
            "| attn degrees | mlp degrees | predicted ms | measured ms (min-max) | measured / predicted |",
            "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["predicted_ms"]):

@@ -18,7 +18,8 @@ really holds only its checkpoints.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from oases_ds.models.ops import Acts, CommOp, ComputeOp, OpContext
 from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.comm import Communicator
-from oases_ds.runtime.timeline import Timeline
+from oases_ds.runtime.timeline import Timeline, op_label
 from oases_ds.schedule.dataflow import last_reads
 from oases_ds.schedule.generators import Schedule
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
@@ -42,6 +43,14 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
             f"use a micro-batch size that is a multiple of {parts}"
         )
     return [{k: v.chunk(parts, dim=0)[j] for k, v in batch.items()} for j in range(parts)]
+
+
+HookPhase = Literal["before", "after"]
+InstructionHook = Callable[[Instruction, HookPhase], None]
+
+# Phase names in the timeline (and so in Chrome traces), per instruction type / comm phase.
+_COMPUTE_PHASE = {Forward: "fwd", Recompute: "rec", Backward: "bwd"}
+_COMM_PHASE = {"forward": "fwd", "recompute": "rec", "backward": "bwd"}
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +84,8 @@ class Executor:
         self.record = record
         self.timeline = Timeline()
         self._frees = last_reads(schedule.instructions, self.ops)
+        self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
+        self._hooks: list[InstructionHook] = []
         self._replica_groups = model.replica_groups()  # fixed by the plan: derive once, not per micro-batch
         self._handlers: dict[type, Callable[[Instruction], None]] = {
             Forward: self._forward,
@@ -89,6 +100,31 @@ class Executor:
         self._losses: list[torch.Tensor] = []
 
     # -- public ------------------------------------------------------------------
+    def add_hook(self, hook: InstructionHook) -> Callable[[], None]:
+        """Call ``hook(instruction, "before")`` and ``hook(instruction, "after")`` around
+        every instruction of every later :meth:`run`, in schedule order; returns a
+        function that removes it.
+
+        Why a hook: measurements that must see the executor between instructions
+        (peak activation memory, custom tracing) would otherwise wrap its private
+        handler table.  ``"after"`` comes once the instruction's outputs are in
+        :attr:`buffers` and before the buffers it read for the last time are freed,
+        so it sees the instruction's high-water mark.  A hook that raises aborts the run.
+        """
+        self._hooks.append(hook)
+
+        def remove() -> None:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+        return remove
+
+    @property
+    def buffers(self) -> Mapping[tuple, object]:
+        """Read-only view of the live buffers (activations, graphs, gradients, collectives
+        in flight), keyed like the schedule's dataflow; for hooks that measure memory."""
+        return MappingProxyType(self._buffers)
+
     def run(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; parameter ``.grad`` accumulates.
 
@@ -102,7 +138,11 @@ class Executor:
         self._prepare(batch, sample_offset, global_batch)
         self.timeline.clear()
         for idx, ins in enumerate(self.schedule.instructions):
+            for hook in self._hooks:
+                hook(ins, "before")
             self._handlers[type(ins)](ins)
+            for hook in self._hooks:
+                hook(ins, "after")
             for buf in self._frees[idx]:
                 self._buffers.pop(buf, None)
         leftover = list(self._buffers)
@@ -157,7 +197,7 @@ class Executor:
             return
         t0 = time.perf_counter()
         fn()
-        self.timeline.add(str(ins), lane, ins.mb, t0, time.perf_counter())
+        self.timeline.add(str(ins), lane, ins.mb, t0, time.perf_counter(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
 
     def _run_compute(self, ins: Instruction, keep_graph: bool, phase: str) -> None:
         op = self.ops[ins.op]
@@ -229,8 +269,9 @@ class Executor:
         result = pending.wait()
         t1 = time.perf_counter()
         if self.record:
-            self.timeline.add(str(ins), "wait", ins.mb, t0, t1)
-            self.timeline.add(f"C{ins.op}.{ins.mb}:{ins.phase}", "comm", ins.mb, started, t1)
+            label, phase = self._labels[ins.op], _COMM_PHASE[ins.phase]
+            self.timeline.add(str(ins), "wait", ins.mb, t0, t1, label, phase)
+            self.timeline.add(f"C{ins.op}.{ins.mb}:{ins.phase}", "comm", ins.mb, started, t1, label, phase)
         dst = ("grad", ins.op, ins.mb) if ins.phase == "backward" else ("act", ins.op + 1, ins.mb)
         self._buffers[dst] = _replace(acts, op.index, result)
 
