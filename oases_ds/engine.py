@@ -36,10 +36,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
 from oases_ds.config import OasesConfig
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.collectives import start_all_reduce
+from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.runtime.comm import Communicator
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.generators import build_schedule
