@@ -36,10 +36,11 @@ def _worker(args: dict) -> dict:
     import torch
 
     from oases_ds.models.config import ModelConfig
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.comm import Communicator, LinkModel
     from oases_ds.runtime.executor import Executor
     from oases_ds.schedule.generators import build_schedule
 

@@ -1,6 +1,6 @@
 """Does the link emulator behave like a real slow link?  Emulated vs kernel-shaped step times.
 
-The benchmark's emulator (``oases_ds.runtime.comm.LinkModel``) holds each
+The benchmark's emulator (``oases_ds.parallel.link.LinkModel``) holds each
 collective to a deadline computed from bandwidth and latency.  Here the same
 two-rank TMP job runs over a *real* slow link instead: each rank in its own
 network namespace, joined by a veth pair whose both ends are shaped by the

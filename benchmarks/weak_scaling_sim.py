@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from oases_ds.models.config import ModelConfig  # noqa: E402
-from oases_ds.models.transformer import OperatorModel  # noqa: E402
-from oases_ds.runtime.comm import LinkModel  # noqa: E402
+from oases_ds.models.operator_model import OperatorModel  # noqa: E402
+from oases_ds.parallel.link import LinkModel  # noqa: E402
 from oases_ds.runtime.timeline import write_json_atomic  # noqa: E402
 
 

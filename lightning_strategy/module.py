@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 
 
 class OasesLightningModule(pl.LightningModule):

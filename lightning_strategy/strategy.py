@@ -64,7 +64,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_strategy.module import OasesLightningModule
 from oases_ds.config import parse_oases_section
 from oases_ds import build_model
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.topology import Topology
 

@@ -16,7 +16,7 @@ from typing import Any
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 
 __all__ = ["initialize", "build_model", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]

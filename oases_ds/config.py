@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from oases_ds.runtime.comm import LinkModel
+from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
 
 

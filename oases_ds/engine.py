@@ -58,10 +58,11 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_save_tag, prune, publish, read_latest)
 from oases_ds.config import OasesConfig, OasesConfigError
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.collectives import group_size, start_all_reduce
+from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.runtime.comm import Communicator, LinkModel
+from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.generators import build_schedule
@@ -126,7 +127,7 @@ class OasesEngine(DeepSpeedEngine):
         element = next(model.parameters()).element_size()
         sub_batch = max(1, self.train_micro_batch_size_per_gpu() // self.schedule.sub_batches)
         out = [("TMP activation AllReduce", "all_reduce", sub_batch * cfg.seq_len * cfg.hidden_size * element, ctx.tp_size)]
-        for params, group in model.replica_groups():
+        for params, group in model.sharding.replica_groups(model.layers):
             out.append(("replica gradient AllReduce", "all_reduce", sum(p.numel() for p in params) * element, group_size(group)))
         bucket = self.zero_reduce_bucket_size() if self.zero_optimization_stage() else MEMORY_OPT_ALLREDUCE_SIZE
         grads = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
+from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
 from oases_ds.parallel.collectives import start_all_reduce
+from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.grads import average_data_parallel_grads
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.runtime.comm import Communicator
-from oases_ds.runtime.executor import Executor, average_data_parallel_grads
+from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleOptions, build_schedule
 
 # (label, schedule name, options): the five schedules plus Oases' two ablations.
@@ -48,7 +49,7 @@ def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[st
 
 def gather_full_grads(model: OperatorModel, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """Unsharded gradients: each sharded parameter gathered over its block's group."""
-    return {name: model.gather_full(name, p, p.grad) for name, p in model.named_parameters()}
+    return {name: model.sharding.gather_full(name, p, p.grad) for name, p in model.named_parameters()}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:

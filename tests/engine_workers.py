@@ -73,7 +73,7 @@ def reference_run(family: str, steps: int, batch_size: int, zero: int = 0) -> di
 
 def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
     model = engine.module
-    return {name: model.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
+    return {name: model.sharding.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",

@@ -23,7 +23,7 @@ def dataset(step: int = 0, size: int = SAMPLES) -> list[dict[str, torch.Tensor]]
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Parameters gathered over the TMP shards (``model`` is an OperatorModel)."""
-    return {name: model.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
+    return {name: model.sharding.gather_full(name, p, p.float()) for name, p in model.named_parameters()}
 
 
 def _module_class():

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import IGNORE_INDEX, SITE_EMBED, dropout_site, init_full_parameter
+from oases_ds.models.operator_model import IGNORE_INDEX, SITE_EMBED, dropout_site
+from oases_ds.models.sharding import init_full_parameter
 from oases_ds.parallel.random import RNGTracker, keyed_dropout
 
 

@@ -140,7 +140,7 @@ def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
     import torch
 
     from oases_ds.models.config import ModelConfig
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
     from oases_ds.runtime.executor import Executor
     from oases_ds.schedule.generators import build_schedule
 

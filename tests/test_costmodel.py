@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
-from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import ScheduleOptions, build_schedule
 from test_schedules import block_ops
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import OperatorModel
-from oases_ds.runtime.comm import LinkModel
+from oases_ds.models.ops import CommOp
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.executor import Executor, split_batch
 from oases_ds.schedule.generators import build_schedule
 
@@ -148,3 +149,28 @@ def test_slow_link_warning_names_both_times_and_the_fix():
                    "time out; raise process_group_timeout_s above 17 or the bandwidth")
     assert slow_link_warning(link, 20.0, collectives) is None  # fits
     assert slow_link_warning(LinkModel(bandwidth_gbps=1e-6), 10.0, [("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
+
+
+@pytest.mark.parametrize(
+    "forward, backward, message",
+    [
+        ("all_gather", None, "L0.x: forward all_gather needs split in the other direction .its gradient., got identity"),
+        ("all_reduce", "all_reduce", "L0.x: forward all_reduce needs identity in the other direction .its gradient., "
+                                     "got all_reduce"),
+        (None, "split", "L0.x: backward split needs all_gather in the other direction .its gradient., got identity"),
+        ("broadcast", None, "L0.x: unknown forward collective 'broadcast'; use one of all_reduce, all_gather, split"),
+    ],
+)
+def test_comm_op_directions_must_be_each_others_gradient(forward, backward, message):
+    """One autograd Function runs both directions of a CommOp eagerly; a pair that is not
+    forward/gradient of each other would silently compute the wrong gradient there."""
+    with pytest.raises(ValueError, match=message):
+        CommOp("L0.x", 0, "attn", 0, forward, backward, None)
+
+
+@pytest.mark.parametrize("forward, backward", [("all_reduce", None), (None, "all_reduce"), ("all_gather", "split"),
+                                               ("split", "all_gather")])
+def test_comm_op_accepts_the_four_region_patterns(forward, backward):
+    op = CommOp("L0.x", 0, "attn", 0, forward, backward, None)
+    x = torch.arange(4.0)
+    assert torch.equal(op.apply(x), x)  # a group of one: every collective is an identity

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.dataflow import peak_live
 from oases_ds.schedule.generators import build_schedule

@@ -80,7 +80,7 @@ def test_sub_batch_must_split_among_replicas():
     import torch
 
     from oases_ds.models.config import ModelConfig
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
     from oases_ds.parallel.context import BlockLayout
     from oases_ds.runtime.executor import Executor
     from oases_ds.schedule.generators import build_schedule

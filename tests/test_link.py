@@ -5,7 +5,8 @@ import pytest
 
 import dist_workers  # noqa: F401  (tests dir on sys.path for the rank processes)
 from oases_ds.launcher import launch
-from oases_ds.runtime.comm import Communicator, LinkModel
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.link import LinkEmulator, LinkModel
 
 
 def test_ring_volumes():
@@ -18,13 +19,13 @@ def test_ring_volumes():
 
 def test_messages_share_the_link():
     link = LinkModel(bandwidth_gbps=8.0, latency_us=100.0)
-    comm = Communicator(link)
+    emulator = LinkEmulator(link)
     seconds = link.seconds("all_reduce", 10**6, 2)
-    first = comm.reserve(seconds, now=0.0)
-    second = comm.reserve(seconds, now=0.0)  # issued together: waits for the first
+    first = emulator.reserve(seconds, now=0.0)
+    second = emulator.reserve(seconds, now=0.0)  # issued together: waits for the first
     assert first == pytest.approx(1e-4 + 1e-3)
     assert second == pytest.approx(2 * first)
-    late = comm.reserve(seconds, now=10.0)  # link idle again
+    late = emulator.reserve(seconds, now=10.0)  # link idle again
     assert late == pytest.approx(10.0 + first)
 
 
@@ -60,32 +61,32 @@ def test_emulated_collective_completes_no_earlier_than_the_link_allows():
     assert early["done"] >= late["issued"] + early["expected"] * 0.999
 
 
-def _issued(comm, seconds, start, steps=1):
-    """A message as the communicator sees it once every rank has issued it."""
+def _issued(emulator, seconds, start, steps=1):
+    """A message as the emulator sees it once every rank has issued it."""
     import torch
 
-    from oases_ds.runtime.comm import _LinkMessage
+    from oases_ds.parallel.link import _LinkMessage
 
     class Done:
         def wait(self):
             return None
 
     m = _LinkMessage(seconds, torch.tensor([start], dtype=torch.float64), Done(), steps)
-    comm._unresolved.append(m)
+    emulator._unresolved.append(m)
     return m
 
 
 def test_fair_sharing_splits_the_link_between_messages_in_flight():
-    comm = Communicator(LinkModel(bandwidth_gbps=8.0, sharing="fair"))
-    a, b = _issued(comm, 1.0, 0.0), _issued(comm, 1.0, 0.0)
-    assert comm._resolve(a) == pytest.approx(2.0)  # both crossed at half rate
+    emulator = LinkEmulator(LinkModel(bandwidth_gbps=8.0, sharing="fair"))
+    a, b = _issued(emulator, 1.0, 0.0), _issued(emulator, 1.0, 0.0)
+    assert emulator.deadline(a) == pytest.approx(2.0)  # both crossed at half rate
     assert b.deadline == pytest.approx(2.0)
-    c, d = _issued(comm, 1.0, 10.0), _issued(comm, 0.5, 10.25)
-    assert comm._resolve(c) == pytest.approx(11.5)  # alone 0.25 s, then shares until d is done at 11.25
+    c, d = _issued(emulator, 1.0, 10.0), _issued(emulator, 0.5, 10.25)
+    assert emulator.deadline(c) == pytest.approx(11.5)  # alone 0.25 s, then shares until d is done at 11.25
     assert d.deadline == pytest.approx(11.25)
-    fifo = Communicator(LinkModel(bandwidth_gbps=8.0))
+    fifo = LinkEmulator(LinkModel(bandwidth_gbps=8.0))
     e, f = _issued(fifo, 1.0, 0.0), _issued(fifo, 1.0, 0.0)
-    assert fifo._resolve(e) == pytest.approx(1.0) and fifo._resolve(f) == pytest.approx(2.0)
+    assert fifo.deadline(e) == pytest.approx(1.0) and fifo.deadline(f) == pytest.approx(2.0)
 
 
 def test_ring_sharing_interleaves_collectives_step_by_step():
@@ -94,17 +95,17 @@ def test_ring_sharing_interleaves_collectives_step_by_step():
     link = LinkModel(bandwidth_gbps=8.0, sharing="ring")
     assert link.ring_steps("all_reduce", 2) == 2 and link.ring_steps("all_reduce", 4) == 6
     assert link.ring_steps("all_gather", 4) == 3
-    comm = Communicator(link)
-    a, b = _issued(comm, 1.0, 0.0, steps=2), _issued(comm, 1.0, 0.0, steps=2)
-    assert comm._resolve(b) == pytest.approx(2.0) and a.deadline == pytest.approx(1.5)
+    emulator = LinkEmulator(link)
+    a, b = _issued(emulator, 1.0, 0.0, steps=2), _issued(emulator, 1.0, 0.0, steps=2)
+    assert emulator.deadline(b) == pytest.approx(2.0) and a.deadline == pytest.approx(1.5)
     # a later collective joins between the steps of one already on the link
-    c, d = _issued(comm, 1.0, 10.0, steps=2), _issued(comm, 0.5, 10.25, steps=2)
-    assert comm._resolve(c) == pytest.approx(11.25)  # c1 10-10.5, d1 10.5-10.75, c2 10.75-11.25
-    assert comm._resolve(d) == pytest.approx(11.5)
+    c, d = _issued(emulator, 1.0, 10.0, steps=2), _issued(emulator, 0.5, 10.25, steps=2)
+    assert emulator.deadline(c) == pytest.approx(11.25)  # c1 10-10.5, d1 10.5-10.75, c2 10.75-11.25
+    assert emulator.deadline(d) == pytest.approx(11.5)
     # latency is paid once, by the first step
-    lat = Communicator(LinkModel(bandwidth_gbps=8.0, latency_us=100_000, sharing="ring"))
+    lat = LinkEmulator(LinkModel(bandwidth_gbps=8.0, latency_us=100_000, sharing="ring"))
     e = _issued(lat, 1.1, 0.0, steps=2)
-    assert lat._resolve(e) == pytest.approx(1.1)
+    assert lat.deadline(e) == pytest.approx(1.1)
 
 
 def test_a_settled_deadline_waits_for_no_later_collective():
@@ -112,15 +113,15 @@ def test_a_settled_deadline_waits_for_no_later_collective():
     exchange of collectives issued after it (peers may not have issued those yet)."""
     import torch
 
-    from oases_ds.runtime.comm import _LinkMessage
+    from oases_ds.parallel.link import _LinkMessage
 
     class Unissued:
         def wait(self):
             raise AssertionError("blocked on a later collective's issue-time exchange")
 
     for sharing in ("fair", "ring"):
-        comm = Communicator(LinkModel(bandwidth_gbps=8.0, sharing=sharing))
-        a, b = _issued(comm, 1.0, 0.0, steps=2), _issued(comm, 1.0, 0.0, steps=2)
-        comm._resolve(b)  # settles a as well
-        comm._unresolved.append(_LinkMessage(1.0, torch.tensor([5.0], dtype=torch.float64), Unissued(), 2))
-        assert comm._resolve(a) == a.deadline
+        emulator = LinkEmulator(LinkModel(bandwidth_gbps=8.0, sharing=sharing))
+        a, b = _issued(emulator, 1.0, 0.0, steps=2), _issued(emulator, 1.0, 0.0, steps=2)
+        emulator.deadline(b)  # settles a as well
+        emulator._unresolved.append(_LinkMessage(1.0, torch.tensor([5.0], dtype=torch.float64), Unissued(), 2))
+        assert emulator.deadline(a) == a.deadline

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import LinkModel
 from oases_ds.planner import analytic
 from oases_ds.planner.analytic import DeviceModel, analytic_table, block_forward_flops
 from oases_ds.planner.costs import BLOCK_KINDS
@@ -19,7 +20,6 @@ from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
 from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
-from oases_ds.runtime.comm import LinkModel
 from test_planner_cli import ROOT, plan_cli
 
 SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)
@@ -166,7 +166,7 @@ def test_a_spec_without_a_link_is_refused():
 # -- presets and the planner -------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PAPER_PRESETS))
 def test_paper_presets_validate_and_have_their_nominal_size(name):
-    from oases_ds.models.transformer import layer_parameter_counts
+    from oases_ds.models.blocks import layer_parameter_counts
 
     cfg = preset(name)
     for t in (1, 2, 4, 8):

@@ -37,8 +37,8 @@ def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
     assert again.layers == 12 and again.blocks == table.blocks
 
     # What if the link were slower: same measured compute, replayed on a 10 GbE and a 10 Mb/s link.
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.profile import simulate_profiled_layer
-    from oases_ds.runtime.comm import LinkModel
 
     fast = simulate_profiled_layer(table, TINY, 2, LinkModel(10.0, 50.0))
     slow = simulate_profiled_layer(table, TINY, 2, LinkModel(0.01, 50.0))
@@ -56,7 +56,7 @@ def test_profile_spec_names_the_field():
 
 
 def test_key_separates_links_and_schedule_ablations():
-    from oases_ds.runtime.comm import LinkModel
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.schedule.generators import ScheduleOptions
 
     base = ProfileSpec(model=TINY, devices=2, micro_batch=4)

@@ -69,7 +69,7 @@ def test_fine_grained_never_recomputes_a_collective():
 @pytest.mark.parametrize("sub_batches", [1, 2, 3])
 def test_every_schedule_passes_the_checker_on_a_real_model(name, sub_batches):
     from oases_ds.models.config import ModelConfig
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
 
     for family in ("gpt", "bert", "llama"):
         model = OperatorModel(ModelConfig(family=family, hidden_size=16, num_heads=2, num_layers=2, seq_len=4, vocab_size=16))

@@ -4,7 +4,7 @@ import json
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.transformer import OperatorModel
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import LANES, Timeline, op_label
 from oases_ds.schedule.generators import build_schedule

@@ -177,8 +177,8 @@ def reference_layer_compute_s(cluster: dict, reference: dict) -> float:
 def resolve(cfg: dict) -> dict[str, Any]:
     """Validate everything against the library's own types; raise ValueError with one line."""
     from oases_ds.models.config import ModelConfig
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.parallel.topology import Topology
-    from oases_ds.runtime.comm import LinkModel
     from oases_ds.schedule.generators import ScheduleOptions
 
     model = ModelConfig(**cfg["model"])
@@ -294,7 +294,7 @@ class ActivationProbe:
 
 def _flat_grad_sync(model, comm, dp_group) -> None:
     """DP gradient mean as one bucket through the (emulated) communicator, like DeepSpeed's bucket."""
-    from oases_ds.runtime.executor import all_reduce_grads
+    from oases_ds.parallel.grads import all_reduce_grads
 
     all_reduce_grads(list(model.parameters()), comm, dp_group, mean=True)
 
@@ -308,10 +308,11 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     from oases_ds.data import DataConfig, TokenBatches
     from oases_ds.models.config import ModelConfig
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.comm import Communicator, LinkModel
     from oases_ds.runtime.executor import Executor
     from oases_ds.schedule.generators import ScheduleOptions, build_schedule
 

@@ -45,8 +45,8 @@ def parse_bytes(field: str, value: Any) -> float | None:
 
 def _spec(cfg: dict) -> Any:
     from oases_ds.models.config import ModelConfig
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.profile import ProfileSpec
-    from oases_ds.runtime.comm import LinkModel
     from oases_ds.schedule.generators import ScheduleOptions
 
     sched, cluster, planner = cfg["schedule"], cfg["cluster"], cfg["planner"]
@@ -199,8 +199,8 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
 
     from oases_ds.cli.bench import machine
     from oases_ds.models.config import ModelConfig
+    from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
-    from oases_ds.runtime.comm import LinkModel
     from oases_ds.runtime.timeline import write_json_atomic
     from oases_ds.schedule.generators import ScheduleOptions
 

@@ -15,6 +15,13 @@ backward.  Megatron's two TMP regions map onto it directly:
 Because the forward AllReduce's input gradient equals its output gradient
 (paper eq. 1), a recomputation that starts right after a ``reduce`` never needs
 to run the collective again -- that is what fine-grained recomputation exploits.
+
+A communication operator runs in one of two ways, both looked up in one table
+(:data:`COLLECTIVES`, collective name -> how to run it) so they cannot disagree:
+asynchronously (:meth:`CommOp.start`, one direction at a time; the executor
+syncs it later) or eagerly (:meth:`CommOp.apply`, both directions at once as the
+autograd Function of :mod:`oases_ds.parallel.collectives`; evaluation and a plain
+DeepSpeedEngine).
 """
 from __future__ import annotations
 
@@ -23,12 +30,67 @@ from typing import Callable, Literal
 
 import torch
 
-from oases_ds.parallel.collectives import Group, Pending, split_for_rank
+from oases_ds.parallel.collectives import (
+    GatherFromTensorParallel,
+    Group,
+    Pending,
+    SplitToTensorParallel,
+    copy_to_tensor_parallel,
+    reduce_from_tensor_parallel,
+    split_for_rank,
+)
+from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.runtime.comm import Communicator
 
 Acts = tuple[torch.Tensor, ...]
 Collective = Literal["all_reduce", "all_gather", "split"] | None
+
+
+def _start_split(comm: Communicator, tensor: torch.Tensor, group: Group, dim: int, phase: str) -> Pending:
+    """Local: keep this rank's share, nothing crosses a link (so nothing is counted)."""
+    piece = split_for_rank(tensor, group, dim)
+    return Pending(None, lambda: piece)
+
+
+@dataclass(frozen=True)
+class CollectiveKind:
+    """How one named collective runs.
+
+    Attributes:
+        partner: the collective the other direction must run -- the gradient of
+            this one (AllReduce <-> identity, AllGather <-> split).
+        start: async, one direction: ``(comm, tensor, group, dim, phase) -> Pending``.
+        in_forward: eager autograd Function: this collective forward, ``partner`` backward.
+        in_backward: eager autograd Function: ``partner`` forward, this collective backward.
+    """
+
+    partner: Collective
+    start: Callable[[Communicator, torch.Tensor, Group, int, str], Pending]
+    in_forward: Callable[[torch.Tensor, Group, int], torch.Tensor]
+    in_backward: Callable[[torch.Tensor, Group, int], torch.Tensor]
+
+
+COLLECTIVES: dict[str, CollectiveKind] = {
+    "all_reduce": CollectiveKind(
+        partner=None,
+        start=lambda comm, t, group, dim, phase: comm.all_reduce(t, group, phase),
+        in_forward=lambda x, group, dim: reduce_from_tensor_parallel(x, group),
+        in_backward=lambda x, group, dim: copy_to_tensor_parallel(x, group),
+    ),
+    "all_gather": CollectiveKind(
+        partner="split",
+        start=lambda comm, t, group, dim, phase: comm.all_gather(t, group, dim, phase),
+        in_forward=GatherFromTensorParallel.apply,
+        in_backward=SplitToTensorParallel.apply,
+    ),
+    "split": CollectiveKind(
+        partner="all_gather",
+        start=_start_split,
+        in_forward=SplitToTensorParallel.apply,
+        in_backward=GatherFromTensorParallel.apply,
+    ),
+}
+"""The one place a collective's name becomes a collective."""
 
 
 @dataclass
@@ -100,16 +162,36 @@ class CommOp:
     dim: int = 0
     kind: str = field(default="comm", init=False)
 
+    def __post_init__(self) -> None:
+        # Each direction's collective must be the other's gradient: that is what lets
+        # one autograd Function (``apply``) stand for both directions.
+        pairs = ((self.forward, self.backward, "forward"), (self.backward, self.forward, "backward"))
+        for this, other, direction in pairs:
+            if this is None:
+                continue
+            if this not in COLLECTIVES:
+                raise ValueError(f"{self.name}: unknown {direction} collective {this!r}; "
+                                 f"use one of {', '.join(COLLECTIVES)}")
+            partner = COLLECTIVES[this].partner
+            if partner != other:
+                raise ValueError(f"{self.name}: {direction} {this} needs {partner or 'identity'} in the other "
+                                 f"direction (its gradient), got {other or 'identity'}")
+
     def start(self, comm: Communicator, tensor: torch.Tensor, direction: str, phase: str) -> Pending:
+        """Issue this operator's ``direction`` collective on ``tensor``; the caller waits on the handle."""
         collective = self.forward if direction == "forward" else self.backward
-        if collective == "all_reduce":
-            return comm.all_reduce(tensor, self.group, phase)
-        if collective == "all_gather":
-            return comm.all_gather(tensor, self.group, self.dim, phase)
-        if collective == "split":  # local: keep this rank's share, nothing crosses a link
-            piece = split_for_rank(tensor, self.group, self.dim)
-            return Pending(None, lambda: piece)
-        raise ValueError(f"{self.name} has no {direction} collective")
+        if collective is None:
+            raise ValueError(f"{self.name} has no {direction} collective")
+        return COLLECTIVES[collective].start(comm, tensor, self.group, self.dim, phase)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager: both directions as one autograd Function, synchronous (forward runs now,
+        backward when autograd reaches it)."""
+        if self.forward is not None:
+            return COLLECTIVES[self.forward].in_forward(x, self.group, self.dim)
+        if self.backward is not None:
+            return COLLECTIVES[self.backward].in_backward(x, self.group, self.dim)
+        return x
 
 
 Op = ComputeOp | CommOp

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.simulate import predict_step_ms
-from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import ScheduleOptions
 
 
@@ -65,10 +65,10 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
     import torch
     import torch.distributed as dist
 
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
     from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.comm import Communicator
     from oases_ds.runtime.executor import Executor
     from oases_ds.schedule.generators import build_schedule
 

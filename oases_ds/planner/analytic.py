@@ -29,14 +29,14 @@ hidden size ``H``, MLP width ``F``, sequence ``s``, micro-batch ``B`` split into
   (:func:`~oases_ds.schedule.generators.schedule_segments`).
 * **Raw TMP communication**: a ring AllReduce of one sub-batch's activation
   (``n/k x H`` fp16) on the ``t`` ranks, timed by the runtime's
-  :class:`~oases_ds.runtime.comm.LinkModel` (the emulator's model), times the
+  :class:`~oases_ds.parallel.link.LinkModel` (the emulator's model), times the
   block's forward / backward collectives and ``k``.  What the schedule leaves
   *exposed* -- inside the block and, for the last sub-batch, on the edge to the
   next block -- comes from :func:`~oases_ds.planner.costmodel.pipelined_comm_ms`,
   exactly as the profiler's default ``exposed=model``.
 * **Gradient sync**: a ring AllReduce of the block's per-device gradients (fp16)
   over its ``T/t`` replicas, on the same link.
-* **Memory**: parameters per device (:func:`~oases_ds.models.transformer.layer_parameter_counts`)
+* **Memory**: parameters per device (:func:`~oases_ds.models.blocks.layer_parameter_counts`)
   x 16 bytes, plus the fp16 activations the schedule holds for backward
   (:func:`~oases_ds.schedule.generators.held_inputs`): each held op's input
   tuple, ``n`` tokens wide.
@@ -133,7 +133,7 @@ class OpShape:
 def op_shapes(cfg: ModelConfig, degree: int) -> dict[str, OpShape]:
     """Per-token cost of each attention / MLP operator, by the name the model gives it
     (``L0.qkv`` -> ``qkv``); the input tuples are those of
-    :mod:`oases_ds.models.transformer` (``(x, h)``, ``(x, q, k, v)``, ...), where
+    :mod:`oases_ds.models.operator_model` (``(x, h)``, ``(x, q, k, v)``, ...), where
     ``x``, ``h`` and a reduced ``y`` are full width and ``q``, ``k``, ``v`` and the
     attention context are this shard's ``H/t`` heads."""
     H, F, s, t = cfg.hidden_size, cfg.ffn, cfg.seq_len, degree
@@ -158,7 +158,7 @@ def one_layer_ops(family: str) -> tuple[Op, ...]:
     the sizes, so it is read off a tiny stand-in: the analytic model follows the
     real operator list and fails loudly if an operator it cannot price appears.
     """
-    from oases_ds.models.transformer import OperatorModel
+    from oases_ds.models.operator_model import OperatorModel
 
     stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
     return tuple(OperatorModel(stand_in).ops)
@@ -192,7 +192,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
     ``spec.link`` is required (it times every collective) and the profiling
     knobs (warmup, repeats, exposed, seed) are unused.
     """
-    from oases_ds.models.transformer import layer_parameter_counts
+    from oases_ds.models.blocks import layer_parameter_counts
     from oases_ds.schedule.generators import held_inputs, schedule_segments
 
     if spec.link is None:

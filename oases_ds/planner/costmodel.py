@@ -20,7 +20,7 @@ Two levels, because the planner and the user ask different questions:
 
   A StartAsync puts its collective on the link once it is issued *and* the
   previous message has left (messages share the link, as in
-  :class:`~oases_ds.runtime.comm.LinkModel` emulation); a Sync waits for it.
+  :class:`~oases_ds.parallel.link.LinkModel` emulation); a Sync waits for it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op
-from oases_ds.runtime.comm import LinkModel
+from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, Schedule
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 

@@ -7,7 +7,7 @@ not a micro-benchmark: the planner's node cost is the block's time *under the
 schedule*, and only the executor's timeline shows what the schedule hid.
 
 How a degree-t layer is measured on T devices: T rank processes; each builds a
-one-layer :class:`~oases_ds.models.transformer.OperatorModel` on its sub-group
+one-layer :class:`~oases_ds.models.operator_model.OperatorModel` on its sub-group
 of ``t`` adjacent ranks (``ParallelContext.sub_group``) and runs the batch share
 ``micro_batch * t / T`` -- so the T/t replicas run side by side, as they would
 in a heterogeneous plan.  From the timeline, each instruction is attributed to
@@ -18,7 +18,7 @@ What is measured and what is derived, per block and degree:
 * forward, recompute and backward compute: timeline, median over repeats,
   the slowest rank (it sets the step);
 * raw TMP communication: a blocking AllReduce of the block's collective payload
-  on the degree-t group through the :class:`~oases_ds.runtime.comm.Communicator`
+  on the degree-t group through the :class:`~oases_ds.parallel.comm.Communicator`
   (so link emulation applies), times the collectives per block and sub-batch;
 * exposed communication: ``exposed="model"`` (default) puts raw comm and compute
   through :func:`~oases_ds.planner.costmodel.exposed_comm_ms`; ``"measured"``
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, BlockCost, CostTable
-from oases_ds.runtime.comm import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
 
 BYTES_PER_PARAM_STATE = 16
@@ -194,8 +194,8 @@ def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any
     import torch
 
     from oases_ds.models.ops import CommOp, OpContext
+    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.comm import Communicator
     from oases_ds.schedule.generators import held_inputs, schedule_segments
 
     comm = Communicator()
@@ -224,11 +224,12 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from oases_ds.models.blocks import layer_parameter_counts
+    from oases_ds.models.operator_model import OperatorModel
     from oases_ds.models.ops import CommOp
-    from oases_ds.models.transformer import OperatorModel, layer_parameter_counts
+    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
     from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.comm import Communicator
     from oases_ds.runtime.executor import Executor, split_batch
     from oases_ds.schedule.generators import build_schedule
 
@@ -433,8 +434,8 @@ def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, l
     :func:`~oases_ds.planner.costmodel.simulate_step` over the same schedule and
     a one-layer operator sequence; only the link changes.
     """
+    from oases_ds.models.operator_model import OperatorModel
     from oases_ds.models.ops import CommOp
-    from oases_ds.models.transformer import OperatorModel
     from oases_ds.planner.costmodel import OpCosts, simulate_step
     from oases_ds.schedule.generators import build_schedule
 

@@ -22,12 +22,12 @@ from types import MappingProxyType
 from typing import Callable, Literal, Mapping
 
 import torch
-import torch.distributed as dist
 
+from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, OpContext
-from oases_ds.models.transformer import IGNORE_INDEX, OperatorModel
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.grads import all_reduce_grads
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.runtime.comm import Communicator
 from oases_ds.runtime.timeline import Timeline, op_label
 from oases_ds.schedule.dataflow import last_reads
 from oases_ds.schedule.generators import Schedule
@@ -86,7 +86,7 @@ class Executor:
         self._frees = last_reads(schedule.instructions, self.ops)
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
         self._hooks: list[InstructionHook] = []
-        self._replica_groups = model.replica_groups()  # fixed by the plan: derive once, not per micro-batch
+        self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
         self._handlers: dict[type, Callable[[Instruction], None]] = {
             Forward: self._forward,
             Recompute: self._recompute,
@@ -164,7 +164,7 @@ class Executor:
         parts = self.schedule.sub_batches
         subs = split_batch(batch, parts)
         b = batch["tokens"].shape[0]
-        replicas = self.model.max_replicas
+        replicas = self.model.sharding.max_replicas
         if (b // parts) % replicas:
             raise ValueError(
                 f"a sub-batch of {b // parts} samples cannot be shared by the {replicas} replicas of the plan's "
@@ -279,23 +279,3 @@ class Executor:
 def _replace(acts: Acts, index: int, value: torch.Tensor) -> Acts:
     return acts[:index] + (value,) + acts[index + 1 :]
 
-
-def all_reduce_grads(params, comm: Communicator, group: dist.ProcessGroup | None, mean: bool = False) -> None:
-    """Sum (or average) the gradients of ``params`` over ``group`` as one flat bucket
-    through ``comm`` (so it is counted, and held to an emulated link if there is one)."""
-    size = 1 if group is None else dist.get_world_size(group)
-    grads = [p.grad for p in params if p.grad is not None]
-    if size == 1 or not grads:
-        return
-    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "grad_sync").wait()
-    if mean:
-        flat /= size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def average_data_parallel_grads(model: torch.nn.Module, dp_group: dist.ProcessGroup | None) -> None:
-    """Mean of parameter gradients over the DP group (what DeepSpeed does for the engine)."""
-    all_reduce_grads(list(model.parameters()), Communicator(), dp_group, mean=True)

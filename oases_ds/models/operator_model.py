@@ -1,7 +1,11 @@
-"""GPT, BERT and LLaMA described once and built, for a TMP group, as an operator sequence.
+"""GPT, BERT and LLaMA built, for a TMP group, as an operator sequence.
 
-The three families differ only in a few switches (norm type, pre/post-LN,
-causal mask, MLP kind, positions, head), so one builder serves all of them.
+The modules (parameters) are :mod:`oases_ds.models.blocks`; how they are split
+over ranks is :mod:`oases_ds.models.sharding`.  This module says what runs on
+them and in which order.  The three families differ only in a few switches
+(norm type, pre/post-LN, causal mask, MLP kind, positions, head), so one builder
+serves all of them.
+
 Per transformer layer the sequence is (paper Section IV, the ``(F_i, C_i, F_j)``
 pattern once for attention and once for the MLP)::
 
@@ -27,48 +31,25 @@ the gradient); towards a larger one it AllGathers the slices (backward: slice).
 
 Parameter names equal those of a plain unsharded model (``layers.0.attn.q.weight``
 ...), and every parameter's ``tp_dim`` says how it is split, so full state dicts
-can be sharded into and gathered out of any TMP degree.
+can be sharded into and gathered out of any TMP degree (``model.sharding``).
 """
 from __future__ import annotations
 
-import zlib
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oases_ds.models.blocks import Embedding, Head, TransformerLayer
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, Op, OpContext
-from oases_ds.parallel.context import BlockLayout
-from oases_ds.parallel.collectives import (
-    GatherFromTensorParallel,
-    Group,
-    SplitToTensorParallel,
-    start_all_gather,
-    copy_to_tensor_parallel,
-    group_rank,
-    group_size,
-    reduce_from_tensor_parallel,
-)
-from oases_ds.parallel.layers import (
-    ColumnParallelLinear,
-    LayerNorm,
-    RMSNorm,
-    mark_parallel,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    apply_rotary,
-    attention_core,
-    rotary_tables,
-    vocab_parallel_cross_entropy,
-)
-from oases_ds.parallel.random import RNGTracker, keyed_dropout, mix_key
-from oases_ds.runtime.comm import Communicator
-
-if TYPE_CHECKING:
-    from oases_ds.parallel.context import ParallelContext
-    from oases_ds.planner.plan import Plan
+from oases_ds.models.sharding import Sharding, init_full_parameter
+from oases_ds.parallel.collectives import Group, group_rank, group_size
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.context import BlockLayout, ParallelContext
+from oases_ds.parallel.layers import apply_rotary, attention_core, rotary_tables, vocab_parallel_cross_entropy
+from oases_ds.parallel.random import RNGTracker, keyed_dropout
 
 IGNORE_INDEX = -100
 # Dropout sites: fixed integers so that a reference model can use the same keys.
@@ -80,62 +61,22 @@ def dropout_site(layer: int, which: str) -> int:
     return 1 + 3 * layer + ("attn_probs", "attn_out", "mlp_out").index(which)
 
 
-def init_full_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Deterministic full (unsharded) initial value of parameter ``name``.
+class BlockDegrees(Protocol):
+    """What :meth:`OperatorModel.for_plan` reads of a plan.  A protocol, so that the
+    models need not import the planner (a higher layer); ``oases_ds.planner.plan.Plan``
+    has exactly these."""
 
-    Depends only on (seed, name, shape), so every TMP degree -- and an independent
-    reference model -- starts from the same global weights.  Norm weights are near
-    one, everything else small and non-zero, so every gradient path is exercised.
-    """
-    gen = torch.Generator().manual_seed(mix_key(seed, zlib.crc32(name.encode())))
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if "norm" in name and name.endswith("weight"):
-        return 1.0 + 0.1 * noise
-    return 0.02 * noise if name.endswith("weight") else 0.01 * noise
+    @property
+    def devices(self) -> int: ...
 
+    @property
+    def layers(self) -> int: ...
 
-class _Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_group: Group, mlp_group: Group) -> None:
-        super().__init__()
-        bias = cfg.family != "llama"
-        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.family == "llama" else (
-            lambda: LayerNorm(cfg.hidden_size, cfg.norm_eps)
-        )
-        self.attn_norm = norm()
-        self.mlp_norm = norm()
-        H = cfg.hidden_size
-        self.attn = nn.Module()
-        self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.k = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.v = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.o = RowParallelLinear(H, H, attn_group, bias)
-        self.mlp = nn.Module()
-        if cfg.family == "llama":
-            self.mlp.gate = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
-            self.mlp.up = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
-            self.mlp.down = RowParallelLinear(cfg.ffn, H, mlp_group, bias=False)
-        else:
-            self.mlp.fc1 = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias)
-            self.mlp.fc2 = RowParallelLinear(cfg.ffn, H, mlp_group, bias)
+    @property
+    def attn_degrees(self) -> Sequence[int]: ...
 
-
-def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
-    """Parameters one device holds of one layer's "attn" and "mlp" block at TMP degree ``degree``.
-
-    Counted on the layer itself, built on the meta device (shapes, no storage),
-    so a paper-size layer costs nothing to count and the count cannot drift from
-    the model: a parameter split over TMP ranks (``tp_dim`` set) contributes
-    ``numel / degree``, a replicated one (norms, row-parallel biases) all of it.
-    Each norm belongs to the block it normalises for.
-    """
-    cfg.check_tp(degree)
-    with torch.device("meta"):
-        layer = _Layer(cfg, None, None)
-    counts = {"attn": 0, "mlp": 0}
-    for name, param in layer.named_parameters():
-        kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
-        counts[kind] += param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()
-    return counts
+    @property
+    def mlp_degrees(self) -> Sequence[int]: ...
 
 
 class OperatorModel(nn.Module):
@@ -144,7 +85,8 @@ class OperatorModel(nn.Module):
     Args:
         cfg: the model.
         group: TMP group (``None``: unsharded, one rank).
-        seed: initial weights come from :func:`init_full_parameter` with this seed.
+        seed: initial weights come from :func:`~oases_ds.models.sharding.init_full_parameter`
+            with this seed.
         layouts: optional per-layer (attention, MLP) :class:`BlockLayout` for
             heterogeneous plans (see :meth:`for_plan`); default: every block on ``group``.
         reshard_group: ``(small, large) -> group`` moving activations between
@@ -164,33 +106,17 @@ class OperatorModel(nn.Module):
         self.cfg = cfg
         self.group = group
         full = BlockLayout(group_size(group), group)
-        self.layouts = layouts or [(full, full)] * cfg.num_layers
-        if len(self.layouts) != cfg.num_layers:
-            raise ValueError(f"plan has {len(self.layouts)} layers but model.num_layers={cfg.num_layers}")
-        for attn, mlp in self.layouts:
+        layouts = layouts or [(full, full)] * cfg.num_layers
+        if len(layouts) != cfg.num_layers:
+            raise ValueError(f"plan has {len(layouts)} layers but model.num_layers={cfg.num_layers}")
+        for attn, mlp in layouts:
             cfg.check_tp(attn.degree)
             cfg.check_tp(mlp.degree)
-        self._full = full
-        self._reshard_group = reshard_group
-        groups = [(a.group, m.group) for a, m in self.layouts]
-        H = cfg.hidden_size
-        self.embed = nn.Module()
-        self.embed.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
-        if cfg.family != "llama":
-            self.embed.pos = mark_parallel(nn.Parameter(torch.empty(cfg.seq_len, H)), None)
-        if cfg.family == "bert":
-            self.embed.norm = LayerNorm(H, cfg.norm_eps)
-        self.layers = nn.ModuleList(_Layer(cfg, a, m) for a, m in groups)
-        self._mark_replicated_shards()
-        self.head = nn.Module()
-        if cfg.family == "bert":
-            self.head.dense = nn.Linear(H, H)
-            for p in self.head.dense.parameters():
-                mark_parallel(p, None)
-            self.head.norm = LayerNorm(H, cfg.norm_eps)
-        else:
-            self.head.norm = RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(H, cfg.norm_eps)
-        self.head.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert")
+        self.sharding = Sharding(group, tuple(layouts), reshard_group)
+        self.embed = Embedding(cfg, group)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, a.group, m.group) for a, m in layouts)
+        self.sharding.mark_replicated_shards(self.layers)
+        self.head = Head(cfg, group)
         self.reset_parameters(seed)
         self.rng = RNGTracker(seed=seed)
         self.ops: list[Op] = self._build_ops()
@@ -210,22 +136,13 @@ class OperatorModel(nn.Module):
         acts: Acts = ()
         for op in self.ops:
             if isinstance(op, CommOp):
-                x = acts[op.index]
-                if op.forward == "all_reduce":
-                    x = reduce_from_tensor_parallel(x, op.group)
-                elif op.forward == "all_gather":
-                    x = GatherFromTensorParallel.apply(x, op.group, op.dim)
-                elif op.forward == "split":
-                    x = SplitToTensorParallel.apply(x, op.group, op.dim)
-                if op.backward == "all_reduce":
-                    x = copy_to_tensor_parallel(x, op.group)
-                acts = acts[: op.index] + (x,) + acts[op.index + 1 :]
+                acts = acts[: op.index] + (op.apply(acts[op.index]),) + acts[op.index + 1 :]
             else:
                 acts = op.fn(ctx, acts)
         return acts[0]
 
     @classmethod
-    def for_plan(cls, cfg: ModelConfig, ctx: "ParallelContext", plan: "Plan", seed: int = 0) -> "OperatorModel":
+    def for_plan(cls, cfg: ModelConfig, ctx: ParallelContext, plan: BlockDegrees, seed: int = 0) -> "OperatorModel":
         """Build this rank's part of ``cfg`` with the per-block TMP degrees of ``plan``."""
         if plan.devices != ctx.tp_size:
             raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
@@ -234,81 +151,18 @@ class OperatorModel(nn.Module):
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
         return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group)
 
-    def _mark_replicated_shards(self) -> None:
-        """A block at degree ``t < T`` has ``T/t`` copies of each shard.  DeepSpeed's
-        gradient-norm clipping counts a parameter marked ``tensor_model_parallel`` on
-        every TMP rank and an unmarked one only on TMP rank 0, so marking the shards
-        on replica 0 only makes every shard count exactly once."""
-        for i, layer in enumerate(self.layers):
-            for layout, module in zip(self.layouts[i], (layer.attn, layer.mlp)):
-                if layout.replicas > 1:
-                    for p in module.parameters():
-                        if getattr(p, "tp_dim", None) is not None:  # replicated ones stay unmarked: TMP rank 0 counts them
-                            p.tensor_model_parallel = p.model_parallel = layout.replica == 0  # type: ignore[attr-defined]
-
-    @property
-    def max_replicas(self) -> int:
-        """Most copies any block runs: each sub-batch must split evenly among them."""
-        return max(max(a.replicas, m.replicas) for a, m in self.layouts)
-
-    def replica_groups(self) -> list[tuple[list[nn.Parameter], Group]]:
-        """Parameters whose gradient must be summed over the copies of their block
-        (each copy saw only its share of the batch), with the group of those copies."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            for layout, kind, module in zip(self.layouts[i], ("attn", "mlp"), (layer.attn, layer.mlp)):
-                if layout.replicas > 1:
-                    params = list(module.parameters())
-                    if kind == "attn":
-                        params += list(layer.attn_norm.parameters())
-                    else:
-                        params += list(layer.mlp_norm.parameters())
-                    out.append((params, self._reshard_group(layout.degree, self._full.degree)))
-        return out
-
     # -- weights -----------------------------------------------------------------
-    def full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
-        """Unsharded shape of a parameter."""
-        dim = getattr(param, "tp_dim", None)
-        shape = list(param.shape)
-        if dim is not None:
-            shape[dim] *= group_size(self._group_of(name))
-        return tuple(shape)
-
-    def _group_of(self, name: str) -> Group:
-        """Group a parameter is sharded over: its block's group (norms follow their block)."""
-        if name.startswith("layers."):
-            idx = int(name.split(".")[1])
-            attn = ".attn." in name or ".attn_norm." in name
-            return self.layouts[idx][0 if attn else 1].group
-        return self.group
-
-    def shard_of(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``full``, an unsharded value of parameter ``name``."""
-        dim = getattr(param, "tp_dim", None)
-        if dim is None:
-            return full
-        group = self._group_of(name)
-        return full.chunk(group_size(group), dim=dim)[group_rank(group)]
-
-    def gather_full(self, name: str, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """The unsharded value of ``local`` (a shard of parameter ``name``, or of its
-        gradient): the inverse of :meth:`shard_of`.  Collective over the parameter's
-        group; always a new tensor, never a view of ``local``."""
-        dim = getattr(param, "tp_dim", None)
-        local = local.detach().clone()
-        return local if dim is None else start_all_gather(local, self._group_of(name), dim).wait()
-
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         for name, param in self.named_parameters():
-            param.copy_(self.shard_of(name, param, init_full_parameter(name, self.full_shape(name, param), seed)))
+            full = init_full_parameter(name, self.sharding.full_shape(name, param), seed)
+            param.copy_(self.sharding.shard_of(name, param, full))
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Load unsharded weights (e.g. from a reference model), keeping this rank's shards."""
         for name, param in self.named_parameters():
-            param.copy_(self.shard_of(name, param, full[name].to(param.dtype)))
+            param.copy_(self.sharding.shard_of(name, param, full[name].to(param.dtype)))
 
     # -- operators ---------------------------------------------------------------
     def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None, replica: int = 0) -> torch.Tensor:
@@ -347,13 +201,13 @@ class OperatorModel(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
             cos_sin = True
 
-        degree = self._full.degree
+        degree = self.sharding.full_degree
         for i, layer in enumerate(self.layers):
-            attn, mlp = self.layouts[i]
+            attn, mlp = self.sharding.layouts[i]
             ops.extend(self._reshard(f"L{i}.reshard_attn", i, "attn", degree, attn.degree))
             ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin))
             degree = mlp.degree
-        ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self._full.degree))
+        ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self.sharding.full_degree))
 
         def head_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
@@ -384,14 +238,14 @@ class OperatorModel(nn.Module):
         """Operator moving ``(x,)`` from TMP degree ``src`` to ``dst`` (none if equal)."""
         if src == dst:
             return []
-        if self._reshard_group is None:
+        if self.sharding.reshard_group is None:
             raise ValueError("layouts mix TMP degrees but no reshard_group was given")
-        group = self._reshard_group(min(src, dst), max(src, dst))
+        group = self.sharding.reshard_group(min(src, dst), max(src, dst))
         if dst < src:  # more replicas, each keeps its share of the batch
             return [CommOp(name, layer, block, 0, "split", "all_gather", group, dim=0)]
         return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
 
-    def _layer_ops(self, i: int, layer: _Layer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
+    def _layer_ops(self, i: int, layer: TransformerLayer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
                    cos_sin: bool | None) -> list[Op]:
         cfg = self.cfg
         out: list[Op] = []

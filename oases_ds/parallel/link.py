@@ -1,32 +1,26 @@
-"""Every collective the executor issues goes through a :class:`Communicator`.
+"""A slow link between ranks, as a model (for the planner) and as an emulator (for benchmarks).
 
-It does two things a raw process group does not:
+On one box the "link" between ranks is shared memory, far faster than the PCIe /
+Ethernet links Oases is for.  :class:`LinkModel` says how long a ring collective
+takes on a link of given bandwidth and latency; the planner's cost model and the
+configuration read only that, which is why it lives here and not next to the
+:class:`~oases_ds.parallel.comm.Communicator`.
 
-* **Accounting.**  Calls and payload bytes per (phase, kind), so tests can check
-  that Megatron's schedule sends three AllReduces' worth of bytes per TMP block
-  and Oases' fine-grained recomputation sends two.
-* **Link emulation** (optional, for benchmarks).  On one box the "link" between
-  ranks is shared memory, far faster than the PCIe / Ethernet links Oases is
-  for.  With a :class:`LinkModel`, a collective's handle completes no earlier
-  than a real link of that bandwidth and latency would allow: the real
-  collective still runs (its result is what is used) and ``wait`` then sleeps
-  -- without burning CPU -- until the link's deadline.  Messages share the link,
-  so a message starts only when the previous one has left it.  Results produced
-  under emulation must say so (see :attr:`Communicator.emulated`).
+:class:`LinkEmulator` holds real collectives to such a link: the collective still
+runs (its result is what is used) and its handle's ``wait`` then sleeps --
+without burning CPU -- until the link's deadline.  How collectives in flight
+together share the link is the model's ``sharing`` (fifo, fair, ring).  Results
+produced under emulation must say so (``Communicator.emulated``).
 """
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from oases_ds.parallel.collectives import Group, Pending, group_size, start_all_gather, start_all_reduce
-
-PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync")
-
+from oases_ds.parallel.collectives import Group, Pending
 
 SHARING: tuple[str, ...] = ("fifo", "fair", "ring")
 """How collectives in flight together share an emulated link (see ``LinkModel.sharing``)."""
@@ -80,34 +74,6 @@ class LinkModel:
         return self.latency_us * 1e-6 + self.wire_bytes(kind, nbytes, ranks) * 8 / (self.bandwidth_gbps * 1e9)
 
 
-@dataclass
-class CommStats:
-    """Calls and payload bytes per (phase, kind) of collective."""
-
-    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-
-    def add(self, phase: str, kind: str, nbytes: int) -> None:
-        self.calls[(phase, kind)] += 1
-        self.bytes[(phase, kind)] += nbytes
-
-    def bytes_in(self, phase: str, kind: str | None = None) -> int:
-        return sum(v for (p, k), v in self.bytes.items() if p == phase and (kind is None or k == kind))
-
-    def calls_in(self, phase: str, kind: str | None = None) -> int:
-        return sum(v for (p, k), v in self.calls.items() if p == phase and (kind is None or k == kind))
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {f"{p}/{k}": {"calls": self.calls[(p, k)], "bytes": b} for (p, k), b in sorted(self.bytes.items())}
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-
-
 class _LinkMessage:
     """One collective on the emulated link; its start time is known only once every
     rank of the group has issued it (a MAX AllReduce of the issue times)."""
@@ -124,53 +90,37 @@ class _LinkMessage:
 
 
 class _EmulatedPending(Pending):
-    def __init__(self, inner: Pending, comm: "Communicator", message: _LinkMessage) -> None:
+    def __init__(self, inner: Pending, emulator: "LinkEmulator", message: _LinkMessage) -> None:
         super().__init__(None, inner.wait)
-        self._comm = comm
+        self._emulator = emulator
         self._message = message
 
     def wait(self) -> torch.Tensor:
         result = super().wait()
-        deadline = self._comm._resolve(self._message)
+        deadline = self._emulator.deadline(self._message)
         delay = deadline - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         return result
 
 
-class Communicator:
-    """Starts collectives, counts them, and (optionally) holds them to a link model."""
+class LinkEmulator:
+    """Holds the collectives of one communicator to a :class:`LinkModel`.
 
-    def __init__(self, link: LinkModel | None = None) -> None:
+    Every rank issues a group's collectives in the same order, so each rank runs
+    the same simulation of the shared link and reaches the same deadlines.
+    """
+
+    def __init__(self, link: LinkModel) -> None:
         self.link = link
-        self.stats = CommStats()
         self._link_free_at = 0.0
         self._unresolved: list[_LinkMessage] = []
-        self._active: list[_LinkMessage] = []  # fair sharing: on the link at simulated time _clock
+        self._active: list[_LinkMessage] = []  # fair / ring sharing: on the link at simulated time _clock
         self._clock = 0.0
 
-    @property
-    def emulated(self) -> bool:
-        return self.link is not None
-
-    def all_reduce(
-        self, tensor: torch.Tensor, group: Group, phase: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> Pending:
-        return self._wrap("all_reduce", tensor, group, phase, start_all_reduce(tensor, group, op))
-
-    def all_gather(self, tensor: torch.Tensor, group: Group, dim: int, phase: str) -> Pending:
-        return self._wrap("all_gather", tensor, group, phase, start_all_gather(tensor, group, dim))
-
-    def _wrap(self, kind: str, tensor: torch.Tensor, group: Group, phase: str, pending: Pending) -> Pending:
-        ranks = group_size(group)
-        if ranks == 1:
-            return pending
-        nbytes = tensor.numel() * tensor.element_size()
-        if kind == "all_gather":
-            nbytes *= ranks  # size of the gathered result
-        self.stats.add(phase, kind, nbytes)
-        if self.link is None:
-            return pending
+    def hold(self, kind: str, nbytes: int, ranks: int, group: Group, pending: Pending) -> Pending:
+        """``pending`` (a ``kind`` collective of ``nbytes`` over ``ranks`` ranks), completing
+        no earlier than the link allows."""
         if dist.get_backend(group) != "gloo":
             raise ValueError("oases.link (link emulation) needs the gloo backend: on NCCL a handle's wait() does not "
                              "block the host, so there is nothing to hold to a deadline; remove oases.link")
@@ -186,15 +136,15 @@ class Communicator:
         self._unresolved.append(message)
         return _EmulatedPending(pending, self, message)
 
-    def _resolve(self, message: _LinkMessage) -> float:
-        """Deadline of ``message``.  Every rank issues a group's collectives in the same
-        order, so the issue times of everything this rank issued so far are known (or
-        about to be) by the time it waits for one of them."""
+    def deadline(self, message: _LinkMessage) -> float:
+        """When ``message`` has crossed the link.  Every rank issues a group's collectives
+        in the same order, so the issue times of everything this rank issued so far are
+        known (or about to be) by the time it waits for one of them."""
         if message.deadline is not None:  # settled while simulating an earlier wait: block on nobody
             return message.deadline
-        if self.link is not None and self.link.sharing == "fair":
+        if self.link.sharing == "fair":
             return self._resolve_fair(message)
-        if self.link is not None and self.link.sharing == "ring":
+        if self.link.sharing == "ring":
             return self._resolve_ring(message)
         while message.deadline is None:
             head = self._unresolved.pop(0)
@@ -246,7 +196,7 @@ class Communicator:
         self._learn_starts()
         self._active.extend(self._unresolved)
         self._unresolved = []
-        latency = self.link.latency_us * 1e-6 if self.link is not None else 0.0
+        latency = self.link.latency_us * 1e-6
         t = self._clock
         while message.deadline is None:
             m = min(self._active, key=lambda m: m.ready)  # min keeps the first (earliest issued) of equals

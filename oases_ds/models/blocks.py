@@ -1,0 +1,103 @@
+"""The modules of GPT, BERT and LLaMA, described once: embedding, transformer layer, head.
+
+They hold parameters only; what runs on them, in which order and around which
+collectives, is the operator sequence built in :mod:`oases_ds.models.operator_model`.
+Kept apart so that a layer's parameters can be built and counted without a
+process group or an operator sequence (the planner counts a paper-size layer on
+the meta device).  The three families differ only in a few switches: norm type,
+biases, MLP kind and learned positions; parameter names equal those of a plain
+unsharded model (``layers.0.attn.q.weight`` ...).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.collectives import Group
+from oases_ds.parallel.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_parallel,
+)
+
+
+def _norm(cfg: ModelConfig, size: int) -> nn.Module:
+    return RMSNorm(size, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(size, cfg.norm_eps)
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel token embedding over the full TMP group, learned positions (GPT, BERT)
+    and BERT's embedding norm."""
+
+    def __init__(self, cfg: ModelConfig, group: Group) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
+        if cfg.family != "llama":
+            self.pos = mark_parallel(nn.Parameter(torch.empty(cfg.seq_len, H)), None)
+        if cfg.family == "bert":
+            self.norm = LayerNorm(H, cfg.norm_eps)
+
+
+class TransformerLayer(nn.Module):
+    """One layer: attention (q, k, v column-parallel, o row-parallel) and MLP (GELU fc1/fc2,
+    or LLaMA's gated SiLU gate/up/down), each sharded over its own block's group."""
+
+    def __init__(self, cfg: ModelConfig, attn_group: Group, mlp_group: Group) -> None:
+        super().__init__()
+        bias = cfg.family != "llama"
+        self.attn_norm = _norm(cfg, cfg.hidden_size)
+        self.mlp_norm = _norm(cfg, cfg.hidden_size)
+        H = cfg.hidden_size
+        self.attn = nn.Module()
+        self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.k = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.v = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.o = RowParallelLinear(H, H, attn_group, bias)
+        self.mlp = nn.Module()
+        if cfg.family == "llama":
+            self.mlp.gate = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
+            self.mlp.up = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias=False)
+            self.mlp.down = RowParallelLinear(cfg.ffn, H, mlp_group, bias=False)
+        else:
+            self.mlp.fc1 = ColumnParallelLinear(H, cfg.ffn, mlp_group, bias)
+            self.mlp.fc2 = RowParallelLinear(cfg.ffn, H, mlp_group, bias)
+
+
+class Head(nn.Module):
+    """Final norm (BERT: dense + GELU + norm) and the vocab-parallel decoder over the full TMP group."""
+
+    def __init__(self, cfg: ModelConfig, group: Group) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        if cfg.family == "bert":
+            self.dense = nn.Linear(H, H)
+            for p in self.dense.parameters():
+                mark_parallel(p, None)
+            self.norm = LayerNorm(H, cfg.norm_eps)
+        else:
+            self.norm = _norm(cfg, H)
+        self.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert")
+
+
+def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
+    """Parameters one device holds of one layer's "attn" and "mlp" block at TMP degree ``degree``.
+
+    Counted on the layer itself, built on the meta device (shapes, no storage),
+    so a paper-size layer costs nothing to count and the count cannot drift from
+    the model: a parameter split over TMP ranks (``tp_dim`` set) contributes
+    ``numel / degree``, a replicated one (norms, row-parallel biases) all of it.
+    Each norm belongs to the block it normalises for.
+    """
+    cfg.check_tp(degree)
+    with torch.device("meta"):
+        layer = TransformerLayer(cfg, None, None)
+    counts = {"attn": 0, "mlp": 0}
+    for name, param in layer.named_parameters():
+        kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
+        counts[kind] += param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()
+    return counts

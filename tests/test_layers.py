@@ -1,0 +1,142 @@
+"""Layers of ``oases_ds`` import downwards only.
+
+Why a test: a folder loop (``models`` importing ``runtime`` for the Communicator
+while ``runtime`` imports ``models``) builds and runs fine until the day one
+import order breaks; reading the imports with ``ast`` catches it at once, with no
+process started and nothing imported.
+
+Layers, low to high (a module may import from its own layer and any lower one)::
+
+    parallel  oases_ds/parallel/*, launcher.py (starts rank processes; imports nothing of ours,
+              the planner's profiler and the CLIs use it)
+    models    oases_ds/models/*
+    schedule  oases_ds/schedule/*
+    runtime   oases_ds/runtime/*, data.py (token batches a training step eats; imports nothing
+              of ours, so the planner may measure on real data)
+    config    config.py: the typed "oases" section; needs schedule names and LinkModel,
+              is read by the engine, initialize() and the CLIs, never by the planner --
+              so it sits between runtime and planner
+    planner   oases_ds/planner/*
+    engine    engine.py, checkpoint.py, __init__.py (initialize() builds the engine),
+              _deepspeed_compat.py (DeepSpeed patches applied by initialize())
+    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report)
+
+Every import counts: module level, inside functions (still a dependency, just a
+later one) and under ``if TYPE_CHECKING`` (a type the module cannot be described
+without).  A new top-level module must be placed in ``TOP_LEVEL`` below; the test
+says so rather than guessing.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "oases_ds"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+LAYERS = ("parallel", "models", "schedule", "runtime", "config", "planner", "engine", "cli")
+SUBPACKAGES = {"parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
+               "planner": "planner", "cli": "cli"}
+TOP_LEVEL = {"launcher": "parallel", "data": "runtime", "config": "config", "engine": "engine",
+             "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    """Layer of a dotted ``oases_ds`` module name (a package stands for its ``__init__``)."""
+    parts = module.split(".")
+    assert parts[0] == PACKAGE, module
+    if len(parts) == 1:
+        return TOP_LEVEL["__init__"]
+    head = parts[1]
+    if head in SUBPACKAGES:
+        return SUBPACKAGES[head]
+    if head not in TOP_LEVEL:
+        raise AssertionError(f"{PACKAGE}/{head}.py has no layer: add it to TOP_LEVEL in tests/test_layers.py")
+    return TOP_LEVEL[head]
+
+
+def imported_modules(path: Path, module: str, root: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every ``oases_ds`` import in ``path``, wherever it sits.
+
+    ``from pkg import name`` counts as ``pkg.name`` when that is a module of ours
+    (``from oases_ds import engine``) and as ``pkg`` otherwise.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.append((node.lineno, candidate if _is_module(candidate, root) else base))
+    return [(line, name) for line, name in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    path = root.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py") if "configs" not in p.relative_to(ROOT).parts)
+
+
+def violations(files: list[Path], root: Path = ROOT) -> list[str]:
+    """One line per import of a higher layer than the importing module's own."""
+    out = []
+    for path in files:
+        module = module_name(path, root)
+        rank = LAYERS.index(layer_of(module))
+        for line, target in imported_modules(path, module, root):
+            target_layer = layer_of(target)
+            if LAYERS.index(target_layer) > rank:
+                out.append(f"{path.relative_to(root.parent)}:{line} ({layer_of(module)}) imports {target} "
+                           f"({target_layer}, a higher layer)")
+    return out
+
+
+def test_every_module_imports_only_its_own_or_lower_layers() -> None:
+    files = modules()
+    assert len(files) > 30, f"found only {len(files)} modules under {ROOT}"  # the walk really saw the package
+    found = violations(files)
+    assert not found, "imports against the layer order " + " < ".join(LAYERS) + ":\n" + "\n".join(found)
+
+
+def test_the_walk_sees_function_level_type_checking_and_relative_imports(tmp_path: Path) -> None:
+    """The checker itself: an upward import is caught wherever it hides."""
+    pkg = tmp_path / PACKAGE
+    for sub in ("models", "runtime", "planner"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "executor.py").write_text("X = 1\n")
+    (pkg / "planner" / "plan.py").write_text("X = 1\n")
+    (pkg / "models" / "at_top.py").write_text("from oases_ds.runtime.executor import X\n")
+    (pkg / "models" / "in_function.py").write_text("def f():\n    import oases_ds.runtime.executor\n")
+    (pkg / "models" / "typing_only.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oases_ds.planner.plan import X\n")
+    (pkg / "models" / "relative.py").write_text("from ..runtime import executor\n")
+    (pkg / "models" / "downward.py").write_text("from oases_ds.models import at_top\n")
+    found = violations(sorted(pkg.rglob("*.py")), root=pkg)
+    flagged = sorted(line.split(":")[0] for line in found)
+    assert flagged == [f"{PACKAGE}/models/{name}.py" for name in ("at_top", "in_function", "relative", "typing_only")]
+
+
+def test_an_unplaced_top_level_module_is_named() -> None:
+    with pytest.raises(AssertionError, match=r"oases_ds/brand_new\.py has no layer: add it to TOP_LEVEL"):
+        layer_of("oases_ds.brand_new")
