@@ -39,8 +39,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.multiprocessing as mp
 
