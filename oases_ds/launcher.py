@@ -1,28 +1,90 @@
-"""Launch N local rank processes and collect what each *reports*.
+"""Launch N local rank processes, collect what each *reports*, and never leave one behind.
 
 Why judge a rank by its report and not by its exit code: with gloo a process
 sometimes aborts at interpreter exit (SIGABRT) after its work finished and its
-process group was destroyed.  So each rank writes its result (or its traceback)
-to a file atomically before exiting; the launcher returns the results when every
-rank reported success, raises with the first failing rank's traceback
+process group was destroyed.  So each rank sends its result (or its exception)
+through a pipe before exiting; the launcher returns the results when every rank
+reported success, raises :class:`LaunchError` for the first failing rank
 otherwise, and never waits longer than ``timeout_s`` (a rank that hangs or dies
 without a report makes the whole launch fail, and the others are killed).
+
+Why pipes and not report files: a launcher killed with SIGKILL cannot clean up
+after itself, and a rank that outlives it just long enough to clean is a rank
+that outlives it.  Pipes leave nothing on disk to reap.
+
+Why the ranks die with their launcher, however it ends:
+
+* SIGTERM / SIGINT to the launcher are recorded while ``launch`` runs; the wait
+  loop then SIGTERMs every rank (SIGKILL after a grace period) and raises
+  :class:`LaunchInterrupted` (``exit_code`` 143 / 130) for the caller to report.
+* Ranks ignore SIGINT: Ctrl-C in a terminal reaches the whole foreground process
+  group, and a rank's ``KeyboardInterrupt`` traceback would only be noise; the
+  launcher ends them instead.  SIGINT is blocked while ranks start, so one
+  pressed during start-up is neither lost by the launcher nor seen by a rank.
+* SIGKILL of the launcher cannot be caught, so each rank asks Linux to SIGKILL it
+  when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and, as the portable
+  fallback, a watchdog thread SIGKILLs the rank when ``os.getppid()`` stops being
+  the launcher's pid.  PDEATHSIG follows the *thread* that started the rank, so
+  call ``launch`` from a thread that outlives it (any caller blocked in it does).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
+import signal
 import socket
-import tempfile
+import sys
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch.multiprocessing as mp
 
+_PR_SET_PDEATHSIG = 1
+_WATCHDOG_PERIOD_S = 0.5
+_TERMINATE_GRACE_S = 5.0
+
 
 class LaunchError(RuntimeError):
-    """A rank failed, died without reporting, or the launch timed out."""
+    """A rank failed, died without reporting, or the launch timed out.
+
+    ``summary`` is one line for a user; the fields let a caller print, log or
+    match the parts separately.  ``str(err)`` is the summary followed by the
+    rank's traceback, if any, so the last line is the exception as Python prints it.
+
+    Attributes:
+        summary: e.g. ``rank 1: ValueError: bad shape`` or ``timed out after 600s waiting for ranks [1]``.
+        rank: the failing rank, or None when no single rank is to blame (timeout).
+        exc_type: the rank's exception class name, when it raised.
+        exc_message: the rank's exception message, when it raised.
+        traceback: the rank's formatted traceback, when it raised.
+    """
+
+    def __init__(self, summary: str, *, rank: int | None = None, exc_type: str | None = None,
+                 exc_message: str | None = None, traceback: str | None = None) -> None:
+        super().__init__(summary if traceback is None else f"{summary}\n{traceback.rstrip()}")
+        self.summary = summary
+        self.rank = rank
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.traceback = traceback
+
+
+class LaunchInterrupted(LaunchError):
+    """The launcher got SIGINT or SIGTERM; its ranks are gone by the time this is raised.
+
+    ``exit_code`` is the shell convention (128 + signal number) for a CLI to exit with.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__("interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 def free_port() -> int:
@@ -31,14 +93,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_atomic(path: str, payload: tuple[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(payload, f)
-    os.replace(tmp, path)
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
-def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], fn, args, report: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this rank end when the launcher ends, even by SIGKILL (see the module docstring)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_WATCHDOG_PERIOD_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="oases-parent-watchdog", daemon=True).start()
+
+
+def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], fn, args,
+           report: Connection, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher while starting us
+    _die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -50,14 +130,81 @@ def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], 
     torch.set_num_threads(threads)
     try:
         payload: tuple[str, Any] = ("ok", fn(*args))
-    except BaseException:  # reported to the parent, which raises it
-        payload = ("error", traceback.format_exc())
+    except BaseException as err:  # reported to the parent, which raises it
+        payload = ("error", (type(err).__name__, str(err), traceback.format_exc()))
     try:
-        _write_atomic(report, payload)
-    except Exception:  # unpicklable result: report that instead
-        _write_atomic(report, ("error", traceback.format_exc()))
+        data = pickle.dumps(payload)
+    except Exception as err:  # unpicklable result: report that instead
+        data = pickle.dumps(("error", (type(err).__name__, f"rank result cannot be pickled: {err}", traceback.format_exc())))
+    report.send_bytes(data)
+    report.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _signals_recorded() -> Iterator[list[int]]:
+    """Record SIGINT/SIGTERM instead of dying on them, so the wait loop can end the ranks first.
+
+    Signal handlers can only be set from the main thread; elsewhere the caller's own
+    handling applies and the ranks still die with the process (PDEATHSIG).
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def record(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Started ranks inherit the blocked mask, so they never see a SIGINT before they ignore it."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _end(procs: list, gently: bool) -> None:
+    """Wait for finished ranks (``gently``) or SIGTERM them; SIGKILL whatever is left after the grace period."""
+    if not gently:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    deadline = time.monotonic() + (10.0 if gently else _TERMINATE_GRACE_S)
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _receive(rank: int, reader: Connection, proc) -> tuple[str, Any]:
+    """The report of a rank whose pipe is readable; raises if it died before sending one."""
+    try:
+        status, value = pickle.loads(reader.recv_bytes())
+    except (EOFError, OSError):
+        proc.join(timeout=5)
+        raise LaunchError(f"rank {rank} exited with code {proc.exitcode} without reporting a result", rank=rank) from None
+    if status == "error":
+        exc_type, message, tb = value
+        raise LaunchError(f"rank {rank}: {exc_type}: {_one_line(message)}" if message.strip() else f"rank {rank}: {exc_type}",
+                          rank=rank, exc_type=exc_type, exc_message=message, traceback=tb)
+    return status, value
 
 
 def launch(
@@ -70,41 +217,46 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes with torchrun-style env vars.
 
-    ``fn`` must be importable by module path (spawn).  Returns the per-rank results.
+    ``fn`` must be importable by module path (spawn).  Returns the per-rank results;
+    raises :class:`LaunchError` (a rank failed, died or the launch timed out) or
+    :class:`LaunchInterrupted` (SIGINT/SIGTERM), in both cases with every rank ended.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
     spawn = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="oases-launch-") as tmp:
-        reports = [os.path.join(tmp, f"rank{r}.pkl") for r in range(nprocs)]
-        procs = [
-            spawn.Process(target=_child, args=(r, nprocs, port, threads, dict(env or {}), fn, args, reports[r]), daemon=False)
-            for r in range(nprocs)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        results: dict[int, tuple[str, Any]] = {}
+    procs, readers = [], []
+    results: dict[int, tuple[str, Any]] = {}
+    with _signals_recorded() as received:
         try:
-            while len(results) < nprocs:
+            with _sigint_blocked():
                 for r in range(nprocs):
-                    if r not in results and os.path.exists(reports[r]):
-                        with open(reports[r], "rb") as f:
-                            results[r] = pickle.load(f)
-                        if results[r][0] == "error":
-                            raise LaunchError(f"rank {r} failed:\n{results[r][1]}")
-                    elif r not in results and not procs[r].is_alive() and not os.path.exists(reports[r]):
-                        raise LaunchError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result")
+                    reader, writer = spawn.Pipe(duplex=False)
+                    p = spawn.Process(target=_child, daemon=False,
+                                      args=(r, nprocs, port, threads, dict(env or {}), fn, args, writer, os.getpid()))
+                    readers.append(reader)
+                    p.start()
+                    procs.append(p)
+                    writer.close()  # the rank holds the only write end: its death reads as EOF
+            deadline = time.monotonic() + timeout_s
+            while len(results) < nprocs:
+                if received:
+                    raise LaunchInterrupted(received[0])
+                for r in range(nprocs):
+                    if r in results:
+                        continue
+                    if readers[r].poll():
+                        results[r] = _receive(r, readers[r], procs[r])
+                    elif not procs[r].is_alive() and not readers[r].poll():
+                        raise LaunchError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result",
+                                          rank=r)
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(nprocs)) - set(results))
                     raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
                 time.sleep(0.02)
         finally:
-            for p in procs:
-                p.join(timeout=10 if len(results) == nprocs else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            _end(procs, gently=len(results) == nprocs)
+            for reader in readers:
+                reader.close()
     return [results[r][1] for r in range(nprocs)]

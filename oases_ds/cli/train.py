@@ -5,6 +5,11 @@ by ``torchrun`` or the ``deepspeed`` launcher it runs as one rank.  Rank 0
 prints progress (step, loss, tokens/s, TMP bytes, exposed communication) and a
 summary.  Hydra lives here and in ``configs/`` only; the library takes typed
 configs.
+
+A failing rank ends the run with one line, ``error: rank R: Type: message (full
+traceback in <hydra output dir>/rankR-traceback.log)``, exit code 1;
+``OASES_VERBOSE=1`` prints the traceback too.  Ctrl-C / SIGTERM end the launcher
+and every rank with ``interrupted`` / ``terminated by SIGTERM`` and exit code 130 / 143.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from oases_ds.cli.common import CONFIG_DIR, fail, strip_launcher_args
+from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
 
 
 def ds_config(cfg: dict) -> dict:
@@ -167,22 +172,29 @@ def main(dcfg: DictConfig) -> None:
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
         return
-    from oases_ds.launcher import LaunchError, launch
-
     import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
 
     # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
     env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     try:
         summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env)
+    except LaunchInterrupted as err:
+        stop(err)
     except LaunchError as err:
-        fail(str(err).strip().splitlines()[-1] + "  (full traceback above)" if "\n" in str(err) else str(err), detail=str(err))
+        fail_launch(err, HydraConfig.get().runtime.output_dir)
     print_summary(summaries[0])
 
 
 def entry() -> None:
     strip_launcher_args()
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before or after the launch (during it, the launcher handles it)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

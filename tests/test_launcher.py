@@ -1,0 +1,231 @@
+"""The launcher's fault cases: ranks die with it, a rank's error is one line, Ctrl-C is quiet.
+
+The signal tests run the launcher in a subprocess of its own session, so a
+signal meant for it never reaches pytest, and whatever a failing test leaves
+running is killed with the session.  Rank processes write their pid to a file,
+so the tests know them without guessing.  The worker functions live here:
+rank processes import this module by name (``tests/`` is on their path).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil  # a DeepSpeed dependency, so present wherever Oases is installed
+import pytest
+
+from oases_ds.cli.common import fail_launch
+from oases_ds.launcher import LaunchError, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BOUND_S = 120.0  # generous: the machine is shared; only an unbounded wait is a failure
+
+LAUNCHER_SCRIPT = """
+import sys
+import test_launcher
+from oases_ds.launcher import LaunchInterrupted, launch
+try:
+    launch(test_launcher.write_pid_then_wait, 2, (sys.argv[1],), timeout_s=600)
+except LaunchInterrupted as err:
+    sys.exit(err.exit_code)
+"""
+
+
+# ---- functions run inside rank processes ------------------------------------------------
+
+def write_pid_then_wait(pid_dir: str, wait_s: float = 600.0) -> None:
+    rank = os.environ["RANK"]
+    tmp = os.path.join(pid_dir, f"rank{rank}.pid.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(pid_dir, f"rank{rank}.pid"))
+    time.sleep(wait_s)
+
+
+def raise_on_rank(bad_rank: int, message: str) -> int:
+    if int(os.environ["RANK"]) == bad_rank:
+        raise ValueError(message)
+    return int(os.environ["RANK"])
+
+
+def report_then_abort(value: int) -> int:
+    atexit.register(os.abort)  # runs after the report is sent, as gloo's exit-time SIGABRT does
+    return value
+
+
+def exit_without_report(code: int) -> None:
+    os._exit(code)
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = BOUND_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        time.sleep(0.1)
+
+
+def rank_pids(pid_dir: Path, nprocs: int = 2) -> list[int]:
+    wait_until(lambda: len(list(pid_dir.glob("rank*.pid"))) == nprocs, "every rank wrote its pid")
+    return [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(nprocs)]
+
+
+def session_env(tmp_path: Path) -> dict[str, str]:
+    tmpdir = tmp_path / "tmpdir"  # the launcher's TMPDIR: whatever it leaves there is a leak
+    tmpdir.mkdir()
+    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), TMPDIR=str(tmpdir))
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Test cleanup: whatever the test left in the launcher's session (ranks included) is killed."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=BOUND_S)
+
+
+# ---- ranks die with their launcher ----------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, signum):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = session_env(tmp_path)
+    # Output to a file, not a pipe: a surviving rank would hold a pipe open and hang the test's read.
+    with open(tmp_path / "stderr.txt", "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(pid_dir)], cwd=ROOT, env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=err_file)
+    try:
+        ranks = rank_pids(pid_dir)
+        assert all(alive(pid) for pid in ranks)
+        os.kill(proc.pid, signum)
+        proc.wait(timeout=BOUND_S)
+        stderr = (tmp_path / "stderr.txt").read_text()
+        wait_until(lambda: not any(alive(pid) for pid in ranks), f"ranks {ranks} ended after the launcher's {signum.name}")
+        assert os.listdir(env["TMPDIR"]) == []
+        if signum == signal.SIGTERM:  # it ended its ranks itself and said so with the shell's exit code
+            assert proc.returncode == 128 + signal.SIGTERM, stderr
+            assert "Traceback" not in stderr, stderr
+    finally:
+        kill_session(proc)
+
+
+# ---- a rank's exception, as the library reports it ------------------------------------------------
+
+@pytest.mark.distributed
+def test_rank_exception_carries_rank_type_message_and_traceback():
+    with pytest.raises(LaunchError) as caught:
+        launch(raise_on_rank, 2, (1, "bad shape:\n  expected 4"), timeout_s=300)
+    err = caught.value
+    assert (err.rank, err.exc_type, err.exc_message) == (1, "ValueError", "bad shape:\n  expected 4")
+    assert err.summary == "rank 1: ValueError: bad shape: expected 4"
+    assert "raise ValueError(message)" in err.traceback and err.traceback.startswith("Traceback")
+    assert str(err).splitlines()[0] == err.summary  # callers that print str(err) still get the traceback
+    assert str(err).splitlines()[-1] == "  expected 4"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_reported_then_aborted_still_succeeded():
+    assert launch(report_then_abort, 2, (7,), timeout_s=300) == [7, 7]
+
+
+@pytest.mark.distributed
+def test_a_rank_that_died_without_reporting_fails_the_launch():
+    with pytest.raises(LaunchError, match=r"^rank 0 exited with code 3 without reporting a result$") as caught:
+        launch(exit_without_report, 1, (3,), timeout_s=300)
+    assert caught.value.rank == 0 and caught.value.traceback is None
+
+
+def spawned_children() -> list[psutil.Process]:
+    """This process's rank processes (multiprocessing's resource tracker is not one)."""
+    return [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline()) and alive(c.pid)]
+
+
+@pytest.mark.distributed
+def test_timeout_bounds_the_launch_and_ends_the_ranks(tmp_path):
+    with pytest.raises(LaunchError, match=r"^timed out after 10s waiting for ranks \[0, 1\]$") as caught:
+        launch(write_pid_then_wait, 2, (str(tmp_path),), timeout_s=10)
+    assert caught.value.rank is None
+    assert spawned_children() == []
+
+
+# ---- what the CLI prints ----------------------------------------------------------------
+
+class _FakeFailure(LaunchError):
+    def __init__(self) -> None:
+        super().__init__("rank 1: ValueError: bad shape", rank=1, exc_type="ValueError", exc_message="bad shape",
+                         traceback='Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad shape\n')
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_fail_launch_prints_one_line_and_keeps_the_traceback(tmp_path, capsys, monkeypatch, verbose):
+    monkeypatch.setenv("OASES_VERBOSE", "1" if verbose else "0")
+    with pytest.raises(SystemExit) as exited:
+        fail_launch(_FakeFailure(), str(tmp_path / "run"))
+    assert exited.value.code == 1
+    log = tmp_path / "run" / "rank1-traceback.log"
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"error: rank 1: ValueError: bad shape  (full traceback in {log})"
+    assert log.read_text().startswith("Traceback")
+    assert ("Traceback" in err) == verbose
+
+
+def run_train(tmp_path: Path, *overrides: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", f"hydra.run.dir={tmp_path / 'run'}",
+                             *overrides], cwd=ROOT, env=session_env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+@pytest.mark.distributed
+def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path):
+    (tmp_path / "afile").write_text("")  # stats_out under a regular file: rank 0 fails after training
+    proc = run_train(tmp_path, "steps=1", f"stats_out={tmp_path / 'afile' / 'stats.json'}")
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"error: rank 0: FileExistsError: .*  \(full traceback in (\S+rank0-traceback\.log)\)", last)
+    assert found, last
+    assert "Traceback" not in stderr
+    assert "write_json_atomic" in Path(found.group(1)).read_text()
+
+
+@pytest.mark.distributed
+def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path):
+    proc = run_train(tmp_path, "steps=100000", "log_every=100000", start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 600
+        while not lines.get(timeout=max(1.0, deadline - time.monotonic())).startswith("oases-train:"):
+            pass  # rank 0's header: both ranks joined the process group and are training
+        ranks = [c.pid for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        stderr = proc.stderr.read()
+        proc.wait(timeout=BOUND_S)
+        wait_until(lambda: not any(alive(pid) for pid in ranks), f"ranks {ranks} ended after Ctrl-C")
+        assert proc.returncode == 130, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1] == "interrupted"
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    finally:
+        kill_session(proc)
