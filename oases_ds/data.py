@@ -17,6 +17,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+TOKEN_BYTES = np.dtype(np.uint16).itemsize
+"""A token file (``data.source=mmap``) is a flat array of uint16 token ids."""
 EMBEDDED_FILES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "inspect.py",
                   "json/decoder.py", "logging/__init__.py", "os.py", "pathlib.py", "random.py", "subprocess.py",
                   "textwrap.py", "typing.py", "unittest/case.py")
@@ -38,8 +40,19 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source not in ("text", "synthetic", "mmap"):
             raise ValueError(f"data.source={self.source!r} unknown; choose text, synthetic or mmap")
-        if self.source == "mmap" and not (self.path and os.path.exists(self.path)):
-            raise ValueError(f"data.path={self.path!r} does not exist; data.source=mmap needs a uint16 token file")
+        if self.source == "mmap":
+            if not self.path:
+                raise ValueError("data.path is not set; data.source=mmap needs a uint16 token file, e.g. data.path=tokens.bin")
+            if not os.path.exists(self.path):
+                raise ValueError(f"data.path={self.path!r} does not exist; data.source=mmap needs a uint16 token file")
+            if not os.path.isfile(self.path):
+                raise ValueError(f"data.path={self.path!r} is not a file; give the uint16 token file itself")
+            size = os.path.getsize(self.path)
+            if size == 0:
+                raise ValueError(f"data.path={self.path!r} is empty; give a file of uint16 tokens")
+            if size % TOKEN_BYTES:
+                raise ValueError(f"data.path={self.path!r} has {size} bytes, not a whole number of {TOKEN_BYTES}-byte "
+                                 f"uint16 tokens; the file is truncated or not a uint16 token file")
 
 
 def embedded_text_tokens() -> np.ndarray:
@@ -55,24 +68,44 @@ def embedded_text_tokens() -> np.ndarray:
     return np.concatenate(chunks).astype(np.int64)
 
 
+def load_tokens(cfg: DataConfig) -> np.ndarray | None:
+    """The token stream of ``cfg`` (memory-mapped for a file); None for synthetic tokens."""
+    if cfg.source == "text":
+        return embedded_text_tokens()
+    if cfg.source == "mmap":
+        return np.memmap(cfg.path, dtype=np.uint16, mode="r")
+    return None
+
+
+def check_tokens(cfg: DataConfig, tokens: np.ndarray | None, vocab_size: int, seq_len: int) -> None:
+    """Raise one line if the model cannot train on ``tokens``: an id outside the vocabulary
+    (the embedding lookup would fail inside a rank) or not one ``seq_len + 1`` window."""
+    if tokens is None:
+        return
+    where = f"data.path={cfg.path!r}" if cfg.source == "mmap" else f"data.source={cfg.source}"
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"{where} has {len(tokens)} tokens, fewer than one window of model.seq_len+1={seq_len + 1}; "
+                         f"give more data or a smaller model.seq_len")
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size} is smaller than token id {top} in {where}; "
+                         f"set model.vocab_size={top + 1} or more")
+
+
+def check_data(cfg: DataConfig, vocab_size: int, seq_len: int) -> None:
+    """What :class:`TokenBatches` checks, for a launcher to run before any rank starts."""
+    check_tokens(cfg, load_tokens(cfg), vocab_size, seq_len)
+
+
 class TokenBatches:
     """Fixed-length windows ``(tokens, labels = tokens shifted by one)`` of a token stream."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, masked_lm: bool = False) -> None:
         self.cfg, self.vocab_size, self.seq_len, self.masked_lm = cfg, vocab_size, seq_len, masked_lm
-        if cfg.source == "text":
-            self.tokens = embedded_text_tokens()
-        elif cfg.source == "mmap":
-            self.tokens = np.memmap(cfg.path, dtype=np.uint16, mode="r")
-        else:
-            self.tokens = None
+        self.tokens = load_tokens(cfg)
+        check_tokens(cfg, self.tokens, vocab_size, seq_len)
         if self.tokens is not None:
-            top = int(self.tokens.max())
-            if top >= vocab_size:
-                raise ValueError(f"model.vocab_size={vocab_size} is smaller than token id {top} in data.source={cfg.source}")
             self.windows = (len(self.tokens) - 1) // seq_len
-            if self.windows < 1:
-                raise ValueError(f"data has {len(self.tokens)} tokens, fewer than model.seq_len+1={seq_len + 1}")
             self.order = np.random.default_rng(cfg.seed).permutation(self.windows)
 
     def batch(self, step: int, slots: int, slot: int, size: int) -> dict[str, torch.Tensor]:

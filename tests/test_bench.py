@@ -112,8 +112,9 @@ def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["model.hidden_sizee=3"], "error: Could not override 'model.hidden_sizee'. | Key 'hidden_sizee' not in 'ModelSchema'"),
-        (["cluster.link.bandwidth_gbps=fast"], "error: Error merging override cluster.link.bandwidth_gbps=fast"),
+        (["model.hidden_sizee=3"], "error: model.hidden_sizee: not a known key; did you mean model.hidden_size?"),
+        (["+model.hidden_sizee=3"], "error: model.hidden_sizee: not a known key; did you mean model.hidden_size?"),
+        (["cluster.link.bandwidth_gbps=fast"], "error: cluster.link.bandwidth_gbps: Value 'fast' of type 'str' could not be converted to Float; give a number"),
         (["schedules=[gpipe]"], "error: schedules: 'gpipe' is not a preset in configs/schedule"),
         (["cluster=local"], "error: emulation.mode=scaled needs a cluster with a link"),
         (["--multirun", "experiment=e2e", "model.num_heads=5"], "error: model.num_heads=5 does not divide"),

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from oases_ds.data import DataConfig, TokenBatches
+from oases_ds.data import DataConfig, TokenBatches, check_data
 
 
 def test_embedded_text_is_bytes_and_labels_are_shifted():
@@ -43,5 +43,33 @@ def test_masked_lm_batches_label_only_masked_positions():
 def test_bad_data_config():
     with pytest.raises(ValueError, match="data.source='csv' unknown"):
         DataConfig("csv")
-    with pytest.raises(ValueError, match="data.path=None does not exist"):
+    with pytest.raises(ValueError, match="data.path is not set; data.source=mmap needs a uint16 token file"):
         DataConfig("mmap")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"\x01\x00\x02", "has 3 bytes, not a whole number of 2-byte uint16 tokens"),
+])
+def test_token_file_of_no_whole_tokens_is_refused(tmp_path, content, message):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        DataConfig("mmap", str(path))
+    with pytest.raises(ValueError, match="is not a file"):
+        DataConfig("mmap", str(tmp_path))
+
+
+def test_check_data_is_what_token_batches_checks(tmp_path):
+    """The launcher's up-front check and the library's loader refuse the same files alike."""
+    path = tmp_path / "tokens.bin"
+    np.arange(20, dtype=np.uint16).tofile(path)
+    cfg = DataConfig("mmap", str(path))
+    for vocab, seq, message in ((1000, 32, "has 20 tokens, fewer than one window of model.seq_len\\+1=33"),
+                                (10, 8, "model.vocab_size=10 is smaller than token id 19 .*set model.vocab_size=20")):
+        with pytest.raises(ValueError, match=message):
+            check_data(cfg, vocab, seq)
+        with pytest.raises(ValueError, match=message):
+            TokenBatches(cfg, vocab, seq)
+    check_data(cfg, vocab_size=20, seq_len=19)  # exactly one window, every id in the vocabulary
+    assert TokenBatches(cfg, 20, 19).windows == 1

@@ -43,63 +43,22 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
+from oases_ds.cli.schema import ClusterSchema, ModelSchema
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
 EMULATION_MODES = ("scaled", "literal", "off")
 
 
 # -- typed schema: Hydra rejects an unknown key or a wrongly typed value before anything runs ----
-def _schema_of(cls: type, name: str) -> type:
-    """A Hydra-typable copy of a library dataclass: each field typed by its default's type
-    (OmegaConf cannot type ``Literal``), so the schema follows ``ModelConfig`` as it changes."""
-    return make_dataclass(name, [(f.name, type(f.default), field(default=f.default)) for f in fields(cls)])
-
-
-def _model_schema() -> type:
-    from oases_ds.models.config import ModelConfig
-
-    return _schema_of(ModelConfig, "ModelSchema")
-
-
-ModelSchema = _model_schema()
-
-
-@dataclass
-class LinkSchema:
-    """A real link: gigabits per second per direction, one-way latency in microseconds."""
-
-    bandwidth_gbps: float = MISSING
-    latency_us: float = 0.0
-    sharing: Optional[str] = None  # ring | fair | fifo (LinkModel.sharing); None: emulation.sharing
-
-
-@dataclass
-class DeviceSchema:
-    """A real device: peak dense throughput (TFLOP/s) and the fraction a training step reaches."""
-
-    name: str = MISSING
-    peak_tflops: float = MISSING
-    achieved_fraction: float = 0.4
-
-
-@dataclass
-class ClusterSchema:
-    name: str = "local"
-    link: Optional[LinkSchema] = None
-    device: Optional[DeviceSchema] = None
-    # TMP degree this link carries in the real cluster (e.g. 2 for an NVLink pair); overrides
-    # emulation.reference.tensor_parallel_size when set.
-    tensor_parallel_size: Optional[int] = None
-
-
 @dataclass
 class ReferenceSchema:
     """The layer whose comm/compute ratio the scaled emulation reproduces."""
@@ -517,50 +476,15 @@ def main(dcfg: DictConfig) -> None:
 
 def compose_config(overrides: list[str]) -> dict[str, Any]:
     """The config Hydra would build for ``overrides`` (one point, no sweep), as a plain dict."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        dcfg = compose(config_name="bench", overrides=overrides)
-    cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
-    cfg.pop("hydra", None)
-    return cfg
-
-
-def first_point(args: list[str]) -> list[str]:
-    """Command-line overrides with every sweep replaced by its first value (for the up-front check)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    out = []
-    for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
-        if o.key_or_group.startswith("hydra"):
-            continue
-        if o.is_sweep_override():
-            first = next(iter(o.sweep_string_iterator()))
-            out.append(f"{o.get_key_element()}={first}")
-        else:
-            out.append(o.input_line)
-    return out
+    return schema.compose_config("bench", overrides)
 
 
 def precheck(args: list[str]) -> None:
     """Compose the (first point of the) config before Hydra runs: a typo is one line, exit 2."""
-    for arg in args:
-        key, _, values = arg.partition("=")
-        for preset in PLAN_PRESETS:
-            if key.lstrip("+~") == "experiment" and preset in values.split(","):
-                fail(f"experiment={preset} is a planner study: run `oases-plan experiment={preset}`, "
-                     f"then `oases-bench report`")
-    try:
-        cfg = compose_config(first_point(args))
-        resolve(cfg)
-    except Exception as err:  # Hydra/OmegaConf composition errors have several lines; keep the telling ones
-        chain, e = [], err
-        while e is not None and len(chain) < 4:
-            chain.append(str(e))
-            e = e.__cause__ or e.__context__
-        lines = list(dict.fromkeys(l.strip() for text in chain for l in text.splitlines() if l.strip()))
-        telling = [l for l in lines if not l.startswith(("full_key", "reference_type", "object_type", "To append"))]
-        fail(" | ".join(telling[:2]) or type(err).__name__)
+    schema.check_experiment(args, [p for p in schema.presets() if p not in PLAN_PRESETS], "oases-bench",
+                            lambda name: f"experiment={name} is a planner study: run `oases-plan experiment={name}`, "
+                                         f"then `oases-bench report`")
+    schema.precheck("bench", BenchSchema, args, resolve)
 
 
 def entry() -> None:
@@ -569,8 +493,7 @@ def entry() -> None:
 
         report_main(sys.argv[2:])
         return
-    if not any(a in ("--help", "-h", "--cfg", "-c", "--info") or a.startswith("--cfg") for a in sys.argv[1:]):
-        precheck(sys.argv[1:])
+    precheck(sys.argv[1:])
     main()
 
 

@@ -13,16 +13,80 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
+import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
+from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 
 COSTS = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
+
+
+
+# -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
+@dataclass
+class PlannerSchema:
+    cache_dir: str = ".oases/profiles"
+    warmup: int = 2
+    repeats: int = 5
+    exposed: str = "model"
+    solver: str = "ilp"
+    backend: str = "SCIP"
+    time_limit_s: float = 60.0
+    seed: int = 0
+
+
+@dataclass
+class AccuracySchema:
+    plans: int = 10
+    warmup: int = 2
+    repeats: int = 5
+    seed: int = 0
+    out: str = "benchmarks/results/planner_accuracy.json"
+
+
+@dataclass
+class PlanSchema:
+    """configs/plan.yaml, typed; the comments there say what each key means."""
+
+    model: ModelSchema = field(default_factory=ModelSchema)
+    schedule: ScheduleSchema = field(default_factory=ScheduleSchema)
+    cluster: ClusterSchema = field(default_factory=ClusterSchema)
+    planner: PlannerSchema = field(default_factory=PlannerSchema)
+    accuracy: AccuracySchema = field(default_factory=AccuracySchema)
+    study: Optional[str] = None
+    mode: str = "plan"
+    cost: str = "profile"
+    devices: int = 2
+    micro_batch: int = 8
+    layers: Optional[int] = None
+    memory_limit: Any = None  # bytes or a string such as 2GiB (parse_bytes)
+    table: Optional[str] = None
+    out: str = "plan.json"
+    timeout_s: float = 1800.0
+
+
+ConfigStore.instance().store(name="plan_schema", node=PlanSchema)
+
+RANGES: dict[str, float] = {"devices": 1, "micro_batch": 1, "planner.warmup": 0, "planner.repeats": 1,
+                            "accuracy.plans": 1, "accuracy.warmup": 0, "accuracy.repeats": 1}
+"""Smallest value of each numeric key (``layers`` >= 1 when set; ``timeout_s`` and
+``planner.time_limit_s`` must be > 0)."""
+
+
+def check_ranges(cfg: dict) -> None:
+    schema.check_ranges(cfg, RANGES, positive=("timeout_s", "planner.time_limit_s"))
+    if cfg["layers"] is not None and cfg["layers"] < 1:
+        raise ValueError(f"layers must be >= 1, got {cfg['layers']}; leave it null to plan every layer")
+
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -57,7 +121,7 @@ def _spec(cfg: dict) -> Any:
         micro_batch=cfg["micro_batch"],
         schedule=sched["name"],
         options=ScheduleOptions(sched["sub_batches"], sched["cross_pass"], sched["fine_grained_recompute"]),
-        link=LinkModel(**link) if link else None,
+        link=LinkModel(**schema.link_kwargs(link)) if link else None,
         cluster=cluster["name"],
         warmup=planner["warmup"],
         repeats=planner["repeats"],
@@ -90,7 +154,7 @@ def _analytic(cfg: dict) -> tuple[Any, str]:
                          f"cost=analytic models the exposed comm: use planner.exposed=model or cost=profile")
     device = _device(cfg)
     started = time.perf_counter()
-    table = analytic_table(_spec(cfg), device, cfg["layers"] or cfg["model"]["num_layers"])
+    table = analytic_table(_spec(cfg), device, cfg["layers"] if cfg["layers"] is not None else cfg["model"]["num_layers"])
     link = cfg["cluster"]["link"]
     return table, (f"analytic: {device.name} at {device.peak_tflops:g} TFLOP/s x {device.achieved_fraction:g}, "
                    f"link {link['bandwidth_gbps']:g} Gbit/s + {link['latency_us']:g} us; "
@@ -109,12 +173,17 @@ def _load_table(cfg: dict) -> tuple[Any, str]:
     if cfg["cost"] == "analytic":
         return _analytic(cfg)
     if cfg["table"]:
-        table = CostTable.from_json(cfg["table"])
-        if cfg["layers"]:
+        try:
+            table = CostTable.from_json(cfg["table"])
+        except OSError as err:
+            raise ValueError(f"table={cfg['table']}: {err.strerror}; give a cost-table JSON written by oases-plan") from None
+        except ValueError as err:
+            raise ValueError(f"table={err}") from None
+        if cfg["layers"] is not None:
             table = dataclasses.replace(table, layers=cfg["layers"])
         return table, f"from {cfg['table']}"
     spec = _spec(cfg)
-    layers = cfg["layers"] or cfg["model"]["num_layers"]
+    layers = cfg["layers"] if cfg["layers"] is not None else cfg["model"]["num_layers"]
     started = time.perf_counter()
     table, reused = profile(spec, layers, cfg["planner"]["cache_dir"], timeout_s=cfg["timeout_s"])
     where = cache_path(cfg["planner"]["cache_dir"], spec.key())
@@ -155,9 +224,7 @@ def run(cfg: dict) -> None:
     from oases_ds.planner.plan import PlanInfeasibleError
     from oases_ds.planner.profile import profile_rows
 
-    if cfg.get("study") not in (None, *PLAN_PRESETS):
-        raise ValueError(f"experiment={cfg['study']} is an oases-bench study: run `oases-bench --multirun "
-                         f"experiment={cfg['study']}`; oases-plan takes {', '.join(PLAN_PRESETS)}")
+    check_ranges(cfg)
     if cfg["mode"] not in ("plan", "profile", "accuracy"):
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
     if cfg["mode"] == "accuracy" and cfg["cost"] == "analytic":
@@ -210,7 +277,7 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
         model=dc.replace(ModelConfig(**cfg["model"]), num_layers=table.layers), devices=table.devices,
         micro_batch=cfg["micro_batch"], schedule=sched["name"],
         options=ScheduleOptions(sched["sub_batches"], sched["cross_pass"], sched["fine_grained_recompute"]),
-        link=LinkModel(**link) if link else None, warmup=acc["warmup"], repeats=acc["repeats"],
+        link=LinkModel(**schema.link_kwargs(link)) if link else None, warmup=acc["warmup"], repeats=acc["repeats"],
     )
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
     print(f"measuring {len(plans)} plans x {spec.repeats} interleaved steps on {spec.devices} ranks ({label}) ...", flush=True)
@@ -251,7 +318,16 @@ def main(dcfg: DictConfig) -> None:
         raise
 
 
+def precheck(args: list[str]) -> None:
+    """Refuse a bad command line in one line before Hydra runs (and before any profiling)."""
+    schema.check_experiment(args, PLAN_PRESETS, "oases-plan",
+                            lambda name: f"experiment={name} is an oases-bench study: run `oases-bench --multirun "
+                                         f"experiment={name}`; oases-plan takes {', '.join(PLAN_PRESETS)}")
+    schema.precheck("plan", PlanSchema, args, check_ranges)
+
+
 def entry() -> None:
+    precheck(sys.argv[1:])
     main()
 
 

@@ -16,12 +16,58 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
+from oases_ds.cli.schema import ClusterSchema, DataSchema, ModelSchema, ScheduleSchema
+
+
+# -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
+@dataclass
+class CheckpointSchema:
+    dir: Optional[str] = None
+    every: int = 0
+    keep: int = 0  # newest checkpoints kept in dir; 0 keeps all
+    resume: bool = False
+
+
+@dataclass
+class TrainSchema:
+    """configs/train.yaml, typed; the comments there say what each key means."""
+
+    model: ModelSchema = field(default_factory=ModelSchema)
+    schedule: ScheduleSchema = field(default_factory=ScheduleSchema)
+    cluster: ClusterSchema = field(default_factory=ClusterSchema)
+    data: DataSchema = field(default_factory=DataSchema)
+    nprocs: int = 2
+    tensor_parallel_size: int = 2
+    steps: int = 60
+    micro_batch: int = 8
+    grad_accum: int = 1
+    lr: float = 2.0e-3
+    warmup_steps: int = 10
+    zero_stage: int = 0
+    plan: Optional[str] = None
+    bf16: bool = False
+    seed: int = 1234
+    log_every: int = 10
+    timeout_s: float = 600.0
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    trace: Optional[str] = None
+    stats_out: Optional[str] = None
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainSchema)
+
+RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "steps": 1, "micro_batch": 1, "grad_accum": 1,
+                            "warmup_steps": 0, "log_every": 1, "checkpoint.every": 0, "checkpoint.keep": 0}
+"""Smallest value of each numeric key (``lr`` and ``timeout_s`` must be > 0)."""
 
 
 def ds_config(cfg: dict) -> dict:
@@ -46,25 +92,27 @@ def ds_config(cfg: dict) -> dict:
             "fine_grained_recompute": sched["fine_grained_recompute"],
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
-            **({"link": link} if link else {}),
+            **({"link": schema.link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
         },
     }
 
 
 def validate(cfg: dict) -> None:
-    """Fail before launching anything, with one line naming the field."""
+    """Fail before launching anything, with one line naming the field: a rank that finds a
+    bad value fails alone, after every other rank has started and waits for it."""
     from oases_ds.checkpoint import CheckpointMeta, preflight
     from oases_ds.config import check_deepspeed_section, parse_oases_section
-    from oases_ds.data import DataConfig
+    from oases_ds.data import DataConfig, check_data
     from oases_ds.models.config import ModelConfig
     from oases_ds.parallel.topology import Topology
 
+    schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
     model = ModelConfig(**cfg["model"])
     ds = ds_config(cfg)
     oases = parse_oases_section(ds["oases"])
     check_deepspeed_section(ds)
-    DataConfig(**cfg["data"])
+    check_data(DataConfig(**cfg["data"]), model.vocab_size, model.seq_len)
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
     Topology(world, oases.tensor_parallel_size)
     model.check_tp(oases.tensor_parallel_size)
@@ -72,7 +120,12 @@ def validate(cfg: dict) -> None:
     if oases.plan:
         from oases_ds.planner.plan import Plan
 
-        plan = Plan.from_json(oases.plan)
+        try:
+            plan = Plan.from_json(oases.plan)
+        except OSError as err:
+            raise ValueError(f"plan={oases.plan}: {err.strerror}; give the JSON file oases-plan wrote") from None
+        except ValueError as err:
+            raise ValueError(f"plan={err}") from None
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
@@ -82,9 +135,6 @@ def validate(cfg: dict) -> None:
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
                                                         if replicas > 1 else "")
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
-    for key in ("steps", "micro_batch", "grad_accum", "log_every"):
-        if cfg[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     ckpt = cfg["checkpoint"]
     expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
                                     cfg["bf16"], cfg["zero_stage"], world // oases.tensor_parallel_size)
@@ -190,6 +240,7 @@ def main(dcfg: DictConfig) -> None:
 
 def entry() -> None:
     strip_launcher_args()
+    schema.precheck("train", TrainSchema, sys.argv[1:])
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before or after the launch (during it, the launcher handles it)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from oases_ds.planner.jsonio import atomic_write_json, read_dataclass_fields
+from oases_ds.planner.jsonio import atomic_write_json, check_fields, load_dataclass
 
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
@@ -159,17 +159,25 @@ class CostTable:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> CostTable:
-        data = read_dataclass_fields(path, cls)
-        for by_degree in data["blocks"].values():
-            for cost in by_degree.values():
-                if "comm_fwd_last_ms" not in cost:
-                    raise ValueError(f"{path}: a cost table of an older cost model (no comm_fwd_last_ms); "
-                                     f"profile again (version {COST_MODEL_VERSION})")
-        data["blocks"] = {
-            kind: {int(degree): BlockCost(**cost) for degree, cost in by_degree.items()}
-            for kind, by_degree in data["blocks"].items()
-        }
-        return cls(**data)
+        """Load a table; any defect is one ``ValueError`` line naming the file and the field."""
+        return load_dataclass(path, cls, _table_from_dict)
+
+
+def _table_from_dict(data: dict[str, Any]) -> CostTable:
+    blocks: dict[str, dict[int, BlockCost]] = {}
+    for kind, by_degree in data["blocks"].items():
+        if not isinstance(by_degree, dict):
+            raise ValueError(f"blocks.{kind} must map degrees to BlockCost objects, got {by_degree!r}")
+        blocks[kind] = {}
+        for degree, cost in by_degree.items():
+            if not str(degree).isdigit():
+                raise ValueError(f"blocks.{kind}: degree {degree!r} is not a whole number")
+            if isinstance(cost, dict) and "comm_fwd_last_ms" not in cost:
+                raise ValueError(f"a cost table of an older cost model (no comm_fwd_last_ms); "
+                                 f"profile again (version {COST_MODEL_VERSION})")
+            check_fields(cost, BlockCost, f"blocks.{kind}.{degree}")
+            blocks[kind][int(degree)] = BlockCost(**cost)
+    return CostTable(**{**data, "blocks": blocks})
 
 
 def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:

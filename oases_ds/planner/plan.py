@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from oases_ds.planner.costs import check_degree
-from oases_ds.planner.jsonio import atomic_write_json, read_dataclass_fields
+from oases_ds.planner.jsonio import atomic_write_json, load_dataclass
 
 
 class PlanInfeasibleError(ValueError):
@@ -92,4 +92,4 @@ class Plan:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> Plan:
-        return cls(**read_dataclass_fields(path, cls))
+        return load_dataclass(path, cls)

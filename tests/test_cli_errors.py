@@ -1,0 +1,195 @@
+"""Every bad command line of oases-train / oases-plan / oases-bench is one ``error:`` line naming
+the key, exit 2, before any rank process starts.
+
+Most cases run the real entry point in this process (``entry()`` with ``sys.argv`` set): a
+traceback would surface here as an exception other than ``SystemExit(2)``, and nothing is
+launched because every case fails first.  A few run as a real subprocess, as a user would,
+to check the exit status and that no traceback reaches the terminal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from oases_ds.cli import bench, plan, train
+from oases_ds.data import DataConfig, check_data
+from oases_ds.planner.plan import Plan
+from test_planner_ilp import random_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:
+    """Run ``module.entry()`` on ``args``; assert exit 2 and exactly one ``error:`` line; return it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [module.__name__, *args])
+    with pytest.raises(SystemExit) as exc:
+        module.entry()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Broken inputs: token files, plans and cost tables."""
+    f = tmp_path / "in"
+    f.mkdir()
+    (f / "empty.bin").write_bytes(b"")
+    (f / "odd.bin").write_bytes(b"abc")
+    np.arange(50, dtype=np.uint16).tofile(f / "short.bin")
+    np.arange(2000, dtype=np.uint16).tofile(f / "wide.bin")
+    Plan((2, 1), (1, 2), devices=2).to_json(f / "plan.json")
+    good = (f / "plan.json").read_text()
+    (f / "truncated_plan.json").write_text(good[: len(good) // 2])
+    payload = json.loads(good)
+    (f / "typed_plan.json").write_text(json.dumps(dict(payload, devices="2")))
+    (f / "renamed_plan.json").write_text(json.dumps({("mlp_degree" if k == "mlp_degrees" else k): v for k, v in payload.items()}))
+    random_table(7, 4).to_json(f / "table.json")
+    good = (f / "table.json").read_text()
+    (f / "truncated_table.json").write_text(good[:300])
+    table = json.loads(good)
+    table["blocks"]["attn"]["1"]["fwd_mss"] = table["blocks"]["attn"]["1"].pop("fwd_ms")
+    (f / "renamed_table.json").write_text(json.dumps(table))
+    table = json.loads(good)
+    table["blocks"]["mlp"]["2"]["bwd_ms"] = "slow"
+    (f / "typed_table.json").write_text(json.dumps(table))
+    return f
+
+
+# -- oases-train: types, unknown keys, ranges ---------------------------------------------------------
+@pytest.mark.parametrize("override, start, fix", [
+    ("steps=abc", "error: steps: Value 'abc'", "give a whole number"),
+    ("micro_batch=abc", "error: micro_batch: Value 'abc'", "give a whole number"),
+    ("model.hidden_size=abc", "error: model.hidden_size: Value 'abc'", "give a whole number"),
+    ("+model.hiden_size=64", "error: model.hiden_size: not a known key", "did you mean model.hidden_size?"),
+    ("model.hiden_size=64", "error: model.hiden_size: not a known key", "did you mean model.hidden_size?"),
+    ("+checkpoint.kep=2", "error: checkpoint.kep: not a known key", "did you mean checkpoint.keep?"),
+    ("lr=abc", "error: lr: Value 'abc'", "give a number"),
+    ("lr=-1", "error: lr must be a finite number > 0, got -1.0", ""),
+    ("lr=0", "error: lr must be a finite number > 0, got 0.0", ""),
+    ("warmup_steps=-3", "error: warmup_steps must be >= 0, got -3", ""),
+    ("steps=0", "error: steps must be >= 1, got 0", ""),
+    ("bf16=maybe", "error: bf16: Value 'maybe' is not a valid bool", "give true or false"),
+    ("nprocs=abc", "error: nprocs: Value 'abc'", "give a whole number"),
+    ("nprocs=0", "error: nprocs must be >= 1, got 0", ""),
+    ("checkpoint.every=-1", "error: checkpoint.every must be >= 0, got -1", ""),
+    ("checkpoint.keep=-1", "error: checkpoint.keep must be >= 0, got -1", ""),
+    ("timeout_s=0", "error: timeout_s must be a finite number > 0", ""),
+    ("model=gpt_huge", "error: model=gpt_huge is not a preset in configs/model; choose from", "gpt_small"),
+    ("cluster.link.bandwidth_gbps=3", "error: cluster.link.bandwidth_gbps=3: a key below a null node", "cluster=eth_25g"),
+    ("experiment=e2e", "error: experiment=e2e: Could not override 'experiment'", ""),
+])
+def test_train_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, override, start, fix):
+    line = refused(capsys, monkeypatch, tmp_path, train, override)
+    assert line.startswith(start) and fix in line
+
+
+# -- oases-train: data problems found before any rank reads the data --------------------------------
+@pytest.mark.parametrize("args, start", [
+    (["data=mmap"], "error: data.path is not set; data.source=mmap needs a uint16 token file"),
+    (["data=mmap", "data.path={in}/missing.bin"], "error: data.path='{in}/missing.bin' does not exist"),
+    (["data=mmap", "data.path={in}"], "error: data.path='{in}' is not a file"),
+    (["data=mmap", "data.path={in}/empty.bin"], "error: data.path='{in}/empty.bin' is empty"),
+    (["data=mmap", "data.path={in}/odd.bin"], "error: data.path='{in}/odd.bin' has 3 bytes, not a whole number of 2-byte"),
+    (["data=mmap", "data.path={in}/short.bin"],
+     "error: data.path='{in}/short.bin' has 50 tokens, fewer than one window of model.seq_len+1=129"),
+    (["data=mmap", "data.path={in}/wide.bin"],
+     "error: model.vocab_size=256 is smaller than token id 1999 in data.path='{in}/wide.bin'; set model.vocab_size=2000"),
+    (["data=text", "model.vocab_size=64"], "error: model.vocab_size=64 is smaller than token id"),
+])
+def test_train_refuses_bad_data_before_launching(capsys, monkeypatch, tmp_path, files, args, start):
+    line = refused(capsys, monkeypatch, tmp_path, train, *(a.format(**{"in": files}) for a in args))
+    assert line.startswith(start.format(**{"in": files}))
+
+
+def test_check_data_passes_a_good_token_file(files):
+    check_data(DataConfig("mmap", str(files / "wide.bin")), vocab_size=2000, seq_len=128)  # raises on failure
+
+
+# -- plan and cost-table files: one line naming the file ----------------------------------------------
+@pytest.mark.parametrize("name, says", [
+    ("truncated_plan.json", "error: plan={path}: not valid JSON ("),
+    ("typed_plan.json", "error: plan={path}: Plan.devices must be a whole number, got '2'"),
+    ("renamed_plan.json", "error: plan={path}: unknown Plan field(s) ['mlp_degree']"),
+    # the "oases" section (oases_ds/config.py) checks that the file exists
+    ("missing.json", "error: oases.plan: Value error, plan file '{path}' not found"),
+    ("", "error: oases.plan: Value error, plan file '{path}' not found"),
+])
+def test_train_names_a_bad_plan_file(capsys, monkeypatch, tmp_path, files, name, says):
+    path = files / name if name else files
+    line = refused(capsys, monkeypatch, tmp_path, train, "model=gpt_tiny", f"plan={path}")
+    assert line.startswith(says.format(path=path)), line
+
+
+@pytest.mark.parametrize("name, says", [
+    ("truncated_table.json", "not valid JSON ("),
+    ("renamed_table.json", "blocks.attn.1: unknown BlockCost field(s) ['fwd_mss']"),
+    ("typed_table.json", "blocks.mlp.2: BlockCost.bwd_ms must be a number, got 'slow'"),
+    ("plan.json", "unknown CostTable field(s)"),
+    ("missing.json", "No such file or directory"),
+    ("", "Is a directory"),
+])
+def test_plan_names_a_bad_table_file(capsys, monkeypatch, tmp_path, files, name, says):
+    path = files / name if name else files
+    line = refused(capsys, monkeypatch, tmp_path, plan, f"table={path}", f"out={tmp_path / 'p.json'}")
+    assert line.startswith(f"error: table={path}: ") and says in line, line
+    assert not (tmp_path / "p.json").exists()
+
+
+# -- oases-plan: sizes and presets --------------------------------------------------------------------
+@pytest.mark.parametrize("override, start", [
+    ("layers=0", "error: layers must be >= 1, got 0; leave it null to plan every layer"),
+    ("micro_batch=0", "error: micro_batch must be >= 1, got 0"),
+    ("micro_batch=-16", "error: micro_batch must be >= 1, got -16"),
+    ("devices=abc", "error: devices: Value 'abc'"),
+    ("+planner.solvr=dp", "error: planner.solvr: not a known key; did you mean planner.solver?"),
+    ("experiment=foo", "error: experiment=foo is not a preset in configs/experiment; oases-plan takes cost_model"),
+])
+def test_plan_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, override, start):
+    line = refused(capsys, monkeypatch, tmp_path, plan, "cost=analytic", "cluster=pcie_3090", override,
+                   f"out={tmp_path / 'p.json'}")
+    assert line.startswith(start)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_plan_layers_null_still_means_all_layers(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["oases-plan", "cost=analytic", "cluster=pcie_3090", "layers=null", "out=p.json"])
+    plan.entry()
+    assert Plan.from_json(tmp_path / "p.json").layers == 4  # gpt_small's num_layers
+    assert "| 4 layers |" in capsys.readouterr().out
+
+
+# -- oases-bench: presets -------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["experiment=foo"], ["--multirun", "experiment=e2e,foo"]])
+def test_bench_refuses_an_unknown_preset_naming_the_known_ones(capsys, monkeypatch, tmp_path, args):
+    line = refused(capsys, monkeypatch, tmp_path, bench, *args)
+    assert line.startswith("error: experiment=foo is not a preset in configs/experiment; oases-bench takes ")
+    assert "e2e" in line and "cost_model" not in line
+
+
+# -- as a user runs them: exit 2, the last line names the key, no traceback -------------------------
+@pytest.mark.parametrize("module, args, start", [
+    ("train", ["steps=abc"], "error: steps: "),
+    ("train", ["+model.hiden_size=64"], "error: model.hiden_size: "),
+    ("train", ["data=mmap"], "error: data.path "),
+    ("plan", ["micro_batch=-16", "cost=analytic", "cluster=pcie_3090"], "error: micro_batch "),
+    ("bench", ["experiment=foo"], "error: experiment=foo "),
+])
+def test_subprocess_exits_2_with_one_line_and_no_traceback(tmp_path, module, args, start):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-m", f"oases_ds.cli.{module}", *args, f"out={tmp_path / 'o'}"]
+                          if module != "train" else [sys.executable, "-m", "oases_ds.cli.train", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(start), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not os.path.exists(tmp_path / "o")
