@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,11 +47,20 @@ from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from oases_ds.cli import schema
-from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
+from oases_ds.cli.common import (
+    CONFIG_DIR,
+    PLAN_PRESETS,
+    fail,
+    fail_launch,
+    git_commit,
+    stop,
+)
 from oases_ds.cli.schema import ClusterSchema, ModelSchema
+from oases_ds.launcher import LaunchError, LaunchInterrupted
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
 EMULATION_MODES = ("scaled", "literal", "off")
@@ -461,16 +469,16 @@ def print_record(record: dict) -> None:
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
     cfg.pop("hydra", None)
-    from oases_ds.launcher import LaunchError
-
     try:
         resolve(cfg)
     except ValueError as err:
         fail(str(err))
     try:
         record = run_measurement(cfg)
-    except LaunchError as err:
-        fail(str(err).strip().splitlines()[-1] + "  (full traceback above)", detail=str(err))
+    except LaunchInterrupted as err:
+        stop(err)
+    except LaunchError as err:  # one line; the rank's traceback in Hydra's run dir
+        fail_launch(err, HydraConfig.get().runtime.output_dir)
     print_record(record)
 
 

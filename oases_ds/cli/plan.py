@@ -20,11 +20,20 @@ from typing import Any, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from oases_ds.cli import schema
-from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, git_commit
+from oases_ds.cli.common import (
+    CONFIG_DIR,
+    PLAN_PRESETS,
+    fail,
+    fail_launch,
+    git_commit,
+    stop,
+)
 from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
+from oases_ds.launcher import LaunchError, LaunchInterrupted
 
 COSTS = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -310,12 +319,10 @@ def main(dcfg: DictConfig) -> None:
         run(cfg)
     except (ValueError, OSError) as err:
         fail(str(err))
-    except Exception as err:  # a failed launch: keep the traceback, end with one line
-        from oases_ds.launcher import LaunchError
-
-        if isinstance(err, LaunchError):
-            fail(str(err).strip().splitlines()[-1], detail=str(err))
-        raise
+    except LaunchInterrupted as err:
+        stop(err)
+    except LaunchError as err:  # a failed profiling launch: one line, the traceback in Hydra's run dir
+        fail_launch(err, HydraConfig.get().runtime.output_dir)
 
 
 def precheck(args: list[str]) -> None:
