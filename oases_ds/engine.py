@@ -266,7 +266,7 @@ class OasesEngine(DeepSpeedEngine):
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_meta(self) -> CheckpointMeta:
         """What a checkpoint of this engine must match to be loaded by it."""
-        degrees = [layout.degree for pair in self.module.layouts for layout in pair]
+        degrees = [layout.degree for pair in self.module.sharding.layouts for layout in pair]
         return CheckpointMeta.build(self.module.cfg, self.parallel_context.tp_size, degrees, self.bfloat16_enabled(),
                                     self.zero_optimization_stage(), self.parallel_context.dp_size)
 
