@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from oases_ds.launcher import launch  # noqa: E402
+from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 SCHEDULES = ("megatron", "split_overlap", "oases")
 
@@ -122,8 +123,6 @@ def main(argv: list[str] | None = None) -> None:
         t = rank0["times"][n]
         print(f"{n:<15}{med[n]:>14.4f}{min(t):>8.4f}{max(t):>8.4f}{med['megatron'] / med[n]:>12.2f}x"
               f"{statistics.median(rank0['exposed'][n]):>14.1%}{statistics.median(rank0['util'][n]):>14.1%}")
-    from oases_ds.runtime.timeline import write_json_atomic
-
     write_json_atomic(args["out"], {"emulated_link": True, "machine": platform.platform(), "cpus": os.cpu_count(),
                                     "args": args, "rank0": rank0, "median_s": med})
     print(f"wrote {os.path.abspath(args['out'])}")

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oases_ds.planner.costs import BlockCost, CostTable  # noqa: E402
 from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import BACKENDS, solve  # noqa: E402
-from oases_ds.planner.jsonio import atomic_write_json  # noqa: E402
 from oases_ds.planner.simulate import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
+from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 DEVICES = 32
 DEGREES = (1, 2, 4, 8, 16, 32)
@@ -142,7 +142,7 @@ def main() -> None:
                            if row["median_ms"] is not None else f"failed: {row['error']}")
                 print(f"{layers:6d} {bound:8s} {backend:7s} {outcome}", flush=True)
 
-    atomic_write_json(args.out, {
+    write_json_atomic(args.out, {
         "date": date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
         "devices": DEVICES,
@@ -150,7 +150,7 @@ def main() -> None:
         "repeats": args.repeats,
         "note": "solve() wall time incl. model build; median of repeats; 2 shared CPU cores",
         "rows": rows,
-    })
+    }, indent=2, sort_keys=True)
     print(f"wrote {args.out}")
 
 

@@ -62,6 +62,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 
 def payload_fraction(mtu: int) -> float:
@@ -209,17 +210,14 @@ def rank_worker(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     result = probe_link() if spec.get("probe") else measure_rank(spec)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out_path + ".tmp", out_path)
+    write_json_atomic(out_path, result)
     torch.distributed.destroy_process_group()
 
 
 def run_pair(pair: VethPair, spec: dict, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="oases-vl-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
+        write_json_atomic(spec_path, spec)
         port = 29500 + os.getpid() % 1000
         procs, outs = [], []
         for rank, (ns, dev) in enumerate(zip(pair.ns, pair.dev)):
@@ -291,7 +289,6 @@ def main() -> None:
         sys.exit("error: --rounds and --repeats must be >= 1")
 
     from oases_ds.cli.bench import compose_config, resolve
-    from oases_ds.runtime.timeline import write_json_atomic
 
     fraction = payload_fraction(args.mtu)
     nominal_gbps = args.rate_mbit * fraction / 1000

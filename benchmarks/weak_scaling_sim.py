@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from datetime import date
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +27,7 @@ sys.path.insert(0, ROOT)
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.models.operator_model import OperatorModel  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
-from oases_ds.runtime.timeline import write_json_atomic  # noqa: E402
+from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 def shard_grad_bytes(cfg: ModelConfig, tp: int) -> int:
@@ -97,12 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {label} | {row['reduce_s']:.3f} | " + " | ".join(cells) + f" | {ratio:.2f}x | {eff:.0%} |")
     lines += ["", "The DP reduction adds the same absolute time to every schedule, so Oases' advantage over "
               "Megatron shrinks as N grows -- as in the paper, where DP scales well for both.", ""]
-    os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"weak_scaling_simulated-{today}.md")
-    fd, tmp = tempfile.mkstemp(dir=args.out_dir, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, path)
+    write_text_atomic(path, "\n".join(lines))
     write_json_atomic(args.json_out, {"simulated": True, "grad_bytes": grad_bytes, "link": emu, "rows": rows})
     print("\n".join(lines))
     print(f"wrote {path}")

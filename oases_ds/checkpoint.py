@@ -42,7 +42,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.runtime.timeline import write_json_atomic
+from oases_ds.utils.io import write_json_atomic, write_text_atomic
 
 LATEST = "latest"
 META_FILE = "oases_meta.json"
@@ -217,17 +217,7 @@ def _latest_or_none(directory: str) -> str | None:
 
 def write_latest(directory: str, tag: str) -> None:
     """Atomic switch: readers see the old tag or the new one, never a torn file."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{LATEST}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, LATEST))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(os.path.join(directory, LATEST), tag)
 
 
 def publish(directory: str, tag: str, staged: str, save_latest: bool = True) -> str:

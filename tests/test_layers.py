@@ -7,6 +7,8 @@ process started and nothing imported.
 
 Layers, low to high (a module may import from its own layer and any lower one)::
 
+    utils     oases_ds/utils/* (atomic file writes: plain Python any layer may use; imports
+              nothing of ours)
     parallel  oases_ds/parallel/*, launcher.py (starts rank processes; imports nothing of ours,
               the planner's profiler and the CLIs use it)
     models    oases_ds/models/*
@@ -36,8 +38,8 @@ import pytest
 PACKAGE = "oases_ds"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-LAYERS = ("parallel", "models", "schedule", "runtime", "config", "planner", "engine", "cli")
-SUBPACKAGES = {"parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
+LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "cli")
+SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
                "planner": "planner", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "data": "runtime", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}

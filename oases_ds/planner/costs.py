@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from oases_ds.planner.jsonio import atomic_write_json, check_fields, load_dataclass
+from oases_ds.planner.jsonio import check_fields, load_dataclass
+from oases_ds.utils.io import write_json_atomic
 
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
@@ -155,7 +156,7 @@ class CostTable:
             kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
             for kind, by_degree in self.blocks.items()
         }
-        atomic_write_json(path, payload)
+        write_json_atomic(path, payload, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> CostTable:

@@ -1,36 +1,17 @@
-"""JSON persistence shared by cost tables, plans and benchmark results.
+"""Typed JSON loading shared by cost tables and plans.
 
-Writes go to a temporary file in the target's directory and are then renamed
-with ``os.replace``: a profile or plan that took minutes to produce is either
-the old file or the new one, never a half-written file a later run would trust.
+Writing is :func:`oases_ds.utils.io.write_json_atomic` (the package's one atomic
+writer): a profile or plan that took minutes to produce is either the old file
+or the new one, never a half-written file a later run would trust.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import tempfile
 import types
 import typing
-from pathlib import Path
 from typing import Any, Callable, TypeVar
-
-
-def atomic_write_json(path: str | os.PathLike[str], payload: Any) -> None:
-    """Write ``payload`` as JSON at ``path``; readers see the old or the new file only."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(payload, stream, indent=2, sort_keys=True)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        os.unlink(tmp_name)
-        raise
 
 
 def _accepted(hint: Any) -> tuple[type, ...] | None:

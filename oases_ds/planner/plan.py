@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from oases_ds.planner.costs import check_degree
-from oases_ds.planner.jsonio import atomic_write_json, load_dataclass
+from oases_ds.planner.jsonio import load_dataclass
+from oases_ds.utils.io import write_json_atomic
 
 
 class PlanInfeasibleError(ValueError):
@@ -88,7 +89,7 @@ class Plan:
         return "\n".join(rows)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        atomic_write_json(path, dataclasses.asdict(self))
+        write_json_atomic(path, dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> Plan:

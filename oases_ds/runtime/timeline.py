@@ -14,11 +14,9 @@ kernel launches and stream waits, so use a profiler there.
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 
+from oases_ds.utils.io import write_json_atomic  # also imported from here by the CLIs
 
 LANES = ("compute", "comm", "wait")  # Chrome trace thread ids 0, 1, 2 in this order
 
@@ -119,16 +117,3 @@ class Timeline:
     def save_chrome_trace(self, path: str, rank: int = 0) -> None:
         """Write atomically: a crash mid-write never leaves a truncated trace."""
         write_json_atomic(path, self.chrome_trace(rank))
-
-
-def write_json_atomic(path: str, obj: object) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -1,0 +1,84 @@
+"""The one atomic writer (``oases_ds.utils.io``): old file or new file, never a torn one.
+
+Why these cases: a crash cannot be staged in a unit test, but its two halves can --
+a failure *before* the rename must leave the target and its directory exactly as
+they were, and the data and the rename must each be fsynced (file, then directory)
+before the writer returns.  ``os.fsync`` / ``os.replace`` are wrapped to record the
+order of those calls.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from oases_ds.utils import io as atomic_io
+from oases_ds.utils.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+
+
+def test_json_round_trips_with_the_callers_layout(tmp_path) -> None:
+    path = tmp_path / "deep" / "er" / "plan.json"  # missing parents are created
+    write_json_atomic(path, {"b": 1, "a": [1, 2]}, indent=2, sort_keys=True)
+    assert path.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+    write_json_atomic(path, {"b": 1, "a": 2})  # default: order kept, indent 1
+    assert path.read_text() == '{\n "b": 1,\n "a": 2\n}\n'
+    assert os.listdir(path.parent) == ["plan.json"]  # no temporary file left
+
+
+def test_an_unserialisable_payload_leaves_the_old_file_and_no_temporary(tmp_path) -> None:
+    path = tmp_path / "stats.json"
+    write_json_atomic(path, {"step": 1})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json_atomic(path, {"step": object()})
+    assert json.loads(path.read_text()) == {"step": 1}
+    assert os.listdir(tmp_path) == ["stats.json"]
+
+
+def test_a_failed_rename_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "latest"
+    write_text_atomic(path, "global_step1")
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic_io.os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        write_text_atomic(path, "global_step2")
+    assert path.read_text() == "global_step1"
+    assert os.listdir(tmp_path) == ["latest"]
+
+
+def test_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path, monkeypatch) -> None:
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic_io.os, "fsync", fsync)
+    monkeypatch.setattr(atomic_io.os, "replace", replace)
+    write_bytes_atomic(tmp_path / "rank0.pkl", b"\x80\x04report")
+    assert (tmp_path / "rank0.pkl").read_bytes() == b"\x80\x04report"
+    expected = ["fsync file", "replace", "fsync dir"] if os.name == "posix" else ["fsync file", "replace"]
+    assert calls == expected
+
+
+def test_a_directory_that_refuses_fsync_is_not_an_error(tmp_path, monkeypatch) -> None:
+    """Some filesystems answer EINVAL to fsync on a directory; the write still counts."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic_io.os, "fsync", fsync)
+    write_text_atomic(tmp_path / "report.md", "# ok\n")
+    assert (tmp_path / "report.md").read_text() == "# ok\n"
