@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import CommOp, Op
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
-from oases_ds.planner.costs import BLOCK_KINDS, BlockCost, CostTable
+from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.planner.profile import ProfileSpec
 
 ACTIVATION_BYTES = 2
@@ -81,9 +81,6 @@ ACTIVATION_BYTES = 2
 
 GRADIENT_BYTES = 2
 """fp16 gradients, as mixed-precision data parallelism all-reduces them."""
-
-STATE_BYTES_PER_PARAM = 16
-"""Mixed-precision Adam: fp16 weight + fp16 grad + fp32 master weight, m and v."""
 
 BACKWARD_FLOPS_RATIO = 2
 """Backward of a matrix product: one product for the input gradient, one for the weight gradient."""

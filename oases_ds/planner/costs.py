@@ -32,6 +32,12 @@ so a cached profile from an older model is re-profiled, never silently reused.
 SLICE_MS = 0.005
 """Cost of taking a local slice of a tensor: no communication, only a copy."""
 
+STATE_BYTES_PER_PARAM = 16
+"""Bytes a device holds per parameter it owns, what :attr:`BlockCost.state_bytes` counts:
+mixed-precision Adam keeps an fp16 weight and gradient (2 + 2) and an fp32 master weight
+and both moments (4 + 4 + 4).  fp32 Adam holds the same 16 (weight, gradient, two moments,
+4 each).  One number for the analytic table and the profiler alike."""
+
 
 def check_degree(field: str, degree: object, devices: int) -> None:
     """Raise unless ``degree`` is a power of two dividing ``devices``.

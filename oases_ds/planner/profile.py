@@ -43,11 +43,8 @@ from typing import Any, Literal
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms, pipelined_comm_ms
-from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, BlockCost, CostTable
+from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
-
-BYTES_PER_PARAM_STATE = 16
-"""fp32 parameter + gradient + Adam's two moments."""
 
 _COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
 _WAIT_EVENT = re.compile(r"^W([rb]?)(\d+)\.(\d+)$")
@@ -312,7 +309,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
         saved = _checkpoint_bytes(spec, model, split_batch(batch, sub)[0], group)
         for kind in BLOCK_KINDS:
             result[f"{kind}.params"] = numel[kind]
-            result[f"{kind}.state_bytes"] = float(numel[kind] * BYTES_PER_PARAM_STATE)
+            result[f"{kind}.state_bytes"] = float(numel[kind] * STATE_BYTES_PER_PARAM)
             result[f"{kind}.act_bytes"] = float(saved[kind] * sub)
             grads = torch.zeros(numel[kind])
             replicas = replica_group[degree]
