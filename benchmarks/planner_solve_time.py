@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oases_ds.planner.costs import BlockCost, CostTable  # noqa: E402
 from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import BACKENDS, solve  # noqa: E402
-from oases_ds.planner.simulate import check_memory_feasible, predict_step_ms  # noqa: E402
+from oases_ds.planner.objective import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 

@@ -17,9 +17,9 @@ from oases_ds.planner import analytic
 from oases_ds.planner.analytic import DeviceModel, analytic_table, block_forward_flops
 from oases_ds.planner.costs import BLOCK_KINDS
 from oases_ds.planner.dp import solve_dp
+from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
-from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
 from test_planner_cli import ROOT, plan_cli
 
 SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)

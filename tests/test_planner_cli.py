@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.simulate import predict_step_ms
 from test_planner_ilp import random_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,8 +10,8 @@ import pytest
 
 from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
 from oases_ds.planner.ilp import solve
+from oases_ds.planner.objective import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
-from oases_ds.planner.simulate import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 
 DEGREES = (1, 2, 4)
 # Ties between plans are fine (only objectives are compared); this covers solver tolerances.

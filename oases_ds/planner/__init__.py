@@ -5,8 +5,8 @@ importing the cost table or a plan does not load OR-Tools.
 """
 from oases_ds.planner.costs import BlockCost, CostTable, reshard_ms
 from oases_ds.planner.dp import solve_dp
+from oases_ds.planner.objective import brute_force, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
-from oases_ds.planner.simulate import brute_force, predict_memory_bytes, predict_step_ms
 
 __all__ = [
     "BlockCost",

@@ -20,8 +20,8 @@ from typing import Any
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costs import CostTable
+from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.simulate import predict_step_ms
 from oases_ds.schedule.generators import ScheduleOptions
 
 

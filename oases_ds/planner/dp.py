@@ -26,14 +26,14 @@ import time
 from typing import Sequence
 
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
-from oases_ds.planner.plan import Plan
-from oases_ds.planner.simulate import (
+from oases_ds.planner.objective import (
     MEMORY_REL_EPS,
     check_memory_feasible,
     fits_memory,
     sequence_memory_bytes,
     sequence_step_ms,
 )
+from oases_ds.planner.plan import Plan
 
 class _Front:
     """Pareto front of labels (memory, cost, back-pointer), memory ascending, cost strictly descending."""

@@ -38,8 +38,8 @@ import time
 from ortools.linear_solver import pywraplp
 
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
+from oases_ds.planner.objective import check_memory_feasible, sequence_memory_bytes
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.simulate import check_memory_feasible, sequence_memory_bytes
 
 BACKENDS: dict[str, str] = {"SCIP": "", "CBC": "", "HIGHS": "", "CP_SAT": "num_workers: 8"}
 """pywraplp backend name -> solver-specific parameters."""

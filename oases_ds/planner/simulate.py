@@ -1,95 +1,10 @@
-"""The planner's cost model evaluated for a given plan, and a brute-force oracle.
+"""Former name of :mod:`oases_ds.planner.objective`, kept for ``oases_ds/cli/plan.py`` only.
 
-This is the one definition of a plan's cost: the ILP encodes the same sum
-(node costs + edge costs) and the tests hold it to this value, so a change in
-the cost model cannot silently diverge between solver and prediction.
+The CLI is reworked on another branch and still imports this name; once its import
+reads ``oases_ds.planner.objective``, delete this file.  Nothing else may import it.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Sequence
+from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 
-from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
-from oases_ds.planner.plan import Plan, PlanInfeasibleError
-
-MEMORY_REL_EPS = 1e-12
-"""Plans whose memory totals differ by float rounding only are treated as equal
-(relative): the same blocks summed in another order can land one ulp above a limit
-they meet exactly.  Far below any byte count a profile can tell apart; the ILP's own
-feasibility tolerance is looser still."""
-
-
-def fits_memory(memory_bytes: float, memory_limit_bytes: float | None) -> bool:
-    """Whether a plan's memory meets the limit, up to :data:`MEMORY_REL_EPS`: the one
-    test of the limit shared by the DP, the brute-force oracle and the tests."""
-    return memory_limit_bytes is None or memory_bytes <= memory_limit_bytes * (1 + MEMORY_REL_EPS)
-
-
-def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
-    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...): node costs, the
-    edges between neighbouring blocks, and the edges from the embedding and into the head."""
-    nodes = sum(table.blocks[kind][degree].step_ms for kind, degree in zip(table.block_kinds(), block_degrees))
-    edges = sum(edge_ms(table, i, a, b) for i, (a, b) in enumerate(zip(block_degrees, block_degrees[1:])))
-    ends = first_block_ms(table, block_degrees[0]) + last_block_ms(table, block_degrees[-1])
-    return nodes + edges + ends
-
-
-def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> float:
-    return sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
-
-
-def _check_plan_fits_table(table: CostTable, plan: Plan) -> None:
-    if plan.devices != table.devices or plan.layers != table.layers:
-        raise ValueError(
-            f"plan is for devices={plan.devices}, layers={plan.layers}; "
-            f"table {table.key()} has devices={table.devices}, layers={table.layers}"
-        )
-    if unprofiled := sorted(set(plan.block_degrees()) - set(table.degrees)):
-        raise ValueError(f"plan uses degrees {unprofiled} not profiled in table {table.key()}")
-
-
-def predict_step_ms(table: CostTable, plan: Plan) -> float:
-    """Predicted step time of ``plan``: what the ILP minimises."""
-    _check_plan_fits_table(table, plan)
-    return sequence_step_ms(table, plan.block_degrees())
-
-
-def predict_memory_bytes(table: CostTable, plan: Plan) -> float:
-    _check_plan_fits_table(table, plan)
-    return sequence_memory_bytes(table, plan.block_degrees())
-
-
-def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) -> None:
-    """Raise :class:`PlanInfeasibleError` when even the leanest plan exceeds the limit.
-
-    Memory is a sum over blocks with no edge terms, so the leanest plan takes
-    each block's smallest footprint independently; this exact test lets the
-    error state the number a user needs instead of a bare solver status.
-    """
-    if memory_limit_bytes is None:
-        return
-    minimum = sum(min(cost.memory_bytes for cost in table.blocks[kind].values()) for kind in table.block_kinds())
-    if minimum > memory_limit_bytes:
-        raise PlanInfeasibleError(
-            f"no plan fits: the minimum memory any plan needs is {minimum:.6g} bytes per device, "
-            f"limit is {memory_limit_bytes:.6g} bytes ({table.key()})"
-        )
-
-
-def brute_force(table: CostTable, memory_limit_bytes: float | None) -> Plan:
-    """Exhaustive search, exponential in blocks: only the test oracle for small tables."""
-    check_memory_feasible(table, memory_limit_bytes)
-    feasible = (
-        sequence
-        for sequence in itertools.product(table.degrees, repeat=2 * table.layers)
-        if fits_memory(sequence_memory_bytes(table, sequence), memory_limit_bytes)
-    )
-    best = min(feasible, key=lambda sequence: sequence_step_ms(table, sequence))
-    return Plan.from_block_degrees(
-        best,
-        table.devices,
-        predicted_step_ms=sequence_step_ms(table, best),
-        solver_name="brute_force",
-        memory_bytes=sequence_memory_bytes(table, best),
-        table_key=table.key(),
-    )
+__all__ = ["predict_memory_bytes", "predict_step_ms"]
