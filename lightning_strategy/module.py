@@ -59,7 +59,7 @@ class OasesLightningModule(pl.LightningModule):
         return self._oases_strategy().eval_batch(batch)
 
     def _oases_strategy(self) -> Any:
-        from lightning_strategy.strategy import OasesStrategy
+        from lightning_strategy.strategy import OasesStrategy  # local: strategy.py imports this module
 
         strategy = self.trainer.strategy
         if not isinstance(strategy, OasesStrategy):

@@ -61,9 +61,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
+import oases_ds
 from lightning_strategy.module import OasesLightningModule
-from oases_ds.config import parse_oases_section
 from oases_ds import build_model
+from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
+from oases_ds.config import parse_oases_section
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.topology import Topology
@@ -176,7 +178,8 @@ class OasesStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # DeepSpeedStrategy.setup_environment raises on anything but CUDA; Oases runs on
         # CPU (gloo) as well, so go straight to DDPStrategy's after checking DeepSpeed's
-        # accelerator agrees with Lightning's.
+        # accelerator agrees with Lightning's.  DeepSpeed is imported here, not at the top:
+        # importing it fixes its accelerator, which the user may still set after importing us.
         from deepspeed.accelerator import get_accelerator
 
         ds_device = get_accelerator().device_name()
@@ -188,8 +191,6 @@ class OasesStrategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
-        from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
-
         avoid_cpu_jit_builds(self.config)  # before DeepSpeed's comm starts (it would JIT-build an op on CPU)
         if self.root_device.type == "cpu":
             # DeepSpeedStrategy.setup_distributed, less its check that CUDA device
@@ -212,8 +213,6 @@ class OasesStrategy(DeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         """Build this rank's TMP shard on the strategy's group, run the module's
         ``configure_optimizers`` on it, and wrap both in an ``OasesEngine``."""
-        import oases_ds
-
         module = self.lightning_module
         trainer = module.trainer
         if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:

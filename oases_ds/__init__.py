@@ -13,11 +13,13 @@ import json
 import os
 from typing import Any
 
+from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
+from oases_ds.planner.plan import Plan
 
 __all__ = ["initialize", "build_model", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
 __version__ = "0.1.0"
@@ -42,8 +44,6 @@ def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) ->
     of ``oases.plan``."""
     if not oases.plan:
         return OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
-    from oases_ds.planner.plan import Plan
-
     try:
         return OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed)
     except ValueError as err:
@@ -72,13 +72,14 @@ def initialize(
     :class:`OperatorModel` already built on ``parallel_context``'s TMP group.
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
     """
+    # DeepSpeed (and the engine, which imports it) load here, not at the top: every
+    # ``oases_ds.*`` import runs this file, and importing DeepSpeed takes seconds and
+    # fixes its accelerator (DS_ACCELERATOR) for the process.
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
 
     cfg = _load_config(args, config, config_params)
     oases = parse_oases_section(cfg.pop("oases", None))
@@ -95,7 +96,7 @@ def initialize(
             model = OperatorModel(model, group=None, seed=oases.seed)
         return deepspeed.initialize(model=model, mpu=mpu, config=cfg, mesh_param=mesh_param, distributed_port=port, **common)
 
-    from oases_ds.engine import OasesEngine
+    from oases_ds.engine import OasesEngine  # local: imports DeepSpeed (see above)
 
     check_deepspeed_section(cfg)
     if mpu is not None:

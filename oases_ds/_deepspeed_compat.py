@@ -10,12 +10,15 @@ second.  GPUs are untouched.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 
 log = logging.getLogger("oases_ds")
 
 
 def on_cpu() -> bool:
+    # local: ``oases_ds/__init__`` and the Lightning strategy import this module, and
+    # importing them must not load DeepSpeed (seconds; it fixes the accelerator)
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name() == "cpu"
@@ -24,8 +27,6 @@ def on_cpu() -> bool:
 def avoid_cpu_jit_builds(config: dict) -> None:
     if not on_cpu():
         return
-    import importlib
-
     # importlib, not ``import deepspeed.comm.torch``: the package re-exports the name
     # ``torch`` (the PyTorch module), which shadows its submodule of the same name.
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")

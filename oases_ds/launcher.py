@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _PR_SET_PDEATHSIG = 1
@@ -124,9 +126,6 @@ def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], 
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
     )
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     try:
         payload: tuple[str, Any] = ("ok", fn(*args))

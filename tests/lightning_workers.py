@@ -95,9 +95,8 @@ def lightning_runs(work_dir: str) -> dict:
       gives) through oases_ds.initialize + engine.train_batch;
     * "nan": the error a Trainer stops with when the second step's loss is NaN.
     """
-    import lightning_strategy
     import oases_ds
-    from lightning_strategy import OasesStrategy
+    from lightning_strategy import OasesStrategy  # importing the package registers "oases"
 
     TinyGPT, Record = _module_class(), _recorder()
     ckpt = os.path.join(work_dir, "epoch0.ckpt")

@@ -11,7 +11,6 @@ import statistics
 import subprocess
 import sys
 import zlib
-from collections import Counter
 
 import pytest
 

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 import engine_workers as ew
-from oases_ds.launcher import LaunchError, launch
+from oases_ds.launcher import launch
 
 TOL = 1e-5
 STEPS = 3

@@ -5,8 +5,6 @@ operators move activations between degrees; replica gradients are summed.
 Tolerance as in test_parity: fp32 relative error <= 1e-5 per gathered gradient,
 every step of 3 SGD steps, dropout on.
 """
-import json
-
 import pytest
 
 import dist_workers

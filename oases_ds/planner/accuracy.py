@@ -17,12 +17,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.schedule.generators import ScheduleOptions
+from oases_ds.runtime.executor import Executor
+from oases_ds.schedule.generators import ScheduleOptions, build_schedule
 
 
 def candidate_plans(table: CostTable, count: int, extra: list[Plan], seed: int = 0) -> list[Plan]:
@@ -62,16 +71,6 @@ class AccuracySpec:
 
 
 def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
-    import torch
-    import torch.distributed as dist
-
-    from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.parallel.comm import Communicator
-    from oases_ds.parallel.context import ParallelContext
-    from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.executor import Executor
-    from oases_ds.schedule.generators import build_schedule
-
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
     gen = torch.Generator().manual_seed(spec.seed)
     seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
@@ -98,14 +97,12 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
 
 def measure(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[float]]:
     """Per plan, the measured step times in ms (slowest rank of each step)."""
-    from oases_ds.launcher import launch
-
     return launch(_measure_rank, spec.devices, (spec, plans), timeout_s=timeout_s)[0]
 
 
 def spearman(predicted: list[float], measured: list[float]) -> tuple[float, float]:
     """(rho, p-value); p is scipy's two-sided test of no correlation."""
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # local: a heavy import only the accuracy study needs
 
     result = spearmanr(predicted, measured)
     return float(result.statistic), float(result.pvalue)

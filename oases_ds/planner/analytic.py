@@ -70,11 +70,14 @@ import functools
 import math
 from dataclasses import dataclass
 
+from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.ops import CommOp, Op
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.planner.profile import ProfileSpec
+from oases_ds.schedule.generators import held_inputs, schedule_segments
 
 ACTIVATION_BYTES = 2
 """fp16 activations: checkpoints, TMP AllReduce payloads, resharded tensors."""
@@ -155,8 +158,6 @@ def one_layer_ops(family: str) -> tuple[Op, ...]:
     the sizes, so it is read off a tiny stand-in: the analytic model follows the
     real operator list and fails loudly if an operator it cannot price appears.
     """
-    from oases_ds.models.operator_model import OperatorModel
-
     stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
     return tuple(OperatorModel(stand_in).ops)
 
@@ -189,9 +190,6 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
     ``spec.link`` is required (it times every collective) and the profiling
     knobs (warmup, repeats, exposed, seed) are unused.
     """
-    from oases_ds.models.blocks import layer_parameter_counts
-    from oases_ds.schedule.generators import held_inputs, schedule_segments
-
     if spec.link is None:
         raise ValueError("the analytic cost model needs a link (bandwidth, latency) to time collectives; "
                          "give the spec a LinkModel")

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.jsonio import check_fields, load_dataclass
 from oases_ds.utils.io import write_json_atomic
 
@@ -191,8 +192,6 @@ def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:
     """Ring AllGather among ``ranks`` producing ``gathered_bytes`` on each: every rank
     receives the ``(ranks-1)/ranks`` it lacks, after one link latency -- the same link
     model the runtime's emulator uses."""
-    from oases_ds.parallel.link import LinkModel
-
     return LinkModel(table.bandwidth_gbps, table.latency_us).seconds("all_gather", gathered_bytes, ranks) * 1e3
 
 

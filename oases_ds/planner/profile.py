@@ -40,11 +40,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+import torch.distributed as dist
+
+from oases_ds.launcher import launch
+from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.ops import CommOp, OpContext
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.costmodel import BlockTiming, exposed_comm_ms, pipelined_comm_ms
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
-from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
+from oases_ds.runtime.executor import Executor, split_batch
+from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions, build_schedule, held_inputs, schedule_segments
 
 _COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
 _WAIT_EVENT = re.compile(r"^W([rb]?)(\d+)\.(\d+)$")
@@ -156,8 +167,6 @@ def profile(
         if table.key() != spec.key():
             raise ValueError(f"{path}: holds a profile for {table.key()!r}, expected {spec.key()!r}")
         return dataclasses.replace(table, layers=layers), True
-    from oases_ds.launcher import launch
-
     started = time.perf_counter()
     per_rank = launch(_profile_rank, spec.devices, (spec,), timeout_s=timeout_s, threads_per_rank=1)
     table = table_from_measurements(spec, per_rank, layers, wall_s=time.perf_counter() - started)
@@ -173,8 +182,6 @@ def _median(values: list[float]) -> float:
 
 def _timed_collective(comm: Any, tensor: Any, group: Any, repeats: int, warmup: int) -> float:
     """Median ms of a blocking AllReduce of ``tensor`` on ``group`` (all its ranks call this)."""
-    import torch.distributed as dist
-
     times = []
     for rep in range(warmup + repeats):
         dist.barrier(group=group)
@@ -188,13 +195,6 @@ def _timed_collective(comm: Any, tensor: Any, group: Any, repeats: int, warmup: 
 def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any) -> dict[str, float]:
     """Bytes the schedule saves per block for one sub-batch: the input tuple of each
     recomputed segment starting in the block, or every op input of a kept segment."""
-    import torch
-
-    from oases_ds.models.ops import CommOp, OpContext
-    from oases_ds.parallel.comm import Communicator
-    from oases_ds.parallel.random import RNGTracker
-    from oases_ds.schedule.generators import held_inputs, schedule_segments
-
     comm = Communicator()
     ctx = OpContext(sub_batch, 0, sub_batch["tokens"].shape[0], 1.0, RNGTracker(spec.seed), comm, training=False)
     input_bytes: list[int] = []
@@ -218,18 +218,6 @@ def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any
 
 def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     """Profile every degree on this rank; returns per-degree measurements."""
-    import torch
-    import torch.distributed as dist
-
-    from oases_ds.models.blocks import layer_parameter_counts
-    from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.models.ops import CommOp
-    from oases_ds.parallel.comm import Communicator
-    from oases_ds.parallel.context import ParallelContext
-    from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.executor import Executor, split_batch
-    from oases_ds.schedule.generators import build_schedule
-
     T = spec.devices
     ctx = ParallelContext.build(tensor_parallel_size=T)
     rank = ctx.rank
@@ -431,11 +419,6 @@ def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, l
     :func:`~oases_ds.planner.costmodel.simulate_step` over the same schedule and
     a one-layer operator sequence; only the link changes.
     """
-    from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.models.ops import CommOp
-    from oases_ds.planner.costmodel import OpCosts, simulate_step
-    from oases_ds.schedule.generators import build_schedule
-
     evidence = table.measurements.get("degrees", {}).get(str(degree))
     if evidence is None:
         raise ValueError(f"table {table.key()} has no profiled measurements for degree {degree}")
