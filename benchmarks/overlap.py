@@ -37,12 +37,11 @@ def _worker(args: dict) -> dict:
 
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
     from oases_ds.parallel.link import LinkModel
     from oases_ds.parallel.random import RNGTracker
     from oases_ds.runtime.executor import Executor
-    from oases_ds.schedule.generators import build_schedule
+    from oases_ds.schedule.generators import ScheduleSpec
 
     ctx = ParallelContext.build(tensor_parallel_size=2, timeout_s=300)
     cfg = ModelConfig(family="gpt", vocab_size=512, hidden_size=args["hidden"], num_heads=8,
@@ -53,7 +52,7 @@ def _worker(args: dict) -> dict:
 
     def executor(name: str, link: LinkModel | None) -> Executor:
         model = OperatorModel(cfg, group=ctx.tp_group, seed=0)
-        return Executor(model, build_schedule(name, model.ops), Communicator(link), RNGTracker())
+        return Executor.for_schedule(model, ScheduleSpec(name), link, RNGTracker())
 
     # Calibrate: compute time and TMP bytes of one Megatron step with no link model.
     probe = executor("megatron", None)

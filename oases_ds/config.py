@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from oases_ds.parallel.link import LinkModel
-from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions
+from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
 
 
 class OasesConfigError(ValueError):
@@ -62,7 +62,7 @@ class OasesConfig(BaseModel):
     model_config = _STRICT
     enabled: bool = False
     tensor_parallel_size: int = Field(default=1, ge=1)
-    schedule: Literal["none", "megatron", "megatron_selective", "split_overlap", "oases"] = "oases"
+    schedule: Literal[SCHEDULES] = "oases"  # the registered names: a new schedule is accepted here at once
     sub_batches: int = Field(default=2, ge=1)
     cross_pass: bool = True
     fine_grained_recompute: bool = True
@@ -79,11 +79,10 @@ class OasesConfig(BaseModel):
             raise ValueError(f"plan file {path!r} not found; write one with oases-plan")
         return path
 
-    def schedule_options(self) -> ScheduleOptions:
-        return ScheduleOptions(self.sub_batches, self.cross_pass, self.fine_grained_recompute)
-
-
-assert set(SCHEDULES) == set(OasesConfig.model_fields["schedule"].annotation.__args__)  # type: ignore[union-attr]
+    def schedule_spec(self) -> ScheduleSpec:
+        """The schedule these flat keys describe (the JSON keeps them flat: DeepSpeed users
+        write ``"sub_batches": 4`` next to ``"schedule": "oases"``)."""
+        return ScheduleSpec(self.schedule, self.sub_batches, self.cross_pass, self.fine_grained_recompute)
 
 
 def one_line(err: ValidationError, prefix: str) -> str:

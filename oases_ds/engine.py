@@ -60,12 +60,9 @@ from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta
 from oases_ds.config import OasesConfig, OasesConfigError
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.collectives import group_size, start_all_reduce
-from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.executor import Executor
-from oases_ds.schedule.checker import check
-from oases_ds.schedule.generators import build_schedule
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule: call engine.train_batch(batch) instead "
@@ -105,10 +102,10 @@ class OasesEngine(DeepSpeedEngine):
         self.oases = oases
         self.parallel_context = parallel_context
         model = self.module
-        self.schedule = build_schedule(oases.schedule, model.ops, oases.schedule_options())
-        check(self.schedule, model.ops)
-        self.oases_comm = Communicator(oases.link.model() if oases.link else None)
-        self.executor = Executor(model, self.schedule, self.oases_comm, model.rng, record=oases.record_timeline)
+        self.executor = Executor.for_schedule(model, oases.schedule_spec(), oases.link.model() if oases.link else None,
+                                              model.rng, record=oases.record_timeline)
+        self.schedule = self.executor.schedule
+        self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}
         self._oases_data_iter: Iterator | None = None
         if oases.link is not None and dist.get_rank() == 0:

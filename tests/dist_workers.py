@@ -9,22 +9,21 @@ import torch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
 from oases_ds.parallel.collectives import start_all_reduce
-from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.grads import average_data_parallel_grads
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.executor import Executor
-from oases_ds.schedule.generators import ScheduleOptions, build_schedule
+from oases_ds.schedule.generators import ScheduleSpec
 
-# (label, schedule name, options): the five schedules plus Oases' two ablations.
+# (label, spec): the five schedules plus Oases' two ablations.
 VARIANTS = [
-    ("none", "none", ScheduleOptions()),
-    ("megatron", "megatron", ScheduleOptions()),
-    ("megatron_selective", "megatron_selective", ScheduleOptions()),
-    ("split_overlap", "split_overlap", ScheduleOptions()),
-    ("oases", "oases", ScheduleOptions()),
-    ("oases-no-cross-pass", "oases", ScheduleOptions(cross_pass=False)),
-    ("oases-no-fine-grained", "oases", ScheduleOptions(fine_grained_recompute=False)),
+    ("none", ScheduleSpec("none")),
+    ("megatron", ScheduleSpec("megatron")),
+    ("megatron_selective", ScheduleSpec("megatron_selective")),
+    ("split_overlap", ScheduleSpec("split_overlap")),
+    ("oases", ScheduleSpec("oases")),
+    ("oases-no-cross-pass", ScheduleSpec("oases", cross_pass=False)),
+    ("oases-no-fine-grained", ScheduleSpec("oases", fine_grained_recompute=False)),
 ]
 
 
@@ -89,7 +88,7 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
             ref_losses.append(float(loss.detach()))
             opt.step()
             ref_rng.advance()
-        for label, name, options in VARIANTS:
+        for label, spec in VARIANTS:
             if variants is not None and label not in variants:
                 continue
             if plan is None:
@@ -99,7 +98,7 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
 
                 model = OperatorModel.for_plan(cfg, ctx, Plan(plan[0], plan[1], devices=tp), seed=7)
             rng = RNGTracker(seed=11)
-            ex = Executor(model, build_schedule(name, model.ops, options), Communicator(), rng)
+            ex = Executor.for_schedule(model, spec, rng=rng)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             worst_grad, worst_loss, worst_param = 0.0, 0.0, None
             for step in range(steps):
@@ -129,8 +128,8 @@ def comm_worker(tp: int, micro_batch: int) -> dict:
     out = {}
     for name in ("megatron", "oases", "split_overlap"):
         model = OperatorModel(cfg, group=ctx.tp_group, seed=1)
-        comm = Communicator()
-        ex = Executor(model, build_schedule(name, model.ops), comm, RNGTracker())
+        ex = Executor.for_schedule(model, ScheduleSpec(name), rng=RNGTracker())
+        comm = ex.comm
         ex.run(make_batch(cfg, micro_batch, 0))
         out[name] = {
             phase: (comm.stats.bytes_in(phase, "all_reduce"), comm.stats.calls_in(phase, "all_reduce"))

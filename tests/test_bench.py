@@ -142,14 +142,14 @@ def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
     from oases_ds.runtime.executor import Executor
-    from oases_ds.schedule.generators import build_schedule
+    from oases_ds.schedule.generators import ScheduleSpec
 
     cfg = ModelConfig(family="gpt", hidden_size=32, num_heads=4, num_layers=2, seq_len=16, vocab_size=64)
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     peaks = {}
     for name in ("megatron", "megatron_selective", "none"):
         model = OperatorModel(cfg, seed=0)
-        executor = Executor(model, build_schedule(name, model.ops))
+        executor = Executor.for_schedule(model, ScheduleSpec(name))
         peaks[name] = bench.ActivationProbe(executor, model).run({"tokens": tokens, "labels": tokens})
     assert 0 < peaks["megatron"] < peaks["megatron_selective"] < peaks["none"]
 

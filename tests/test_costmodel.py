@@ -5,7 +5,7 @@ import pytest
 
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
-from oases_ds.schedule.generators import ScheduleOptions, build_schedule
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from test_schedules import block_ops
 
 # 8 Gbit/s, no latency: a 2-rank AllReduce of S bytes puts S bytes on the link, S / 1e6 ms.
@@ -28,7 +28,7 @@ def test_megatron_timeline_by_hand():
     R1 16-18 | Cr2 18-20 (wait, the recompute repeats the AllReduce) | R3 20-22 | B3 22-26 | B1 26-30 | B0 30-34
     """
     ops = block_ops()
-    result = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LINK)
+    result = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), LINK)
     assert result.step_ms == pytest.approx(34)
     assert result.compute_ms == pytest.approx(28)
     assert result.exposed_comm_ms == pytest.approx(6)
@@ -40,7 +40,7 @@ def test_oases_hides_what_megatron_exposes_when_comm_equals_compute():
     every collective finishes while the other sub-batch computes, so nothing waits and
     the step is pure compute, 28 ms, against Megatron's 34."""
     ops = block_ops()
-    result = simulate_step(build_schedule("oases", ops), ops, costs(1, 2, 1), LINK)
+    result = simulate_step(build_schedule(ScheduleSpec("oases"), ops), ops, costs(1, 2, 1), LINK)
     assert result.compute_ms == pytest.approx(28)
     assert result.exposed_comm_ms == pytest.approx(0)
     assert result.step_ms == pytest.approx(28)
@@ -54,26 +54,26 @@ def test_a_slower_link_exposes_comm_under_oases_too():
     shared, so messages queue; the simulator must still end after the last message."""
     ops = block_ops()
     slow = LinkModel(bandwidth_gbps=0.8)
-    result = simulate_step(build_schedule("oases", ops), ops, costs(1, 2, 1), slow)
+    result = simulate_step(build_schedule(ScheduleSpec("oases"), ops), ops, costs(1, 2, 1), slow)
     assert result.exposed_comm_ms > 0
     assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
     comm = result.lane("comm")
     assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(comm, comm[1:]))  # one message at a time
-    megatron = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), slow)
+    megatron = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), slow)
     assert result.step_ms < megatron.step_ms
 
 
 def test_link_latency_is_paid_per_collective():
     ops = block_ops()
-    base = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LINK)
-    latent = simulate_step(build_schedule("megatron", ops), ops, costs(2, 4, 2), LinkModel(8.0, latency_us=500))
+    base = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), LINK)
+    latent = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), LinkModel(8.0, latency_us=500))
     assert latent.step_ms - base.step_ms == pytest.approx(3 * 0.5)  # three blocking collectives
 
 
 def test_sub_batches_and_cross_pass_ablation_run_through_the_simulator():
     ops = block_ops()
-    for options in (ScheduleOptions(sub_batches=3), ScheduleOptions(cross_pass=False)):
-        result = simulate_step(build_schedule("oases", ops, options), ops, costs(1, 2, 1), LINK)
+    for spec in (ScheduleSpec("oases", sub_batches=3), ScheduleSpec("oases", cross_pass=False)):
+        result = simulate_step(build_schedule(spec, ops), ops, costs(1, 2, 1), LINK)
         assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
 
 
@@ -91,15 +91,26 @@ TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=4.0, bwd_ms=8.0, comm_fwd_ms=3.0, 
     ],
 )
 def test_exposed_comm_by_schedule(schedule, expected):
-    assert exposed_comm_ms(TIMING, schedule, sub_batches=2) == pytest.approx(expected)
+    assert exposed_comm_ms(TIMING, ScheduleSpec(schedule, sub_batches=2)) == pytest.approx(expected)
 
 
-def test_one_sub_batch_hides_nothing_and_bad_names_fail():
-    assert exposed_comm_ms(TIMING, "oases", sub_batches=1) == pytest.approx((3.0, 5.0))
-    with pytest.raises(ValueError, match="schedule='gpipe' unknown"):
-        exposed_comm_ms(TIMING, "gpipe")
+def test_one_sub_batch_hides_nothing_and_bad_timings_fail():
+    assert exposed_comm_ms(TIMING, ScheduleSpec("oases", sub_batches=1)) == pytest.approx((3.0, 5.0))
     with pytest.raises(ValueError, match="BlockTiming.fwd_ms must be >= 0"):
         BlockTiming(-1.0, 0, 0, 0, 0)
+
+
+def test_a_schedule_without_a_closed_form_is_named(monkeypatch):
+    """A newly registered schedule is not priced as if it were oases."""
+    from dataclasses import replace
+
+    from oases_ds.schedule import generators
+
+    monkeypatch.setattr(generators, "_REGISTRY", dict(generators._REGISTRY))  # leave the real registry as it was
+    generators.register_schedule("gpipe", segments=lambda ops, spec: generators.layer_segments(ops), sub_batched=True)(
+        lambda ops, segs, spec: replace(build_schedule(ScheduleSpec("oases"), ops), name=spec.name))
+    with pytest.raises(ValueError, match=r"^schedule.name='gpipe' has no closed form in the cost model; add one"):
+        exposed_comm_ms(TIMING, ScheduleSpec("gpipe"))
 
 
 # fwd 4, recompute 3, backward 5; collectives 10 forward, 12 backward (both sub-batches).
@@ -121,10 +132,10 @@ SLOW_LINK_TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fw
     ],
 )
 def test_pipelined_comm_by_schedule(schedule, sub_batches, expected):
-    assert pipelined_comm_ms(SLOW_LINK_TIMING, schedule, sub_batches) == pytest.approx(expected)
+    assert pipelined_comm_ms(SLOW_LINK_TIMING, ScheduleSpec(schedule, sub_batches)) == pytest.approx(expected)
 
 
 def test_pipelined_comm_hides_fully_when_compute_covers_it():
     fast_link = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=2.0, comm_bwd_ms=6.0)
     # nothing left on the node; the last sub-batch's collective still goes to the edge
-    assert pipelined_comm_ms(fast_link, "oases", 2) == pytest.approx((0.0, 0.0, 1.0, 3.0))
+    assert pipelined_comm_ms(fast_link, ScheduleSpec("oases", 2)) == pytest.approx((0.0, 0.0, 1.0, 3.0))

@@ -7,7 +7,7 @@ from oases_ds.models.ops import CommOp
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.executor import Executor, split_batch
-from oases_ds.schedule.generators import build_schedule
+from oases_ds.schedule.generators import ScheduleSpec
 
 
 @pytest.mark.parametrize(
@@ -41,7 +41,7 @@ def test_sub_batches_must_divide_micro_batch():
 
 def test_executor_reports_sub_batch_error_before_running():
     model = OperatorModel(ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16))
-    ex = Executor(model, build_schedule("oases", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     batch = {"tokens": torch.zeros(3, 4, dtype=torch.long), "labels": torch.zeros(3, 4, dtype=torch.long)}
     with pytest.raises(ValueError, match="sub_batches=2"):
         ex.run(batch)

@@ -8,7 +8,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.dataflow import peak_live
-from oases_ds.schedule.generators import build_schedule
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import Backward, Forward
 
 CFG = ModelConfig(family="gpt", hidden_size=16, num_heads=2, num_layers=4, seq_len=8, vocab_size=32)
@@ -16,8 +16,8 @@ CFG = ModelConfig(family="gpt", hidden_size=16, num_heads=2, num_layers=4, seq_l
 
 def test_recomputing_schedules_hold_fewer_graphs():
     ops = OperatorModel(CFG).ops
-    peaks = {name: peak_live(build_schedule(name, ops).instructions, ops, build_schedule(name, ops).sub_batches)
-             for name in ("none", "megatron_selective", "megatron", "oases")}
+    schedules = {name: build_schedule(ScheduleSpec(name), ops) for name in ("none", "megatron_selective", "megatron", "oases")}
+    peaks = {name: peak_live(s.instructions, ops, s.sub_batches) for name, s in schedules.items()}
     compute_ops = sum(1 for op in ops if op.kind == "compute")
     assert peaks["none"]["graph"] == compute_ops  # everything kept until backward
     assert peaks["megatron"]["graph"] < peaks["megatron_selective"]["graph"] < peaks["none"]["graph"]
@@ -27,7 +27,7 @@ def test_recomputing_schedules_hold_fewer_graphs():
 
 def test_executor_frees_every_buffer_and_records_a_trace(tmp_path):
     model = OperatorModel(CFG, seed=1)
-    ex = Executor(model, build_schedule("oases", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     tokens = torch.randint(0, 32, (4, 8))
     loss = ex.run({"tokens": tokens, "labels": tokens})
     assert torch.isfinite(loss) and not ex.buffers  # nothing left alive
@@ -46,13 +46,13 @@ def test_executor_frees_every_buffer_and_records_a_trace(tmp_path):
 
 def test_hook_sees_every_instruction_before_and_after_in_schedule_order():
     model = OperatorModel(CFG, seed=1)
-    ex = Executor(model, build_schedule("oases", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     calls, outputs_seen = [], []
 
     def hook(ins, phase):
         calls.append((ins, phase))
         if phase == "after" and type(ins) is Forward:  # its output is there before any free
-            outputs_seen.append(("act", ins.op + 1, ins.mb) in ex.buffers)
+            outputs_seen.append(("act", ins.op + 1, ins.sub) in ex.buffers)
 
     remove = ex.add_hook(hook)
     tokens = torch.randint(0, 32, (4, 8))
@@ -68,7 +68,7 @@ def test_hook_sees_every_instruction_before_and_after_in_schedule_order():
 
 def test_a_failing_hook_aborts_the_run():
     model = OperatorModel(CFG, seed=1)
-    ex = Executor(model, build_schedule("megatron", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("megatron"))
 
     def hook(ins, phase):
         if type(ins) is Backward:

@@ -81,12 +81,12 @@ def test_sub_batch_must_split_among_replicas():
     from oases_ds.models.operator_model import OperatorModel
     from oases_ds.parallel.context import BlockLayout
     from oases_ds.runtime.executor import Executor
-    from oases_ds.schedule.generators import build_schedule
+    from oases_ds.schedule.generators import ScheduleSpec
 
     cfg = ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16)
     # A degree-1 block with 4 replicas (a layout as a TMP-4 plan would give it).
     model = OperatorModel(cfg, None, 0, [(BlockLayout(1, None, 0, 4), BlockLayout(1, None, 0, 4))], lambda a, b: None)
-    ex = Executor(model, build_schedule("oases", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     batch = {"tokens": torch.zeros(4, 4, dtype=torch.long), "labels": torch.zeros(4, 4, dtype=torch.long)}
     with pytest.raises(ValueError, match="use a micro-batch size divisible by sub_batches x 4 = 8"):
         ex.run(batch)

@@ -20,6 +20,7 @@ from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
+from oases_ds.schedule.generators import ScheduleSpec
 from test_planner_cli import ROOT, plan_cli
 
 SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)
@@ -35,7 +36,7 @@ def preset(name: str) -> ModelConfig:
 
 def table(model: ModelConfig = SMALL, devices: int = 4, micro_batch: int = 16, schedule: str = "oases",
           link: LinkModel = PCIE, device: DeviceModel = ONE_TFLOPS, layers: int = 2):
-    spec = ProfileSpec(model=model, devices=devices, micro_batch=micro_batch, schedule=schedule, link=link,
+    spec = ProfileSpec(model=model, devices=devices, micro_batch=micro_batch, schedule=ScheduleSpec(schedule), link=link,
                        cluster="test")
     return analytic_table(spec, device, layers)
 

@@ -53,15 +53,26 @@ def test_profile_spec_names_the_field():
         ProfileSpec(model=TINY, devices=3, micro_batch=12)
     with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide model.num_heads=4"):
         ProfileSpec(model=TINY, devices=8, micro_batch=16)
+    with pytest.raises(TypeError, match=r"ProfileSpec.schedule must be a ScheduleSpec, e.g. ScheduleSpec\('oases'\)"):
+        ProfileSpec(model=TINY, devices=2, micro_batch=4, schedule="oases")
+
+
+def test_profile_spec_splits_only_sub_batched_schedules():
+    from oases_ds.schedule.generators import ScheduleSpec
+
+    whole = ProfileSpec(model=TINY, devices=2, micro_batch=2, schedule=ScheduleSpec("megatron", sub_batches=4))
+    assert whole.sub_batches == 1  # megatron runs the micro-batch whole: a 1-sample share is fine
+    with pytest.raises(ValueError, match="must be a whole multiple of the schedule's 4 sub-batches; use a multiple of 8"):
+        ProfileSpec(model=TINY, devices=2, micro_batch=4, schedule=ScheduleSpec("oases", sub_batches=4))
 
 
 def test_key_separates_links_and_schedule_ablations():
     from oases_ds.parallel.link import LinkModel
-    from oases_ds.schedule.generators import ScheduleOptions
+    from oases_ds.schedule.generators import ScheduleSpec
 
     base = ProfileSpec(model=TINY, devices=2, micro_batch=4)
     slow = ProfileSpec(model=TINY, devices=2, micro_batch=4, link=LinkModel(10.0, 50.0))
-    ablated = ProfileSpec(model=TINY, devices=2, micro_batch=4, options=ScheduleOptions(cross_pass=False))
+    ablated = ProfileSpec(model=TINY, devices=2, micro_batch=4, schedule=ScheduleSpec("oases", cross_pass=False))
     ring = ProfileSpec(model=TINY, devices=2, micro_batch=4, link=LinkModel(10.0, 50.0, sharing="ring"))
     assert len({base.key(), slow.key(), ablated.key(), ring.key()}) == 4  # the sharing model changes every wait
     assert "@10Gbps+50us,fifo" in slow.key() and "@10Gbps+50us,ring" in ring.key()

@@ -1,11 +1,15 @@
 """Schedules as data: expected text forms and the invariant checker, no processes."""
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from oases_ds.models.ops import CommOp, ComputeOp
+from oases_ds.schedule import generators
 from oases_ds.schedule.checker import ScheduleError, check
-from oases_ds.schedule.generators import SCHEDULES, Schedule, ScheduleOptions, build_schedule
+from oases_ds.schedule.generators import (SCHEDULES, Schedule, ScheduleSpec, build_schedule, register_schedule,
+                                          registered_schedules, schedule_segments)
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
 
 
@@ -42,25 +46,25 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_expected_text_forms(name):
     ops = block_ops()
-    schedule = build_schedule(name, ops)
+    schedule = build_schedule(ScheduleSpec(name), ops)
     check(schedule, ops)
     assert str(schedule) == EXPECTED[name]
 
 
 def test_split_overlap_has_barriers_between_passes():
     ops = block_ops()
-    text = str(build_schedule("split_overlap", ops))
+    text = str(build_schedule(ScheduleSpec("split_overlap"), ops))
     # every recompute of layer 0 (both sub-batches) precedes its first backward
     assert text.index("R3.1") < text.index("B3.0")
     # the cross-pass Oases schedule instead starts backward of sub-batch 0 before sub-batch 1 finished forward
-    oases = str(build_schedule("oases", ops, ScheduleOptions(fine_grained_recompute=False)))
+    oases = str(build_schedule(ScheduleSpec("oases", fine_grained_recompute=False), ops))
     assert oases.index("B5.0") < oases.index("F5.1")
 
 
 def test_fine_grained_never_recomputes_a_collective():
     ops = block_ops()
-    fine = build_schedule("oases", ops)
-    coarse = build_schedule("oases", ops, ScheduleOptions(fine_grained_recompute=False))
+    fine = build_schedule(ScheduleSpec("oases"), ops)
+    coarse = build_schedule(ScheduleSpec("oases", fine_grained_recompute=False), ops)
     assert not any(isinstance(i, StartAsync) and i.phase == "recompute" for i in fine.instructions)
     assert sum(isinstance(i, StartAsync) and i.phase == "recompute" for i in coarse.instructions) == 2
 
@@ -73,7 +77,7 @@ def test_every_schedule_passes_the_checker_on_a_real_model(name, sub_batches):
 
     for family in ("gpt", "bert", "llama"):
         model = OperatorModel(ModelConfig(family=family, hidden_size=16, num_heads=2, num_layers=2, seq_len=4, vocab_size=16))
-        check(build_schedule(name, model.ops, ScheduleOptions(sub_batches=sub_batches)), model.ops)
+        check(build_schedule(ScheduleSpec(name, sub_batches=sub_batches), model.ops), model.ops)
 
 
 def _broken(schedule: Schedule, instructions) -> Schedule:
@@ -82,10 +86,10 @@ def _broken(schedule: Schedule, instructions) -> Schedule:
 
 def test_checker_rejects_hand_broken_schedules():
     ops = block_ops()
-    good = build_schedule("oases", ops)
+    good = build_schedule(ScheduleSpec("oases"), ops)
     ins = list(good.instructions)
 
-    no_sync = [i for i in ins if not (isinstance(i, Sync) and i.op == 4 and i.mb == 1)]
+    no_sync = [i for i in ins if not (isinstance(i, Sync) and i.op == 4 and i.sub == 1)]
     with pytest.raises(ScheduleError, match="never synced"):
         check(_broken(good, no_sync), ops)
 
@@ -116,8 +120,90 @@ def test_checker_rejects_hand_broken_schedules():
         check(_broken(good, forward_of_collective), ops)
 
 
-def test_unknown_schedule_and_bad_sub_batches_name_the_field():
-    with pytest.raises(ValueError, match="oases.schedule='gpipe' unknown"):
-        build_schedule("gpipe", block_ops())
-    with pytest.raises(ValueError, match="oases.sub_batches must be >= 1"):
-        ScheduleOptions(sub_batches=0)
+# -- the spec and the registry ---------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"name": "gpipe"}, r"^schedule.name='gpipe' unknown; choose one of none, megatron, megatron_selective, "
+                            r"split_overlap, oases$"),
+        ({"sub_batches": 0}, r"^schedule.sub_batches must be >= 1, got 0$"),
+        ({"sub_batches": "2"}, r"^schedule.sub_batches must be an integer, got '2'$"),
+        ({"sub_batches": True}, r"^schedule.sub_batches must be an integer, got True$"),
+        ({"cross_pass": "no"}, r"^schedule.cross_pass must be true or false, got 'no'$"),
+        ({"fine_grained_recompute": 0}, r"^schedule.fine_grained_recompute must be true or false, got 0$"),
+    ],
+)
+def test_spec_rejects_bad_fields_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ScheduleSpec(**kwargs)
+
+
+def test_build_schedule_wants_a_spec_not_a_name():
+    with pytest.raises(TypeError, match=r"expected a ScheduleSpec such as ScheduleSpec\('oases'\), got str"):
+        build_schedule("oases", block_ops())
+    with pytest.raises(TypeError, match="expected a ScheduleSpec"):
+        schedule_segments("oases", block_ops())
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("sub_batches", [1, 3])
+def test_sub_batches_apply_only_to_split_overlap_and_oases(name, sub_batches):
+    """The one rule, tested once: the spec says how many sub-batches run, and the
+    generated schedule really runs that many."""
+    spec = ScheduleSpec(name, sub_batches=sub_batches)
+    expected = sub_batches if name in ("split_overlap", "oases") else 1
+    assert spec.effective_sub_batches == expected
+    schedule = build_schedule(spec, block_ops())
+    assert schedule.sub_batches == expected
+    assert {ins.sub for ins in schedule.instructions} == set(range(expected))
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "oases_ds" / "configs" / "schedule"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_hydra_schedule_preset_is_a_spec(path):
+    raw = yaml.safe_load(path.read_text())
+    spec = ScheduleSpec.from_mapping(raw)
+    assert (spec.name, spec.sub_batches, spec.cross_pass, spec.fine_grained_recompute) == (
+        raw["name"], raw["sub_batches"], raw["cross_pass"], raw["fine_grained_recompute"])
+    check(build_schedule(spec, block_ops()), block_ops())
+
+
+def test_from_mapping_names_unknown_and_missing_keys():
+    with pytest.raises(ValueError, match=r"^schedule.sub_batch: unknown key; the schedule keys are name, sub_batches, "):
+        ScheduleSpec.from_mapping({"name": "oases", "sub_batch": 4})
+    with pytest.raises(ValueError, match=r"^schedule.name: missing; choose one of none, "):
+        ScheduleSpec.from_mapping({"sub_batches": 4})
+    assert ScheduleSpec.from_mapping({"name": "megatron"}) == ScheduleSpec("megatron")
+
+
+def test_label_names_only_settings_that_change_the_schedule():
+    assert ScheduleSpec("oases").label == "oases"
+    assert ScheduleSpec("megatron", sub_batches=4, cross_pass=False).label == "megatron"
+    assert ScheduleSpec("oases", sub_batches=4, cross_pass=False).label == "oases[sb=4,cross=0,fine=1]"
+    assert ScheduleSpec("split_overlap", fine_grained_recompute=False).label == "split_overlap[sb=2,cross=1,fine=0]"
+
+
+def test_schedules_come_from_the_registry_and_the_config_accepts_exactly_them():
+    from oases_ds.config import OasesConfig
+
+    assert SCHEDULES == registered_schedules() == ("none", "megatron", "megatron_selective", "split_overlap", "oases")
+    assert set(OasesConfig.model_fields["schedule"].annotation.__args__) == set(SCHEDULES)
+    oases = OasesConfig(schedule="split_overlap", sub_batches=4, cross_pass=False)
+    assert oases.schedule_spec() == ScheduleSpec("split_overlap", 4, False, True)
+
+
+def test_a_registered_schedule_is_built_and_a_name_registers_once(monkeypatch):
+    monkeypatch.setattr(generators, "_REGISTRY", dict(generators._REGISTRY))  # leave the real registry as it was
+    with pytest.raises(ValueError, match="schedule 'oases' is registered twice"):
+        register_schedule("oases", segments=lambda ops, spec: [])(lambda ops, segs, spec: None)
+
+    @register_schedule("megatron_twice", segments=lambda ops, spec: generators.layer_segments(ops))
+    def _twice(ops, segs, spec):
+        return replace(build_schedule(ScheduleSpec("megatron"), ops), name=spec.name)
+
+    spec = ScheduleSpec("megatron_twice", sub_batches=4)
+    assert spec.effective_sub_batches == 1
+    assert str(build_schedule(spec, block_ops())) == EXPECTED["megatron"]
+    assert "megatron_twice" in registered_schedules()

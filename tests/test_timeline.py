@@ -7,7 +7,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import LANES, Timeline, op_label
-from oases_ds.schedule.generators import build_schedule
+from oases_ds.schedule.generators import ScheduleSpec
 
 CFG = ModelConfig(family="gpt", hidden_size=16, num_heads=2, num_layers=2, seq_len=8, vocab_size=32)
 
@@ -21,7 +21,7 @@ def test_op_label_names_layer_and_block():
 
 def test_chrome_trace_has_named_lanes_and_op_named_events(tmp_path):
     model = OperatorModel(CFG, seed=1)
-    ex = Executor(model, build_schedule("oases", model.ops))
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     tokens = torch.randint(0, 32, (4, 8))
     ex.run({"tokens": tokens, "labels": tokens})
     path = tmp_path / "t.json"

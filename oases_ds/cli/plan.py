@@ -216,7 +216,7 @@ def _solve(table: Any, limit: float | None, planner: dict) -> Any:
 def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
     """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None."""
     from oases_ds.planner.plan import Plan
-    from oases_ds.planner.simulate import predict_memory_bytes, predict_step_ms
+    from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 
     options = []
     for degree in table.degrees:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
-from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
@@ -31,7 +30,7 @@ from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.runtime.executor import Executor
-from oases_ds.schedule.generators import ScheduleOptions, build_schedule
+from oases_ds.schedule.generators import ScheduleSpec
 
 
 def candidate_plans(table: CostTable, count: int, extra: list[Plan], seed: int = 0) -> list[Plan]:
@@ -62,8 +61,7 @@ class AccuracySpec:
     model: ModelConfig
     devices: int
     micro_batch: int
-    schedule: str
-    options: ScheduleOptions
+    schedule: ScheduleSpec
     link: LinkModel | None
     warmup: int = 2
     repeats: int = 5
@@ -78,8 +76,7 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
     runners = []
     for plan in plans:
         model = OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed)
-        runners.append(Executor(model, build_schedule(spec.schedule, model.ops, spec.options),
-                                Communicator(spec.link), RNGTracker(), record=False))
+        runners.append(Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(), record=False))
     times: list[list[float]] = [[] for _ in plans]
     for rnd in range(spec.warmup + spec.repeats):
         for i, ex in enumerate(runners):

@@ -195,7 +195,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                          "give the spec a LinkModel")
     cfg, link, sub, T = spec.model, spec.link, spec.sub_batches, spec.devices
     ops = one_layer_ops(cfg.family)
-    segments = schedule_segments(spec.schedule, ops, spec.options)
+    segments = schedule_segments(spec.schedule, ops)
     recomputed = {i for seg in segments if seg.recompute for i in range(seg.start, seg.recompute_end)}
     held = set(held_inputs(ops, segments))
     collectives = {
@@ -236,7 +236,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                 comm_fwd_ms=n_fwd * sub * allreduce_ms,
                 comm_bwd_ms=n_bwd * sub * allreduce_ms,
             )
-            exposed = pipelined_comm_ms(timing, spec.schedule, sub)
+            exposed = pipelined_comm_ms(timing, spec.schedule)
             held_elements = sum(shape.input_elements for i, shape in mine.items() if i in held)
             blocks[kind][degree] = BlockCost(
                 fwd_ms=timing.fwd_ms,

@@ -81,10 +81,10 @@ class BlockCost:
     backward (recompute + backward) of the first sub-batch; :func:`edge_ms` charges it."""
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-                raise ValueError(f"BlockCost.{field.name} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"BlockCost.{f.name} must be a finite number >= 0, got {value!r}")
 
     @property
     def step_ms(self) -> float:

@@ -55,7 +55,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.runtime.executor import Executor, split_batch
-from oases_ds.schedule.generators import SCHEDULES, ScheduleOptions, build_schedule, held_inputs, schedule_segments
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule, held_inputs, schedule_segments
 
 _COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
 _WAIT_EVENT = re.compile(r"^W([rb]?)(\d+)\.(\d+)$")
@@ -70,7 +70,7 @@ class ProfileSpec:
         devices: T, the TMP group the planner divides; one rank process each.
         micro_batch: samples per micro-batch of the whole TMP group; a degree-t
             replica runs ``micro_batch * t / T`` of them.
-        schedule / options: the schedule the costs are measured under.
+        schedule: the schedule the costs are measured under.
         link: emulated link (``None``: this machine as it is).
         cluster: label of the machine / link in the key.
         warmup / repeats: steps discarded, then steps whose median is kept.
@@ -81,8 +81,7 @@ class ProfileSpec:
     model: ModelConfig
     devices: int
     micro_batch: int
-    schedule: str = "oases"
-    options: ScheduleOptions = ScheduleOptions()
+    schedule: ScheduleSpec = ScheduleSpec()
     link: LinkModel | None = None
     cluster: str = "local"
     warmup: int = 2
@@ -93,8 +92,8 @@ class ProfileSpec:
     def __post_init__(self) -> None:
         if self.devices < 1 or self.devices & (self.devices - 1):
             raise ValueError(f"planner.devices must be a power of two >= 1, got {self.devices}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule.name={self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}")
+        if not isinstance(self.schedule, ScheduleSpec):
+            raise TypeError(f"ProfileSpec.schedule must be a ScheduleSpec, e.g. ScheduleSpec({self.schedule!r}); got {self.schedule!r}")
         if self.warmup < 0 or self.repeats < 1:
             raise ValueError(f"planner.warmup must be >= 0 and planner.repeats >= 1, got {self.warmup}, {self.repeats}")
         if self.exposed not in ("model", "measured"):
@@ -112,7 +111,7 @@ class ProfileSpec:
 
     @property
     def sub_batches(self) -> int:
-        return self.options.sub_batches if self.schedule in ("split_overlap", "oases") else 1
+        return self.schedule.effective_sub_batches
 
     def degrees(self) -> tuple[int, ...]:
         """Every power of two dividing T, increasing."""
@@ -127,10 +126,7 @@ class ProfileSpec:
         return f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
 
     def schedule_label(self) -> str:
-        if self.options == ScheduleOptions() or self.schedule not in ("oases", "split_overlap"):
-            return self.schedule
-        o = self.options
-        return f"{self.schedule}[sb={o.sub_batches},cross={int(o.cross_pass)},fine={int(o.fine_grained_recompute)}]"
+        return self.schedule.label
 
     def cluster_label(self) -> str:
         if self.link is None:
@@ -210,7 +206,7 @@ def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any
                 acts = op.fn(ctx, acts)
     ops = model.ops
     saved = {kind: 0.0 for kind in BLOCK_KINDS}
-    for index in held_inputs(ops, schedule_segments(spec.schedule, ops, spec.options)):
+    for index in held_inputs(ops, schedule_segments(spec.schedule, ops)):
         if ops[index].block in saved:
             saved[ops[index].block] += input_bytes[index]
     return saved
@@ -242,8 +238,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
         seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen)
         batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
         model = OperatorModel(one_layer, group=group, seed=spec.seed)
-        schedule = build_schedule(spec.schedule, model.ops, spec.options)
-        executor = Executor(model, schedule, Communicator(spec.link), RNGTracker(spec.seed))
+        executor = Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(spec.seed))
         block_of = [op.block for op in model.ops]
 
         per_rep: dict[str, list[float]] = {}
@@ -339,7 +334,7 @@ def table_from_measurements(
                 comm_bwd_ms=rank0[f"{kind}.collectives_bwd"] * sub * ar_ms,
             )
             measured = (get("exposed_fwd"), get("exposed_bwd"), 0.0, 0.0)  # the timeline saw the whole layer
-            modelled = pipelined_comm_ms(timing, spec.schedule, sub)
+            modelled = pipelined_comm_ms(timing, spec.schedule)
             exposed = modelled if spec.exposed == "model" else measured
             blocks[kind][degree] = BlockCost(
                 fwd_ms=timing.fwd_ms,
@@ -356,7 +351,7 @@ def table_from_measurements(
                 **dataclasses.asdict(timing),
                 "exposed_measured_ms": list(measured[:2]),
                 "exposed_modelled_ms": list(modelled),
-                "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule, sub)),
+                "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule)),
                 "params_per_device": rank0[f"{kind}.params"],
             }
     top = spec.devices
@@ -433,4 +428,4 @@ def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, l
         comm_bytes={i: evidence["allreduce_bytes"] for i, op in enumerate(ops) if isinstance(op, CommOp)},
         default_ranks=degree,
     )
-    return simulate_step(build_schedule(name, ops), ops, costs, link)
+    return simulate_step(build_schedule(ScheduleSpec(name), ops), ops, costs, link)

@@ -27,10 +27,12 @@ from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, OpContext
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.grads import all_reduce_grads
+from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.timeline import Timeline, op_label
+from oases_ds.schedule.checker import check
 from oases_ds.schedule.dataflow import last_reads
-from oases_ds.schedule.generators import Schedule
+from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 
 
@@ -62,7 +64,8 @@ class Executor:
 
     Args:
         model: the operator model (this rank's shards).
-        schedule: instruction list from :func:`~oases_ds.schedule.generators.build_schedule`.
+        schedule: instruction list from :func:`~oases_ds.schedule.generators.build_schedule`
+            (:meth:`for_schedule` builds and checks it from a spec).
         comm: communicator (accounting, optional link emulation).
         rng: dropout key source, advanced by the caller once per optimizer step.
         record: keep a timeline of every instruction.
@@ -98,6 +101,23 @@ class Executor:
         self._ctx: list[OpContext] = []
         self._rng_states: dict[tuple[int, int], tuple[int, int]] = {}
         self._losses: list[torch.Tensor] = []
+
+    @classmethod
+    def for_schedule(
+        cls,
+        model: OperatorModel,
+        spec: ScheduleSpec,
+        link: LinkModel | None = None,
+        rng: RNGTracker | None = None,
+        record: bool = True,
+    ) -> Executor:
+        """The executor of ``spec``'s schedule over ``model``: build the schedule, prove it
+        with the invariant checker (a broken schedule would deadlock or read garbage;
+        checking is pure and costs far less than one step), and give it a communicator
+        on ``link`` (``None``: the real link as it is)."""
+        schedule = build_schedule(spec, model.ops)
+        check(schedule, model.ops)
+        return cls(model, schedule, Communicator(link), rng, record)
 
     # -- public ------------------------------------------------------------------
     def add_hook(self, hook: InstructionHook) -> Callable[[], None]:
@@ -185,7 +205,7 @@ class Executor:
             )
             for j, sub in enumerate(subs)
         ]
-        self._buffers = {("act", 0, mb): () for mb in range(parts)}
+        self._buffers = {("act", 0, sub): () for sub in range(parts)}
         self._losses = []
         self._rng_states = {}
         return self._ctx
@@ -197,17 +217,17 @@ class Executor:
             return
         t0 = time.perf_counter()
         fn()
-        self.timeline.add(str(ins), lane, ins.mb, t0, time.perf_counter(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
+        self.timeline.add(str(ins), lane, ins.sub, t0, time.perf_counter(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
 
     def _run_compute(self, ins: Instruction, keep_graph: bool, phase: str) -> None:
         op = self.ops[ins.op]
-        inputs = self._buffers[("act", ins.op, ins.mb)]
+        inputs = self._buffers[("act", ins.op, ins.sub)]
         if isinstance(op, CommOp):  # identity in this direction
-            self._buffers[("act", ins.op + 1, ins.mb)] = inputs
+            self._buffers[("act", ins.op + 1, ins.sub)] = inputs
             return
-        ctx = self._ctx[ins.mb]
+        ctx = self._ctx[ins.sub]
         ctx.phase = phase
-        key = (ins.op, ins.mb)
+        key = (ins.op, ins.sub)
         if phase == "forward":
             self._rng_states[key] = self.rng.capture()
         else:  # replay exactly the dropout its forward saw
@@ -217,7 +237,7 @@ class Executor:
             leaves = tuple(_leaf(t) for t in inputs)
             with torch.enable_grad():
                 outputs = op.fn(ctx, leaves)
-            self._buffers[("graph", ins.op, ins.mb)] = (leaves, outputs)
+            self._buffers[("graph", ins.op, ins.sub)] = (leaves, outputs)
             passed = tuple(t.detach() for t in outputs)
         else:
             with torch.no_grad():
@@ -226,7 +246,7 @@ class Executor:
             self.rng.restore(saved)
         if op.is_loss and phase == "forward":
             self._losses.append(passed[0].detach())
-        self._buffers[("act", ins.op + 1, ins.mb)] = passed
+        self._buffers[("act", ins.op + 1, ins.sub)] = passed
 
     def _forward(self, ins: Forward) -> None:
         self._timed(ins, "compute", lambda: self._run_compute(ins, ins.keep_graph, "forward"))
@@ -240,39 +260,39 @@ class Executor:
     def _run_backward(self, ins: Backward) -> None:
         op = self.ops[ins.op]
         if isinstance(op, CommOp):
-            self._buffers[("grad", ins.op, ins.mb)] = self._buffers[("grad", ins.op + 1, ins.mb)]
+            self._buffers[("grad", ins.op, ins.sub)] = self._buffers[("grad", ins.op + 1, ins.sub)]
             return
-        leaves, outputs = self._buffers[("graph", ins.op, ins.mb)]
+        leaves, outputs = self._buffers[("graph", ins.op, ins.sub)]
         if op.is_loss:
             torch.autograd.backward(outputs[0])
         else:
-            grads = self._buffers[("grad", ins.op + 1, ins.mb)]
+            grads = self._buffers[("grad", ins.op + 1, ins.sub)]
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self._buffers[("grad", ins.op, ins.mb)] = tuple(l.grad if l.requires_grad else None for l in leaves)
+        self._buffers[("grad", ins.op, ins.sub)] = tuple(l.grad if l.requires_grad else None for l in leaves)
 
     def _start(self, ins: StartAsync) -> None:
         op = self.ops[ins.op]
         assert isinstance(op, CommOp)
         t0 = time.perf_counter()
-        src = ("grad", ins.op + 1, ins.mb) if ins.phase == "backward" else ("act", ins.op, ins.mb)
+        src = ("grad", ins.op + 1, ins.sub) if ins.phase == "backward" else ("act", ins.op, ins.sub)
         acts = self._buffers[src]
         direction = "backward" if ins.phase == "backward" else "forward"
         pending = op.start(self.comm, acts[op.index], direction, ins.phase)
-        self._buffers[("comm", ins.op, ins.mb, ins.phase)] = (pending, acts, t0)
+        self._buffers[("comm", ins.op, ins.sub, ins.phase)] = (pending, acts, t0)
 
     def _sync(self, ins: Sync) -> None:
         op = self.ops[ins.op]
-        pending, acts, started = self._buffers[("comm", ins.op, ins.mb, ins.phase)]
+        pending, acts, started = self._buffers[("comm", ins.op, ins.sub, ins.phase)]
         t0 = time.perf_counter()
         result = pending.wait()
         t1 = time.perf_counter()
         if self.record:
             label, phase = self._labels[ins.op], _COMM_PHASE[ins.phase]
-            self.timeline.add(str(ins), "wait", ins.mb, t0, t1, label, phase)
-            self.timeline.add(f"C{ins.op}.{ins.mb}:{ins.phase}", "comm", ins.mb, started, t1, label, phase)
-        dst = ("grad", ins.op, ins.mb) if ins.phase == "backward" else ("act", ins.op + 1, ins.mb)
+            self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, phase)
+            self.timeline.add(f"C{ins.op}.{ins.sub}:{ins.phase}", "comm", ins.sub, started, t1, label, phase)
+        dst = ("grad", ins.op, ins.sub) if ins.phase == "backward" else ("act", ins.op + 1, ins.sub)
         self._buffers[dst] = _replace(acts, op.index, result)
 
 

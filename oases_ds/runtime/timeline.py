@@ -37,13 +37,14 @@ class Event:
     Attributes:
         name: the schedule token (``F3.0``, ``W3.1``, ``C3.1:backward``): what
             tests and the profiler parse.
+        sub: the sub-batch the interval belongs to.
         op: the operator's label (:func:`op_label`), "" if unknown.
         phase: "fwd", "rec" or "bwd" (for a collective: the pass it belongs to).
     """
 
     name: str
     lane: str  # "compute" | "comm" | "wait"
-    mb: int
+    sub: int
     start: float  # seconds, perf_counter
     end: float
     op: str = ""
@@ -53,16 +54,16 @@ class Event:
     def title(self) -> str:
         """What a trace viewer shows: ``L1.attn.qkv fwd sb0`` (the token when the op is unknown)."""
         if not self.op:
-            return f"{self.name} sb{self.mb}"
-        return f"{self.op} {self.phase} sb{self.mb}"
+            return f"{self.name} sb{self.sub}"
+        return f"{self.op} {self.phase} sb{self.sub}"
 
 
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
 
-    def add(self, name: str, lane: str, mb: int, start: float, end: float, op: str = "", phase: str = "") -> None:
-        self.events.append(Event(name, lane, mb, start, end, op, phase))
+    def add(self, name: str, lane: str, sub: int, start: float, end: float, op: str = "", phase: str = "") -> None:
+        self.events.append(Event(name, lane, sub, start, end, op, phase))
 
     def clear(self) -> None:
         self.events.clear()
@@ -108,7 +109,7 @@ class Timeline:
                 "dur": (e.end - e.start) * 1e6,
                 "pid": rank,
                 "tid": tid.get(e.lane, len(LANES)),
-                "args": {"token": e.name, "op": e.op, "phase": e.phase, "sub_batch": e.mb, "lane": e.lane},
+                "args": {"token": e.name, "op": e.op, "phase": e.phase, "sub_batch": e.sub, "lane": e.lane},
             }
             for e in self.events
         ]

@@ -24,10 +24,10 @@ class ScheduleError(ValueError):
 def check(schedule: Schedule, ops: Sequence[Op]) -> None:
     """Raise :class:`ScheduleError` on the first violated invariant."""
     instructions = schedule.instructions
-    mbs = schedule.sub_batches
+    subs = schedule.sub_batches
     _check_pairs(instructions)
-    _check_dataflow(instructions, ops, mbs)
-    _check_complete(instructions, ops, mbs)
+    _check_dataflow(instructions, ops, subs)
+    _check_complete(instructions, ops, subs)
     if schedule.fine_grained:
         for pos, ins in enumerate(instructions):
             if isinstance(ins, StartAsync) and ins.phase == "recompute":
@@ -37,7 +37,7 @@ def check(schedule: Schedule, ops: Sequence[Op]) -> None:
 def _check_pairs(instructions: Sequence[Instruction]) -> None:
     open_: set[tuple] = set()
     for pos, ins in enumerate(instructions):
-        key = (ins.op, ins.mb, getattr(ins, "phase", None))
+        key = (ins.op, ins.sub, getattr(ins, "phase", None))
         if isinstance(ins, StartAsync):
             if key in open_:
                 raise ScheduleError(f"#{pos} {ins}: started again before its Sync")
@@ -50,10 +50,10 @@ def _check_pairs(instructions: Sequence[Instruction]) -> None:
         raise ScheduleError(f"StartAsync never synced: {sorted(open_)}")
 
 
-def _check_dataflow(instructions: Sequence[Instruction], ops: Sequence[Op], mbs: int) -> None:
-    live = initial_buffers(mbs)
+def _check_dataflow(instructions: Sequence[Instruction], ops: Sequence[Op], subs: int) -> None:
+    live = initial_buffers(subs)
     for pos, ins in enumerate(instructions):
-        if not (0 <= ins.op < len(ops)) or not (0 <= ins.mb < mbs):
+        if not (0 <= ins.op < len(ops)) or not (0 <= ins.sub < subs):
             raise ScheduleError(f"#{pos} {ins}: op or sub-batch out of range")
         reads, writes = effects(ins, ops)
         for buf in reads:
@@ -65,7 +65,7 @@ def _check_dataflow(instructions: Sequence[Instruction], ops: Sequence[Op], mbs:
         live.update(writes)
 
 
-def _check_complete(instructions: Sequence[Instruction], ops: Sequence[Op], mbs: int) -> None:
+def _check_complete(instructions: Sequence[Instruction], ops: Sequence[Op], subs: int) -> None:
     """Each op runs forward once and backward once per sub-batch, with the right kind
     of instruction (a collective op through StartAsync, the others directly)."""
     fwd: Counter = Counter()
@@ -77,16 +77,16 @@ def _check_complete(instructions: Sequence[Instruction], ops: Sequence[Op], mbs:
                 raise ScheduleError(f"#{pos} {ins}: {op.name} has a forward collective; use StartAsync")
             if isinstance(ins, Forward) and ins.keep_graph and isinstance(op, CommOp):
                 raise ScheduleError(f"#{pos} {ins}: a communication op has no graph to keep")
-            fwd[(ins.op, ins.mb)] += 1
+            fwd[(ins.op, ins.sub)] += 1
         elif isinstance(ins, Backward) or (isinstance(ins, StartAsync) and ins.phase == "backward"):
             if isinstance(ins, Backward) and backward_collective(op):
                 raise ScheduleError(f"#{pos} {ins}: {op.name} has a backward collective; use StartAsync")
-            bwd[(ins.op, ins.mb)] += 1
+            bwd[(ins.op, ins.sub)] += 1
         elif isinstance(ins, Recompute) and forward_collective(op):
             raise ScheduleError(f"#{pos} {ins}: recomputing a collective needs StartAsync")
     for i in range(len(ops)):
-        for mb in range(mbs):
-            if fwd[(i, mb)] != 1 or bwd[(i, mb)] != 1:
+        for sub in range(subs):
+            if fwd[(i, sub)] != 1 or bwd[(i, sub)] != 1:
                 raise ScheduleError(
-                    f"op {i} ({ops[i].name}) sub-batch {mb}: {fwd[(i, mb)]} forwards, {bwd[(i, mb)]} backwards"
+                    f"op {i} ({ops[i].name}) sub-batch {sub}: {fwd[(i, sub)]} forwards, {bwd[(i, sub)]} backwards"
                 )

@@ -4,12 +4,12 @@ One definition serves two users: the invariant checker (no buffer is read
 before it is written) and the executor (a buffer is freed right after its last
 read, so a schedule keeps exactly the activations it says it keeps).
 
-Buffers, per operator index ``i`` and sub-batch ``mb``:
+Buffers, per operator index ``i`` and sub-batch ``sub``:
 
-* ``("act", i, mb)``   input tuple of op ``i`` (= output of op ``i-1``)
-* ``("grad", i, mb)``  gradient w.r.t. that input
-* ``("graph", i, mb)`` op ``i``'s autograd graph (inputs that require grad + outputs)
-* ``("comm", i, mb, phase)`` an in-flight collective
+* ``("act", i, sub)``   input tuple of op ``i`` (= output of op ``i-1``)
+* ``("grad", i, sub)``  gradient w.r.t. that input
+* ``("graph", i, sub)`` op ``i``'s autograd graph (inputs that require grad + outputs)
+* ``("comm", i, sub, phase)`` an in-flight collective
 """
 from __future__ import annotations
 
@@ -23,30 +23,30 @@ Buffer = tuple
 
 def initial_buffers(sub_batches: int) -> set[Buffer]:
     """Buffers that exist before the first instruction: the (empty) input of op 0."""
-    return {("act", 0, mb) for mb in range(sub_batches)}
+    return {("act", 0, sub) for sub in range(sub_batches)}
 
 
 def effects(ins: Instruction, ops: Sequence[Op]) -> tuple[list[Buffer], list[Buffer]]:
     """(reads, writes) of one instruction."""
-    i, mb = ins.op, ins.mb
+    i, sub = ins.op, ins.sub
     op = ops[i]
     is_compute = not isinstance(op, CommOp)
     if isinstance(ins, (Forward, Recompute)):
-        writes = [("act", i + 1, mb)]
+        writes = [("act", i + 1, sub)]
         if is_compute and (isinstance(ins, Recompute) or ins.keep_graph):
-            writes.append(("graph", i, mb))
-        return [("act", i, mb)], writes
+            writes.append(("graph", i, sub))
+        return [("act", i, sub)], writes
     if isinstance(ins, Backward):
-        reads = [] if getattr(op, "is_loss", False) else [("grad", i + 1, mb)]
+        reads = [] if getattr(op, "is_loss", False) else [("grad", i + 1, sub)]
         if is_compute:
-            reads.append(("graph", i, mb))
-        return reads, [("grad", i, mb)]
+            reads.append(("graph", i, sub))
+        return reads, [("grad", i, sub)]
     if isinstance(ins, StartAsync):
-        src = ("grad", i + 1, mb) if ins.phase == "backward" else ("act", i, mb)
-        return [src], [("comm", i, mb, ins.phase)]
+        src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
+        return [src], [("comm", i, sub, ins.phase)]
     if isinstance(ins, Sync):
-        dst = ("grad", i, mb) if ins.phase == "backward" else ("act", i + 1, mb)
-        return [("comm", i, mb, ins.phase)], [dst]
+        dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
+        return [("comm", i, sub, ins.phase)], [dst]
     raise TypeError(f"unknown instruction {ins!r}")
 
 

@@ -1,4 +1,4 @@
-"""Schedule generators: pure functions from (operator sequence, options) to instructions.
+"""Schedule generators: pure functions from (operator sequence, ScheduleSpec) to instructions.
 
 All five schedules the paper compares are built from three ingredients, so that
 a speed difference is a scheduling difference and nothing else:
@@ -30,7 +30,7 @@ Timelines for one block ``(F_i, C_i, F_j)``, two sub-batches ``0``/``1``::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
 from oases_ds.schedule.instructions import (
@@ -43,28 +43,6 @@ from oases_ds.schedule.instructions import (
     Sync,
     to_text,
 )
-
-SCHEDULES = ("none", "megatron", "megatron_selective", "split_overlap", "oases")
-
-
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """Knobs of the schedule family.
-
-    Attributes:
-        sub_batches: sub-batches a micro-batch is split into (Oases, split_overlap).
-        cross_pass: Oases only; merge recompute and backward across passes.
-        fine_grained_recompute: Oases only; checkpoints right after forward AllReduces.
-    """
-
-    sub_batches: int = 2
-    cross_pass: bool = True
-    fine_grained_recompute: bool = True
-
-    def __post_init__(self) -> None:
-        if self.sub_batches < 1:
-            raise ValueError(f"oases.sub_batches must be >= 1, got {self.sub_batches}")
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -95,11 +73,113 @@ class Schedule:
 @dataclass(frozen=True)
 class _Comm:
     op: int
-    mb: int
+    sub: int
     phase: CommPhase
 
 
 _Item = Instruction | _Comm
+
+
+# -- the spec and the registry ----------------------------------------------------
+SegmentRule = Callable[[Sequence[Op], "ScheduleSpec"], list[Segment]]
+Generator = Callable[[Sequence[Op], list[Segment], "ScheduleSpec"], Schedule]
+
+
+@dataclass(frozen=True)
+class _Registered:
+    generate: Generator
+    segments: SegmentRule
+    sub_batched: bool
+
+
+_REGISTRY: dict[str, _Registered] = {}
+
+
+def register_schedule(name: str, *, segments: SegmentRule, sub_batched: bool = False) -> Callable[[Generator], Generator]:
+    """Decorator: make ``generate(ops, segments, spec) -> Schedule`` the schedule ``name``.
+
+    ``segments(ops, spec)`` is the cut the generator runs over; the memory models
+    (profiler, analytic costs) count the same cut, through :func:`schedule_segments`.
+    ``sub_batched``: the schedule splits a micro-batch into ``spec.sub_batches``
+    sub-batches; the others run it whole (see :attr:`ScheduleSpec.effective_sub_batches`).
+    """
+
+    def register(generate: Generator) -> Generator:
+        if name in _REGISTRY:
+            raise ValueError(f"schedule {name!r} is registered twice; pick another name")
+        _REGISTRY[name] = _Registered(generate, segments, sub_batched)
+        return generate
+
+    return register
+
+
+def registered_schedules() -> tuple[str, ...]:
+    """Names of every registered schedule, in registration order."""
+    return tuple(_REGISTRY)
+
+
+_SPEC_KEYS = ("name", "sub_batches", "cross_pass", "fine_grained_recompute")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything a schedule depends on besides the operator sequence: one typed value
+    that the DeepSpeed config, the Hydra ``schedule`` group, the planner and the
+    executor all pass around, so the settings are validated once, here.
+
+    Attributes:
+        name: a registered schedule (none, megatron, megatron_selective, split_overlap, oases).
+        sub_batches: sub-batches a micro-batch is split into; only sub-batched schedules
+            (split_overlap, oases) use it, the others run the micro-batch whole and
+            ignore it (so one Hydra ``sub_batches`` serves every schedule).
+        cross_pass: oases only; merge recompute and backward across passes (off: barriers).
+        fine_grained_recompute: oases only; checkpoint right after forward AllReduces
+            (off: per-layer recomputation re-running them).  Like ``cross_pass`` it is
+            ignored by the schedules that have no such switch.
+    """
+
+    name: str = "oases"
+    sub_batches: int = 2
+    cross_pass: bool = True
+    fine_grained_recompute: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in _REGISTRY:
+            raise ValueError(f"schedule.name={self.name!r} unknown; choose one of {', '.join(_REGISTRY)}")
+        if isinstance(self.sub_batches, bool) or not isinstance(self.sub_batches, int):
+            raise ValueError(f"schedule.sub_batches must be an integer, got {self.sub_batches!r}")
+        if self.sub_batches < 1:
+            raise ValueError(f"schedule.sub_batches must be >= 1, got {self.sub_batches}")
+        for key in ("cross_pass", "fine_grained_recompute"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"schedule.{key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> ScheduleSpec:
+        """The spec of a Hydra ``schedule`` group (``configs/schedule/*.yaml``: ``name``,
+        ``sub_batches``, ``cross_pass``, ``fine_grained_recompute``); a key it does not
+        know is an error, not silently dropped, so a typo cannot run the default."""
+        unknown = sorted(set(mapping) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"schedule.{unknown[0]}: unknown key; the schedule keys are {', '.join(_SPEC_KEYS)}")
+        if "name" not in mapping:
+            raise ValueError(f"schedule.name: missing; choose one of {', '.join(_REGISTRY)}")
+        return cls(**dict(mapping))
+
+    @property
+    def effective_sub_batches(self) -> int:
+        """Sub-batches the schedule really runs: ``sub_batches`` for a sub-batched
+        schedule (split_overlap, oases), 1 for the others.  The one place this rule lives."""
+        return self.sub_batches if _REGISTRY[self.name].sub_batched else 1
+
+    @property
+    def label(self) -> str:
+        """The name, plus the settings when a sub-batched schedule runs non-default
+        ones (``oases[sb=4,cross=0,fine=1]``); names cost tables and cache files."""
+        if not _REGISTRY[self.name].sub_batched or self == ScheduleSpec(self.name):
+            return self.name
+        return (f"{self.name}[sb={self.sub_batches},cross={int(self.cross_pass)},"
+                f"fine={int(self.fine_grained_recompute)}]")
 
 
 # -- segments -------------------------------------------------------------------
@@ -140,18 +220,10 @@ def selective_segments(ops: Sequence[Op]) -> list[Segment]:
     return _cut(ops, starts, lambda a, b: a in core_set, fine=False)
 
 
-def schedule_segments(name: str, ops: Sequence[Op], options: ScheduleOptions = ScheduleOptions()) -> list[Segment]:
-    """The segments schedule ``name`` cuts ``ops`` into: the one choice
+def schedule_segments(spec: ScheduleSpec, ops: Sequence[Op]) -> list[Segment]:
+    """The segments ``spec``'s schedule cuts ``ops`` into: the one choice
     :func:`build_schedule` runs and the memory models (profiler, analytic costs) count."""
-    if name not in SCHEDULES:
-        raise ValueError(f"oases.schedule={name!r} unknown; choose one of {', '.join(SCHEDULES)}")
-    if name == "none":
-        return [Segment(0, len(ops), False, len(ops))]
-    if name == "megatron_selective":
-        return selective_segments(ops)
-    if name == "oases" and options.fine_grained_recompute:
-        return fine_grained_segments(ops)
-    return layer_segments(ops)
+    return _REGISTRY[_checked(spec).name].segments(ops, spec)
 
 
 def held_inputs(ops: Sequence[Op], segs: Sequence[Segment]) -> list[int]:
@@ -173,30 +245,30 @@ def held_inputs(ops: Sequence[Op], segs: Sequence[Segment]) -> list[int]:
 
 
 # -- per-sub-batch streams ------------------------------------------------------
-def _forward_stream(ops: Sequence[Op], segs: list[Segment], mb: int) -> list[_Item]:
+def _forward_stream(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_Item]:
     out: list[_Item] = []
     for seg in segs:
         for i in range(seg.start, seg.end):
             if forward_collective(ops[i]):
-                out.append(_Comm(i, mb, "forward"))
+                out.append(_Comm(i, sub, "forward"))
             else:
                 keep = not seg.recompute and not isinstance(ops[i], CommOp)
-                out.append(Forward(i, mb, keep_graph=keep))
+                out.append(Forward(i, sub, keep_graph=keep))
     return out
 
 
-def _recompute_stream(ops: Sequence[Op], seg: Segment, mb: int) -> list[_Item]:
+def _recompute_stream(ops: Sequence[Op], seg: Segment, sub: int) -> list[_Item]:
     if not seg.recompute:
         return []
     return [
-        _Comm(i, mb, "recompute") if forward_collective(ops[i]) else Recompute(i, mb)
+        _Comm(i, sub, "recompute") if forward_collective(ops[i]) else Recompute(i, sub)
         for i in range(seg.start, seg.recompute_end)
     ]
 
 
-def _backward_stream(ops: Sequence[Op], seg: Segment, mb: int) -> list[_Item]:
+def _backward_stream(ops: Sequence[Op], seg: Segment, sub: int) -> list[_Item]:
     return [
-        _Comm(i, mb, "backward") if backward_collective(ops[i]) else Backward(i, mb)
+        _Comm(i, sub, "backward") if backward_collective(ops[i]) else Backward(i, sub)
         for i in reversed(range(seg.start, seg.end))
     ]
 
@@ -213,46 +285,52 @@ def merge(streams: Sequence[Sequence[_Item]]) -> list[Instruction]:
     out: list[Instruction] = []
     pos = [0] * len(streams)
     pending: list[_Comm | None] = [None] * len(streams)
-    active = [mb for mb, s in enumerate(streams) if s]
+    active = [sub for sub, s in enumerate(streams) if s]
     while active:
-        for mb in list(active):
-            if pending[mb] is not None:
-                c = pending[mb]
-                out.append(Sync(c.op, c.mb, c.phase))
-                pending[mb] = None
-            stream = streams[mb]
-            while pos[mb] < len(stream):
-                item = stream[pos[mb]]
-                pos[mb] += 1
+        for sub in list(active):
+            if pending[sub] is not None:
+                c = pending[sub]
+                out.append(Sync(c.op, c.sub, c.phase))
+                pending[sub] = None
+            stream = streams[sub]
+            while pos[sub] < len(stream):
+                item = stream[pos[sub]]
+                pos[sub] += 1
                 if isinstance(item, _Comm):
-                    out.append(StartAsync(item.op, item.mb, item.phase))
-                    pending[mb] = item
+                    out.append(StartAsync(item.op, item.sub, item.phase))
+                    pending[sub] = item
                     break
                 out.append(item)
-            if pos[mb] >= len(stream) and pending[mb] is None:
-                active.remove(mb)
+            if pos[sub] >= len(stream) and pending[sub] is None:
+                active.remove(sub)
     return out
 
 
-def _passes(ops: Sequence[Op], segs: list[Segment], mbs: int, cross_pass: bool) -> list[Instruction]:
+def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool) -> list[Instruction]:
     if cross_pass:
         streams = []
-        for mb in range(mbs):
-            s = _forward_stream(ops, segs, mb)
+        for sub in range(subs):
+            s = _forward_stream(ops, segs, sub)
             for seg in reversed(segs):
-                s += _recompute_stream(ops, seg, mb) + _backward_stream(ops, seg, mb)
+                s += _recompute_stream(ops, seg, sub) + _backward_stream(ops, seg, sub)
             streams.append(s)
         return merge(streams)
-    out = merge([_forward_stream(ops, segs, mb) for mb in range(mbs)])
+    out = merge([_forward_stream(ops, segs, sub) for sub in range(subs)])
     for seg in reversed(segs):
-        out += merge([_recompute_stream(ops, seg, mb) for mb in range(mbs)])
-        out += merge([_backward_stream(ops, seg, mb) for mb in range(mbs)])
+        out += merge([_recompute_stream(ops, seg, sub) for sub in range(subs)])
+        out += merge([_backward_stream(ops, seg, sub) for sub in range(subs)])
     return out
 
 
 # -- the schedules --------------------------------------------------------------
-def build_schedule(name: str, ops: Sequence[Op], options: ScheduleOptions = ScheduleOptions()) -> Schedule:
-    """The instruction list of schedule ``name`` over ``ops``.
+def _checked(spec: ScheduleSpec) -> ScheduleSpec:
+    if not isinstance(spec, ScheduleSpec):
+        raise TypeError(f"expected a ScheduleSpec such as ScheduleSpec({spec!r}), got {type(spec).__name__} {spec!r}")
+    return spec
+
+
+def build_schedule(spec: ScheduleSpec, ops: Sequence[Op]) -> Schedule:
+    """The instruction list of ``spec``'s schedule over ``ops`` (the registered generators below).
 
     ``none``                no recomputation, one batch, synchronous collectives.
     ``megatron``            full per-layer recomputation, synchronous; the recompute
@@ -263,14 +341,42 @@ def build_schedule(name: str, ops: Sequence[Op], options: ScheduleOptions = Sche
     ``oases``               cross-pass schedule with fine-grained recomputation;
                             ``cross_pass`` / ``fine_grained_recompute`` switch each off.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"oases.schedule={name!r} unknown; choose one of {', '.join(SCHEDULES)}")
+    entry = _REGISTRY[_checked(spec).name]
     if not ops or not getattr(ops[-1], "is_loss", False):
         raise ValueError("operator sequence must end with the loss operator")
-    segs = schedule_segments(name, ops, options)
-    if name in ("none", "megatron", "megatron_selective"):
-        return Schedule(name, tuple(_passes(ops, segs, 1, True)), 1, name == "none")
-    mbs = options.sub_batches
-    if name == "split_overlap":
-        return Schedule(name, tuple(_passes(ops, segs, mbs, False)), mbs, False)
-    return Schedule(name, tuple(_passes(ops, segs, mbs, options.cross_pass)), mbs, options.fine_grained_recompute)
+    return entry.generate(ops, entry.segments(ops, spec), spec)
+
+
+@register_schedule("none", segments=lambda ops, spec: [Segment(0, len(ops), False, len(ops))])
+def _none(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
+    return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, True)
+
+
+@register_schedule("megatron", segments=lambda ops, spec: layer_segments(ops))
+def _megatron(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
+    return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, False)
+
+
+@register_schedule("megatron_selective", segments=lambda ops, spec: selective_segments(ops))
+def _megatron_selective(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
+    return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, False)
+
+
+@register_schedule("split_overlap", segments=lambda ops, spec: layer_segments(ops), sub_batched=True)
+def _split_overlap(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
+    subs = spec.effective_sub_batches
+    return Schedule(spec.name, tuple(_passes(ops, segs, subs, False)), subs, False)
+
+
+def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
+    return fine_grained_segments(ops) if spec.fine_grained_recompute else layer_segments(ops)
+
+
+@register_schedule("oases", segments=_oases_segments, sub_batched=True)
+def _oases(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
+    subs = spec.effective_sub_batches
+    return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute)
+
+
+SCHEDULES = registered_schedules()
+"""The built-in schedules, in the order the paper compares them."""

@@ -23,11 +23,14 @@ _PHASE_TAG = {"forward": "", "recompute": "r", "backward": "b"}
 
 @dataclass(frozen=True)
 class Instruction:
+    """``op``: index in the operator sequence; ``sub``: the sub-batch (never a micro-batch:
+    a schedule runs one micro-batch, split into sub-batches)."""
+
     op: int
-    mb: int
+    sub: int
 
     def _ids(self) -> str:
-        return f"{self.op}.{self.mb}"
+        return f"{self.op}.{self.sub}"
 
 
 @dataclass(frozen=True)
