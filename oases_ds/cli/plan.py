@@ -120,7 +120,7 @@ def _spec(cfg: dict) -> Any:
     from oases_ds.models.config import ModelConfig
     from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.profile import ProfileSpec
-    from oases_ds.schedule.generators import ScheduleOptions
+    from oases_ds.schedule.generators import ScheduleSpec
 
     sched, cluster, planner = cfg["schedule"], cfg["cluster"], cfg["planner"]
     link = cluster.get("link")
@@ -128,8 +128,7 @@ def _spec(cfg: dict) -> Any:
         model=ModelConfig(**cfg["model"]),
         devices=cfg["devices"],
         micro_batch=cfg["micro_batch"],
-        schedule=sched["name"],
-        options=ScheduleOptions(sched["sub_batches"], sched["cross_pass"], sched["fine_grained_recompute"]),
+        schedule=ScheduleSpec.from_mapping(sched),
         link=LinkModel(**schema.link_kwargs(link)) if link else None,
         cluster=cluster["name"],
         warmup=planner["warmup"],
@@ -278,14 +277,13 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
     from oases_ds.runtime.timeline import write_json_atomic
-    from oases_ds.schedule.generators import ScheduleOptions
+    from oases_ds.schedule.generators import ScheduleSpec
 
     acc, sched, link = cfg["accuracy"], cfg["schedule"], cfg["cluster"].get("link")
     plans = candidate_plans(table, acc["plans"], [solved], seed=acc["seed"])
     spec = AccuracySpec(
         model=dc.replace(ModelConfig(**cfg["model"]), num_layers=table.layers), devices=table.devices,
-        micro_batch=cfg["micro_batch"], schedule=sched["name"],
-        options=ScheduleOptions(sched["sub_batches"], sched["cross_pass"], sched["fine_grained_recompute"]),
+        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(sched),
         link=LinkModel(**schema.link_kwargs(link)) if link else None, warmup=acc["warmup"], repeats=acc["repeats"],
     )
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"

@@ -130,7 +130,7 @@ def validate(cfg: dict) -> None:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
         replicas = plan.devices // min(plan.block_degrees())
-    sub_batches = oases.sub_batches if oases.schedule in ("split_overlap", "oases") else 1
+    sub_batches = oases.schedule_spec().effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
                                                         if replicas > 1 else "")
