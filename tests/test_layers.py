@@ -19,7 +19,10 @@ Layers, low to high (a module may import from its own layer and any lower one)::
     planner   oases_ds/planner/*
     engine    engine.py, checkpoint.py, __init__.py (initialize() builds the engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
-    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report)
+    bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
+              oases-bench and oases-plan mode=accuracy; it never imports a CLI)
+    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report: argument
+              handling and dispatch only)
 
 Every import counts: module level, inside functions (still a dependency, just a
 later one) and under ``if TYPE_CHECKING`` (a type the module cannot be described
@@ -36,9 +39,9 @@ import pytest
 PACKAGE = "oases_ds"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-LAYERS = ("parallel", "models", "schedule", "runtime", "config", "planner", "engine", "cli")
+LAYERS = ("parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "planner": "planner", "cli": "cli"}
+               "planner": "planner", "bench": "bench", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "data": "runtime", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
@@ -140,3 +143,29 @@ def test_the_walk_sees_function_level_type_checking_and_relative_imports(tmp_pat
 def test_an_unplaced_top_level_module_is_named() -> None:
     with pytest.raises(AssertionError, match=r"oases_ds/brand_new\.py has no layer: add it to TOP_LEVEL"):
         layer_of("oases_ds.brand_new")
+
+
+def test_bench_sits_below_the_clis(tmp_path: Path) -> None:
+    """The benchmark library may not reach up into a CLI; a CLI may call the library."""
+    pkg = tmp_path / PACKAGE
+    for sub in ("bench", "cli"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "common.py").write_text("X = 1\n")
+    (pkg / "bench" / "measure.py").write_text("from oases_ds.cli.common import X\n")
+    (pkg / "cli" / "bench.py").write_text("from oases_ds.bench import measure\n")
+    found = violations(sorted(pkg.rglob("*.py")), root=pkg)
+    assert [line.split(":")[0] for line in found] == [f"{PACKAGE}/bench/measure.py"], found
+
+
+def test_benchmark_scripts_use_the_library_not_the_clis() -> None:
+    """``benchmarks/*.py`` are entry points of their own: they call ``oases_ds.bench`` and the
+    layers below, never a CLI module (whose import registers Hydra schemas and parses nothing
+    they need)."""
+    scripts = sorted((ROOT.parent / "benchmarks").glob("*.py"))
+    assert scripts, "no benchmark scripts found"
+    found = [f"{path.name}:{line} imports {target}" for path in scripts
+             for line, target in imported_modules(path, f"benchmarks.{path.stem}", ROOT)
+             if layer_of(target) == "cli"]
+    assert not found, "\n".join(found)
