@@ -8,9 +8,8 @@ not the spread of two independent medians.  Plots (matplotlib, Agg): throughput
 bars, scaling lines, and a compute/comm Gantt chart of one step per schedule
 from rank 0's executor timeline.
 
-Every number a report states is computed from the records it reads (see
-:func:`study_notes`); the fixed notes describe the method only.  The entry point
-is ``oases-bench report``; :func:`write_reports` is what it calls.
+Every number a report states is computed from the records it reads; the fixed
+notes describe the method only.
 """
 from __future__ import annotations
 
