@@ -19,6 +19,7 @@ setup(
         "lightning>=2.6,<2.7",
         "ortools>=9.10",
         "hydra-core>=1.3,<1.4",
+        "pyyaml",  # oases_ds.bench reads the config presets as plain YAML (Hydra stays in the CLIs)
         "pydantic>=2",
         "numpy",
         "scipy",  # the planner's cost-model accuracy study (Spearman rank correlation)

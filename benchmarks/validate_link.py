@@ -204,7 +204,7 @@ def rank_worker(spec_path: str, out_path: str) -> None:
     """One rank, started inside its namespace with RANK/MASTER_ADDR/GLOO_SOCKET_IFNAME set."""
     import torch
 
-    from oases_ds.cli.bench import measure_rank
+    from oases_ds.bench.measure import measure_rank
 
     torch.set_num_threads(1)
     with open(spec_path) as f:
@@ -288,12 +288,14 @@ def main() -> None:
     if args.rounds < 1 or args.repeats < 1:
         sys.exit("error: --rounds and --repeats must be >= 1")
 
-    from oases_ds.cli.bench import compose_config, resolve
+    from oases_ds.bench.spec import bench_defaults, load_preset, resolve
 
     fraction = payload_fraction(args.mtu)
     nominal_gbps = args.rate_mbit * fraction / 1000
-    cfg = compose_config([f"model={args.model}", f"schedules=[{args.schedules}]", f"repeats={args.repeats}",
-                          "warmup=1", "gantt=false", "emulation.mode=literal"])
+    defaults = bench_defaults()  # oases-bench's configuration, without Hydra: this script is no Hydra app
+    cfg = {**defaults, "model": load_preset("model", args.model),
+           "schedules": [name.strip() for name in args.schedules.split(",")], "repeats": args.repeats,
+           "warmup": 1, "gantt": False, "emulation": {**defaults["emulation"], "mode": "literal"}}
 
     def spec(mode: str, gbps: float = 1.0, latency_us: float = 0.0, sharing: str = "fifo") -> dict:
         cluster = {"name": "veth_tbf", "link": {"bandwidth_gbps": gbps, "latency_us": latency_us, "sharing": sharing},

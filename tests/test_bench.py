@@ -14,7 +14,10 @@ import zlib
 
 import pytest
 
-from oases_ds.cli import bench, bench_report
+from oases_ds.bench import measure, report
+from oases_ds.bench import spec as bench_spec
+from oases_ds.bench.provenance import REPO_ROOT
+from oases_ds.cli import bench, bench_report  # the entry points, run as a user would
 from oases_ds.cli.common import PLAN_PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,11 +42,11 @@ def phase_bytes(variant: dict, phase: str) -> int:
 def test_every_study_preset_runs_one_step(tmp_path, preset):
     out = tmp_path / "lines.jsonl"
     cfg = bench.compose_config([f"experiment={preset}", *SMOKE, f"out={out}"])
-    record = bench.run_measurement(cfg)
+    record = measure.run_measurement(cfg)
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["variants"].keys() == record["variants"].keys()
     assert record["study"] == preset and record["git_commit"] and record["machine"]["cpu_count"]
-    assert set(record["variants"]) == {v["label"] for v in bench.resolve(cfg)["variants"]}
+    assert set(record["variants"]) == {v["label"] for v in bench_spec.resolve(cfg)["variants"]}
     for v in record["variants"].values():
         assert len(v["step_s"]) == 1 and v["tokens_per_s"] > 0 and 0 < v["compute_util"] <= 1
     if record["tensor_parallel_size"] > 1:
@@ -65,10 +68,10 @@ def test_a_run_without_out_leaves_the_committed_results_alone(tmp_path, monkeypa
     committed = os.path.join(ROOT, "benchmarks", "results", "bench.jsonl")
     before = open(committed, "rb").read()
     monkeypatch.chdir(tmp_path)
-    bench.default_out.cache_clear()
+    measure.default_out.cache_clear()
     cfg = bench.compose_config(["experiment=batch_split", "micro_batches=[2]", *SMOKE])
     assert cfg["out"] == ""
-    record = bench.run_measurement(cfg)
+    record = measure.run_measurement(cfg)
     bench.print_record(record)
     (written,) = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"oases-bench-\d{4}-\d{2}-\d{2}-\d{6}\.jsonl", written.name)
@@ -103,7 +106,7 @@ def test_overlap_script_tiny_run_writes_under_runs(tmp_path):
 @pytest.mark.distributed
 def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
     out = tmp_path / "lines.jsonl"
-    record = bench.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
+    record = measure.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
     assert record["data_parallel_size"] == 2 and len(record["peak_rss_bytes_per_rank"]) == 4
     assert all(phase_bytes(v, "grad_sync") > 0 for v in record["variants"].values())
 
@@ -130,9 +133,29 @@ def test_scaled_emulation_ratio_follows_the_stated_formula():
     cfg = bench.compose_config(["cluster=pcie_3090"])
     ref = cfg["emulation"]["reference"]
     # 2 bytes * (4 - 1) * 71e12 * 0.4 / (8 * 4096 * 12e9 B/s)
-    assert bench.target_ratio(cfg["cluster"], ref) == pytest.approx(2 * 3 * 71e12 * 0.4 / (8 * 4096 * 12e9))
+    assert measure.target_ratio(cfg["cluster"], ref) == pytest.approx(2 * 3 * 71e12 * 0.4 / (8 * 4096 * 12e9))
     nvlink = bench.compose_config(["cluster=nvlink_pair_3090"])["cluster"]
-    assert bench.reference_tp(nvlink, ref) == 2
+    assert bench_spec.reference_tp(nvlink, ref) == 2
+
+
+def test_the_library_reads_the_presets_as_hydra_composes_them():
+    """``benchmarks/validate_link.py`` builds its config without Hydra (bench.yaml's own values plus a
+    model preset); it must equal what ``oases-bench`` composes, types included."""
+    composed = bench.compose_config(["model=llama_small"])
+    defaults = bench_spec.bench_defaults()
+    assert {"schedules", "micro_batch", "emulation", "seed", "timeout_s"} <= defaults.keys()
+    assert "defaults" not in defaults and "hydra" not in defaults
+    plain = {**defaults, "model": bench_spec.load_preset("model", "llama_small")}
+    assert {k: composed[k] for k in plain} == plain
+    assert {k: type(v) for k, v in plain["model"].items()} == {k: type(composed["model"][k]) for k in plain["model"]}
+    assert bench_spec.resolve({**plain, "cluster": composed["cluster"]}) == bench_spec.resolve(composed)
+
+
+def test_an_unknown_preset_is_one_line_naming_the_field():
+    with pytest.raises(ValueError, match=r"^model: 'gpt_huge' is not a preset in configs/model; choose from .*gpt_small"):
+        bench_spec.load_preset("model", "gpt_huge")
+    with pytest.raises(ValueError, match=r"^schedules: 'gpipe' is not a preset in configs/schedule; choose from "):
+        bench_spec.load_schedule_variant("gpipe")
 
 
 def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
@@ -150,14 +173,14 @@ def test_activation_probe_uses_the_public_hook_and_ranks_recomputation():
     for name in ("megatron", "megatron_selective", "none"):
         model = OperatorModel(cfg, seed=0)
         executor = Executor.for_schedule(model, ScheduleSpec(name))
-        peaks[name] = bench.ActivationProbe(executor, model).run({"tokens": tokens, "labels": tokens})
+        peaks[name] = measure.ActivationProbe(executor, model).run({"tokens": tokens, "labels": tokens})
     assert 0 < peaks["megatron"] < peaks["megatron_selective"] < peaks["none"]
 
 
 def test_append_jsonl_writes_whole_lines(tmp_path):
     path = tmp_path / "r" / "x.jsonl"
     for i in range(3):
-        bench.append_jsonl(str(path), {"i": i, "pad": "x" * 10000})
+        measure.append_jsonl(str(path), {"i": i, "pad": "x" * 10000})
     assert [json.loads(l)["i"] for l in path.read_text().splitlines()] == [0, 1, 2]
 
 
@@ -344,7 +367,7 @@ def test_every_number_in_a_report_follows_its_data(tmp_path, monkeypatch):
                                      "--validation", str(d / "validation.json"), "--accuracy", str(d / "acc.json")])
         reports[d] = {os.path.basename(p).split("-")[0]: open(p).read() for p in written}
     assert reports[original].keys() == reports[perturbed].keys() and "e2e" in reports[original]
-    hide = [os.path.relpath(str(tmp_path), bench_report.REPO_ROOT), str(tmp_path)] + sorted({r["study"] for r in records})
+    hide = [os.path.relpath(str(tmp_path), REPO_ROOT), str(tmp_path)] + sorted({r["study"] for r in records})
     failures, compared = [], 0
     for study, text in reports[original].items():
         before = _report_lines(text, hide)
@@ -377,14 +400,14 @@ def _validation(tmp_path, oases_fair_ratio: float, verdict_fair: str) -> str:
 
 def test_validation_section_states_host_cost_and_the_verdict(tmp_path):
     passed = _validation(tmp_path, 0.989, "PASS: fair, 1.1%")
-    text = "\n".join(bench_report.validation_section(passed, "fair"))
+    text = "\n".join(report.validation_section(passed, "fair"))
     assert "5.0 ms CPU per 2048 KiB AllReduce" in text and "1.33x slower" in text
     assert "| `oases` | 0.328 |" in text and "Verdict: PASS: fair, 1.1%" in text and "Verdict: PASS: ring" in text
     assert "probed, ring: median s (min-max)" in text
-    assert "within 1.1%" in bench_report.validation_caution(passed, "fair")[0]
-    assert "within 3.0%" in bench_report.validation_caution(passed, "ring")[0]  # worst ring ratio 0.97
+    assert "within 1.1%" in report.validation_caution(passed, "fair")[0]
+    assert "within 3.0%" in report.validation_caution(passed, "ring")[0]  # worst ring ratio 0.97
     failed = _validation(tmp_path, 0.83, "FAIL: fair, 17.0%")
-    caution = bench_report.validation_caution(failed, "fair")[0]
+    caution = report.validation_caution(failed, "fair")[0]
     assert "Caution" in caution and "`oases` at 0.83x" in caution
 
 
@@ -394,10 +417,10 @@ def test_validation_files_from_before_the_ring_model_still_read(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"status": "ok", "schedules": {"oases": old_row}, "verdict": "FAIL: fifo 20%",
                                 "verdict_fair": "FAIL: fair 15%", "rate_mbit": 200, "burst_bytes": 32768}))
-    v = bench_report._load_validation(str(path))
+    v = report._load_validation(str(path))
     assert v["kinds"] == ["nominal", "probed_fifo", "probed_fair"]
     assert v["schedules"]["oases"]["probed_fifo_ratio"] == 0.8 and "probed_ratio" not in v["schedules"]["oases"]
-    assert "`oases` at 0.85x" in bench_report.validation_caution(str(path), "fair")[0]
+    assert "`oases` at 0.85x" in report.validation_caution(str(path), "fair")[0]
 
 
 def _load_validate_link():

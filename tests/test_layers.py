@@ -21,7 +21,10 @@ Layers, low to high (a module may import from its own layer and any lower one)::
     planner   oases_ds/planner/*
     engine    engine.py, checkpoint.py, __init__.py (initialize() builds the engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
-    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report)
+    bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
+              oases-bench and oases-plan mode=accuracy; it never imports a CLI)
+    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report: argument
+              handling and dispatch only)
 
 Every import counts: module level, inside functions (still a dependency, just a
 later one) and under ``if TYPE_CHECKING`` (a type the module cannot be described
@@ -38,9 +41,9 @@ import pytest
 PACKAGE = "oases_ds"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "cli")
+LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "planner": "planner", "cli": "cli"}
+               "planner": "planner", "bench": "bench", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "data": "runtime", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
@@ -119,26 +122,55 @@ def test_every_module_imports_only_its_own_or_lower_layers() -> None:
     assert not found, "imports against the layer order " + " < ".join(LAYERS) + ":\n" + "\n".join(found)
 
 
+def flagged_in(tmp_path: Path, files: dict[str, str]) -> list[str]:
+    """The files ``violations`` flags in a throw-away ``oases_ds`` made of ``files``
+    (path under the package -> source; each folder gets an empty ``__init__.py``)."""
+    pkg = tmp_path / PACKAGE
+    for name, source in files.items():
+        path = pkg / name
+        for folder in [path.parent, *path.parent.parents][: len(path.relative_to(pkg).parts)]:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "__init__.py").touch()
+        path.write_text(source)
+    return sorted(line.split(":")[0] for line in violations(sorted(pkg.rglob("*.py")), root=pkg))
+
+
 def test_the_walk_sees_function_level_type_checking_and_relative_imports(tmp_path: Path) -> None:
     """The checker itself: an upward import is caught wherever it hides."""
-    pkg = tmp_path / PACKAGE
-    for sub in ("models", "runtime", "planner"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "runtime" / "executor.py").write_text("X = 1\n")
-    (pkg / "planner" / "plan.py").write_text("X = 1\n")
-    (pkg / "models" / "at_top.py").write_text("from oases_ds.runtime.executor import X\n")
-    (pkg / "models" / "in_function.py").write_text("def f():\n    import oases_ds.runtime.executor\n")
-    (pkg / "models" / "typing_only.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oases_ds.planner.plan import X\n")
-    (pkg / "models" / "relative.py").write_text("from ..runtime import executor\n")
-    (pkg / "models" / "downward.py").write_text("from oases_ds.models import at_top\n")
-    found = violations(sorted(pkg.rglob("*.py")), root=pkg)
-    flagged = sorted(line.split(":")[0] for line in found)
+    flagged = flagged_in(tmp_path, {
+        "runtime/executor.py": "X = 1\n",
+        "planner/plan.py": "X = 1\n",
+        "models/at_top.py": "from oases_ds.runtime.executor import X\n",
+        "models/in_function.py": "def f():\n    import oases_ds.runtime.executor\n",
+        "models/typing_only.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oases_ds.planner.plan import X\n",
+        "models/relative.py": "from ..runtime import executor\n",
+        "models/downward.py": "from oases_ds.models import at_top\n",
+    })
     assert flagged == [f"{PACKAGE}/models/{name}.py" for name in ("at_top", "in_function", "relative", "typing_only")]
 
 
 def test_an_unplaced_top_level_module_is_named() -> None:
     with pytest.raises(AssertionError, match=r"oases_ds/brand_new\.py has no layer: add it to TOP_LEVEL"):
         layer_of("oases_ds.brand_new")
+
+
+def test_bench_sits_below_the_clis(tmp_path: Path) -> None:
+    """The benchmark library may not reach up into a CLI; a CLI may call the library."""
+    flagged = flagged_in(tmp_path, {
+        "cli/common.py": "X = 1\n",
+        "bench/measure.py": "from oases_ds.cli.common import X\n",
+        "cli/bench.py": "from oases_ds.bench import measure\n",
+    })
+    assert flagged == [f"{PACKAGE}/bench/measure.py"]
+
+
+def test_benchmark_scripts_use_the_library_not_the_clis() -> None:
+    """``benchmarks/*.py`` are entry points of their own: they call ``oases_ds.bench`` and the
+    layers below, never a CLI module (whose import registers Hydra schemas and parses nothing
+    they need)."""
+    scripts = sorted((ROOT.parent / "benchmarks").glob("*.py"))
+    assert scripts, "no benchmark scripts found"
+    found = [f"{path.name}:{line} imports {target}" for path in scripts
+             for line, target in imported_modules(path, f"benchmarks.{path.stem}", ROOT)
+             if layer_of(target) == "cli"]
+    assert not found, "\n".join(found)

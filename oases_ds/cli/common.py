@@ -10,31 +10,16 @@ SIGTERM``) and exit code 128 + signal (130 for Ctrl-C), no traceback.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import TYPE_CHECKING, NoReturn
+
+from oases_ds.bench.spec import CONFIG_DIR  # noqa: F401 -- every CLI's Hydra config_path
 
 if TYPE_CHECKING:
     from oases_ds.launcher import LaunchError, LaunchInterrupted
 
-# The Hydra configs ship inside the package (``oases_ds/configs``; the repository's
-# top-level ``configs`` is a link to it), so the CLIs work from a wheel as well as a clone.
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The source checkout (where ``benchmarks/`` lives); meaningless for a wheel install."""
-
-
 PLAN_PRESETS: tuple[str, ...] = ("cost_model",)
 """Study presets in configs/experiment/ that ``oases-plan`` runs (the rest are ``oases-bench``'s)."""
-
-
-def git_commit() -> str:
-    """The repository's HEAD, recorded with every result so it can be reproduced."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def fail(message: str, detail: str | None = None, code: int = 2) -> NoReturn:

@@ -23,15 +23,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from oases_ds.bench.provenance import git_commit, machine
 from oases_ds.cli import schema
-from oases_ds.cli.common import (
-    CONFIG_DIR,
-    PLAN_PRESETS,
-    fail,
-    fail_launch,
-    git_commit,
-    stop,
-)
+from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, fail_launch, stop
 from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 from oases_ds.launcher import LaunchError, LaunchInterrupted
 
@@ -272,11 +266,10 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     """Measure >= ``accuracy.plans`` plans for real and rank-correlate with the cost model."""
     import dataclasses as dc
 
-    from oases_ds.cli.bench import machine
     from oases_ds.models.config import ModelConfig
     from oases_ds.parallel.link import LinkModel
     from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
-    from oases_ds.runtime.timeline import write_json_atomic
+    from oases_ds.utils.io import write_json_atomic
     from oases_ds.schedule.generators import ScheduleSpec
 
     acc, sched, link = cfg["accuracy"], cfg["schedule"], cfg["cluster"].get("link")

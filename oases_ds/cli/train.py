@@ -195,7 +195,7 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
     }
     if is_main and cfg["stats_out"]:
-        from oases_ds.runtime.timeline import write_json_atomic
+        from oases_ds.utils.io import write_json_atomic
 
         write_json_atomic(cfg["stats_out"], {"summary": summary, "history": history, "config": cfg})
     return summary

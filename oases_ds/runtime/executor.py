@@ -24,7 +24,7 @@ from typing import Callable, Literal, Mapping
 import torch
 
 from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
-from oases_ds.models.ops import Acts, CommOp, ComputeOp, OpContext
+from oases_ds.models.ops import Acts, CommOp, OpContext
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.grads import all_reduce_grads
 from oases_ds.parallel.link import LinkModel

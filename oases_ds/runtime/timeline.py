@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from oases_ds.utils.io import write_json_atomic  # also imported from here by the CLIs
+from oases_ds.utils.io import write_json_atomic
 
 LANES = ("compute", "comm", "wait")  # Chrome trace thread ids 0, 1, 2 in this order
 

@@ -1,0 +1,321 @@
+"""One measurement of several schedules, interleaved, as one JSON record.
+
+Why interleaved in one measurement: this machine is shared and noisy, so two
+schedules measured in separate runs differ by whatever else ran meanwhile.  The
+rank processes build one executor per *variant* (schedule x micro-batch) and run
+them round-robin, one step each, the starting variant rotating every repeat; a
+ratio between variants then comes from one run.
+
+Why the link is *scaled* by default: on CPU a transformer step is ~1000x slower
+than on the GPUs of the paper, so a literal 10 Gbit/s link would make every
+collective negligible and every schedule look alike.  A cluster profile states
+the real link (bandwidth, latency) and the real device (throughput); the scaled
+emulation keeps Megatron's *ratio* of communication time to compute time that a
+reference layer (``emulation.reference``: hidden size, TMP degree, dtype) would
+have on that hardware::
+
+    r = dtype_bytes * (t - 1) * R_device / (8 * h * B_link)
+
+(Megatron, full recomputation, per layer and step: 6 AllReduces of b*s*h
+elements on a ring of t ranks vs 96*b*s*h^2/t GEMM flops; attention scores and
+latency ignored.)  The measurement then calibrates: one unlinked Megatron step
+gives this machine's compute time and TMP wire bytes, and the emulated bandwidth
+is chosen so that those bytes take ``r`` times that compute time.  Latency keeps
+its ratio to the reference layer's compute time.  ``emulation.mode=literal`` uses
+the profile's numbers as they are; ``off`` emulates nothing.  Every record says
+which was used and the resulting emulated bandwidth.
+
+A run without ``out`` appends to a new dated file under ``runs/`` (git-ignored)
+and says where; ``out=benchmarks/results/bench.jsonl`` is how a run joins the
+committed results.  The entry point is ``oases-bench``.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from oases_ds.bench.provenance import git_commit, machine
+from oases_ds.bench.spec import reference_tp, resolve
+
+RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
+
+
+# -- the scaled emulation's target (see the module doc) ---------------------------------------------
+def target_ratio(cluster: dict, reference: dict) -> float:
+    """Megatron's comm/compute time ratio for the reference layer on the real hardware (see module doc)."""
+    link, device = cluster["link"], cluster["device"]
+    rate = device["peak_tflops"] * 1e12 * device["achieved_fraction"]
+    t = reference_tp(cluster, reference)
+    return reference["dtype_bytes"] * (t - 1) * rate / (8 * reference["hidden_size"] * link["bandwidth_gbps"] * 1e9 / 8)
+
+
+def reference_layer_compute_s(cluster: dict, reference: dict) -> float:
+    """Compute seconds of one reference layer's step (fwd + recompute + bwd) on the real device."""
+    device = cluster["device"]
+    rate = device["peak_tflops"] * 1e12 * device["achieved_fraction"]
+    h, t = reference["hidden_size"], reference_tp(cluster, reference)
+    return 96 * reference["tokens"] * h * h / t / rate
+
+
+# -- the rank process ------------------------------------------------------------------------------
+class ActivationProbe:
+    """Peak bytes of activations an executor holds: its buffers plus autograd-saved tensors.
+
+    Sampled after every instruction through the executor's public hook
+    (:meth:`Executor.add_hook`), reading its :attr:`Executor.buffers` view; parameters
+    and their gradients are not counted; tensors sharing storage count once.  The
+    sampling costs time, so it runs only in a separate, untimed step.
+    """
+
+    def __init__(self, executor, model) -> None:
+        import weakref
+
+        self.executor = executor
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.saved: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self.peak = 0
+
+    def _storages(self, obj, out: dict[int, int]) -> None:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.data_ptr() not in self.params:
+                out[s.data_ptr()] = s.nbytes()
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                self._storages(item, out)
+
+    def _sample(self, instruction, phase: str) -> None:
+        if phase != "after":
+            return
+        live: dict[int, int] = {}
+        for value in self.executor.buffers.values():
+            self._storages(value, live)
+        for t in list(self.saved.values()):
+            self._storages(t, live)
+        self.peak = max(self.peak, sum(live.values()))
+
+    def run(self, batch) -> int:
+        import torch
+
+        def pack(t):
+            self.saved[id(t)] = t
+            return t
+
+        remove = self.executor.add_hook(self._sample)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self.executor.run(batch)
+        finally:
+            remove()
+        return self.peak
+
+
+def _flat_grad_sync(model, comm, dp_group) -> None:
+    """DP gradient mean as one bucket through the (emulated) communicator, like DeepSpeed's bucket."""
+    from oases_ds.parallel.grads import all_reduce_grads
+
+    all_reduce_grads(list(model.parameters()), comm, dp_group, mean=True)
+
+
+def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    """Everything one rank does: calibrate the link, then run the variants interleaved."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from oases_ds.data import DataConfig, TokenBatches
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.parallel.context import ParallelContext
+    from oases_ds.parallel.link import LinkModel
+    from oases_ds.parallel.random import RNGTracker
+    from oases_ds.runtime.executor import Executor
+    from oases_ds.schedule.generators import ScheduleSpec
+
+    ctx = ParallelContext.build(tensor_parallel_size=spec["tp"], timeout_s=spec["timeout_s"])
+    cfg = ModelConfig(**spec["model"])
+    data = TokenBatches(DataConfig(source="synthetic", seed=spec["seed"]), cfg.vocab_size, cfg.seq_len,
+                        masked_lm=cfg.family == "bert")
+    dp = ctx.dp_size
+    batches = {v["micro_batch"]: data.batch(0, dp, ctx.dp_rank, v["micro_batch"]) for v in spec["variants"]}
+
+    def build(variant: dict, link) -> tuple[Executor, OperatorModel]:
+        model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"])
+        schedule = ScheduleSpec(variant["schedule"], variant["sub_batches"], variant["cross_pass"],
+                                variant["fine_grained_recompute"])
+        return Executor.for_schedule(model, schedule, link, RNGTracker()), model
+
+    mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
+    link = None
+    cluster_link = spec["cluster"].get("link") or {}
+    sharing = cluster_link.get("sharing") or spec["emulation"].get("sharing", "ring")  # the profile's, else the bench's
+    if mode == "literal":
+        link = LinkModel(**{**cluster_link, "sharing": sharing})
+    elif mode == "scaled":
+        calib_variant = {"schedule": "megatron", "sub_batches": 1, "cross_pass": True, "fine_grained_recompute": True}
+        probe, _ = build(calib_variant, None)
+        batch = batches[spec["variants"][0]["micro_batch"]]
+        computes = []
+        for _ in range(3):
+            probe.comm.stats.reset()
+            probe.run(batch)
+            computes.append(probe.timeline.busy("compute"))
+        compute_s = torch.tensor([min(computes[1:])], dtype=torch.float64)
+        dist.all_reduce(compute_s, op=dist.ReduceOp.MAX)  # every rank must emulate the same link
+        wire = sum(LinkModel(1.0).wire_bytes(kind, b, spec["tp"]) for (_, kind), b in probe.comm.stats.bytes.items())
+        ref = spec["emulation"]["reference"]
+        ratio = target_ratio(spec["cluster"], ref)
+        bandwidth = wire * 8 / (ratio * float(compute_s)) / 1e9
+        tau = (float(compute_s) / cfg.num_layers) / reference_layer_compute_s(spec["cluster"], ref)
+        latency = spec["cluster"]["link"]["latency_us"] * tau
+        link = LinkModel(bandwidth_gbps=bandwidth, latency_us=latency, sharing=sharing)
+        emulation.update(target_comm_compute_ratio=ratio, reference_tensor_parallel_size=reference_tp(spec["cluster"], ref), calibration_compute_s=float(compute_s),
+                         calibration_wire_bytes=wire, time_dilation=tau)
+        del probe
+    if link is not None:
+        emulation.update(emulated_bandwidth_gbps=link.bandwidth_gbps, emulated_latency_us=link.latency_us,
+                         sharing=link.sharing)
+
+    runners = {v["label"]: build(v, link) for v in spec["variants"]}
+    labels = [v["label"] for v in spec["variants"]]
+    mb_of = {v["label"]: v["micro_batch"] for v in spec["variants"]}
+    out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": []} for l in labels}
+    world_group = None
+    for rep in range(spec["warmup"] + spec["repeats"]):
+        order = labels[rep % len(labels):] + labels[:rep % len(labels)]
+        for label in order:
+            executor, model = runners[label]
+            executor.comm.stats.reset()
+            dist.barrier(world_group)
+            t0 = time.perf_counter()
+            executor.run(batches[mb_of[label]])
+            _flat_grad_sync(model, executor.comm, ctx.dp_group)
+            dt = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            if rep >= spec["warmup"]:
+                summary = executor.timeline.summary()
+                out[label]["step_s"].append(dt)
+                out[label]["exposed_comm_frac"].append(summary["exposed_comm_frac"])
+                out[label]["compute_util"].append(summary["compute_util"])
+                out[label]["comm_bytes"] = executor.comm.stats.as_dict()
+    for label in labels:
+        executor, model = runners[label]
+        if spec["gantt"] and ctx.rank == 0:
+            t0 = min((e.start for e in executor.timeline.events), default=0.0)
+            out[label]["gantt"] = [[e.lane, e.sub, round((e.start - t0) * 1e3, 3), round((e.end - t0) * 1e3, 3)]
+                                   for e in executor.timeline.events]
+        if spec["memory_probe"]:  # one extra, untimed step per variant
+            out[label]["peak_activation_bytes"] = ActivationProbe(executor, model).run(batches[mb_of[label]])
+            model.zero_grad(set_to_none=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"rank": ctx.rank, "variants": out, "emulation": emulation, "peak_rss_bytes": rss}
+
+
+# -- the parent: launch, assemble, append ---------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def default_out() -> str:
+    """Where a run without ``out=`` appends: ``runs/oases-bench-<date>-<time>.jsonl`` under the
+    working directory, one file per invocation (every point of a ``--multirun`` sweep lands in it).
+
+    Why not the committed ``benchmarks/results/bench.jsonl``: the committed reports are generated
+    from it, so a trial run would silently change them; committing a run is a deliberate ``out=``.
+    """
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    return os.path.join(RUNS_DIR, f"oases-bench-{stamp}.jsonl")
+
+
+def assemble(spec: dict, config: dict, ranks: list[dict], wall_s: float) -> dict[str, Any]:
+    """The JSON line: everything needed to reproduce and to read the measurement."""
+    import torch
+
+    model = spec["model"]
+    rank0 = ranks[0]
+    variants = {}
+    for v in spec["variants"]:
+        label = v["label"]
+        per_rank = [r["variants"][label] for r in ranks]
+        steps = [max(ts) for ts in zip(*(p["step_s"] for p in per_rank))]  # a step ends when its last rank does
+        med = statistics.median(steps)
+        tokens = v["micro_batch"] * model["seq_len"] * spec["dp"]
+        entry = {
+            **{k: v[k] for k in ("schedule", "sub_batches", "cross_pass", "fine_grained_recompute", "micro_batch")},
+            "step_s": steps, "median_s": med, "min_s": min(steps), "max_s": max(steps),
+            "tokens_per_step": tokens, "tokens_per_s": tokens / med,
+            "exposed_comm_frac": statistics.median(rank0["variants"][label]["exposed_comm_frac"]),
+            "compute_util": statistics.median(rank0["variants"][label]["compute_util"]),
+            "comm_bytes_rank0": rank0["variants"][label].get("comm_bytes", {}),
+        }
+        if "gantt" in rank0["variants"][label]:
+            entry["gantt_rank0"] = rank0["variants"][label]["gantt"]
+        if "peak_activation_bytes" in rank0["variants"][label]:
+            entry["peak_activation_bytes_per_rank"] = [p["peak_activation_bytes"] for p in per_rank]
+        variants[label] = entry
+    return {
+        "study": config["study"], "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "machine": machine(), "torch": torch.__version__,
+        "config": config, "tensor_parallel_size": spec["tp"], "data_parallel_size": spec["dp"],
+        "link_emulation": {"enabled": spec["emulation"]["mode"] != "off", "cluster": spec["cluster"],
+                           **rank0["emulation"]},
+        "variants": variants,
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+        "peak_rss_note": "process peak RSS (ru_maxrss) over the whole run, all variants together",
+        "wall_s": wall_s,
+        "step_note": "step = forward + backward of one micro-batch per DP rank + DP gradient mean; no optimizer",
+    }
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """One ``write`` on an O_APPEND descriptor: concurrent appenders never interleave a line."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def run_measurement(config: dict) -> dict[str, Any]:
+    """Validate, launch ``tp x dp`` rank processes, assemble and append the record; return it."""
+    from oases_ds.launcher import launch
+
+    spec = resolve(config)
+    config = {**config, "out": config["out"] or default_out()}  # the record says where it went
+    started = time.perf_counter()
+    ranks = launch(measure_rank, spec["tp"] * spec["dp"], (spec,), timeout_s=spec["timeout_s"],
+                   threads_per_rank=config["threads_per_rank"])
+    record = assemble(spec, config, ranks, time.perf_counter() - started)
+    append_jsonl(config["out"], record)
+    return record
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The record as the few lines ``oases-bench`` prints: the setup, one row per variant
+    with its speedup over the first, and where the record went."""
+    emu = record["link_emulation"]
+    if emu["enabled"]:
+        link = (f"EMULATED {emu['mode']} link for {emu['cluster']['name']}: {emu['emulated_bandwidth_gbps']:.4g} Gbit/s, "
+                f"{emu['emulated_latency_us']:.3g} us")
+        if emu["mode"] == "scaled":
+            link += f" (target Megatron comm/compute {emu['target_comm_compute_ratio']:.3g})"
+    else:
+        link = "no link emulation"
+    m = record["config"]["model"]
+    lines = [f"oases-bench {record['study']}: {m['family']} h={m['hidden_size']} L={m['num_layers']} s={m['seq_len']} | "
+             f"TMP {record['tensor_parallel_size']} x DP {record['data_parallel_size']} | {link}"]
+    variants = record["variants"]
+    base = next(iter(variants.values()))["median_s"]
+    lines.append(f"{'variant':<24}{'median s':>10}{'min':>8}{'max':>8}{'speedup':>9}{'tok/s':>9}{'exposed':>9}{'util':>7}")
+    for label, v in variants.items():
+        lines.append(f"{label:<24}{v['median_s']:>10.4f}{v['min_s']:>8.4f}{v['max_s']:>8.4f}{base / v['median_s']:>8.2f}x"
+                     f"{v['tokens_per_s']:>9.0f}{v['exposed_comm_frac']:>9.1%}{v['compute_util']:>7.1%}")
+    lines.append(f"appended to {os.path.abspath(record['config']['out'])} ({record['wall_s']:.1f}s)")
+    return lines
