@@ -7,7 +7,7 @@ Why this exists, in four parts:
   ``__reduce__`` payload runs it on every rank.  :class:`SafeCheckpointEngine`
   reads with ``weights_only=True`` and allowlists only the DeepSpeed classes
   that fp32, bf16 and ZeRO-1 checkpoints really contain (found by saving one in
-  each mode and loading it back: ``tests/test_checkpoint.py`` repeats that).
+  each mode and loading it back: ``tests/distributed/test_checkpoint.py`` repeats that).
 * **``latest`` is data, not a path.**  It must name a plain tag (no separator,
   no ``..``) whose directory exists and was completed by :func:`publish`.
 * **Crash-safe publication.**  A checkpoint is written under ``<tag>.partial``,

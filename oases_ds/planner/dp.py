@@ -16,7 +16,7 @@ degree is dropped, and so is one whose cost plus the cheapest possible
 remainder already exceeds a feasible plan's cost (the greedy incumbent below).
 
 :func:`solve_dp` is held equal to the ILP and to brute force by
-``tests/test_planner_dp.py``; the ILP stays the solver of record and takes the
+``tests/unit/test_planner_dp.py``; the ILP stays the solver of record and takes the
 DP plan as its starting incumbent (:func:`oases_ds.planner.ilp.solve`).
 """
 from __future__ import annotations

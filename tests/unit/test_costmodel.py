@@ -6,7 +6,7 @@ import pytest
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
-from test_schedules import block_ops
+from support import block_ops
 
 # 8 Gbit/s, no latency: a 2-rank AllReduce of S bytes puts S bytes on the link, S / 1e6 ms.
 LINK = LinkModel(bandwidth_gbps=8.0, latency_us=0.0)

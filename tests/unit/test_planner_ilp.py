@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 
 import pytest
@@ -12,46 +11,7 @@ from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
-
-DEGREES = (1, 2, 4)
-# Ties between plans are fine (only objectives are compared); this covers solver tolerances.
-REL_TOL = 1e-7
-
-
-def random_table(seed: int, layers: int) -> CostTable:
-    """Costs drawn independently per degree so the optimum is not always uniform."""
-    rng = random.Random(seed)
-
-    def block(degree: int) -> BlockCost:
-        return BlockCost(
-            fwd_ms=rng.uniform(1, 10),
-            bwd_ms=rng.uniform(2, 20),
-            comm_fwd_ms=rng.uniform(0, 5) * (degree > 1),
-            comm_bwd_ms=rng.uniform(0, 5) * (degree > 1),
-            state_bytes=rng.uniform(1e9, 8e9) / degree,
-            act_bytes=rng.uniform(1e8, 1e9) * degree / max(DEGREES),
-            grad_sync_ms=rng.uniform(0, 6) / degree,
-        )
-
-    return CostTable(
-        model=f"random-{seed}",
-        cluster="synthetic",
-        schedule="oases",
-        devices=4,
-        degrees=DEGREES,
-        blocks={kind: {t: block(t) for t in DEGREES} for kind in ("attn", "mlp")},
-        layers=layers,
-        reshard_bytes=rng.uniform(1e6, 5e8),
-        bandwidth_gbps=rng.choice([10.0, 25.0, 100.0]),
-        latency_us=rng.uniform(5, 50),
-    )
-
-
-def memory_extremes(table: CostTable) -> tuple[float, float]:
-    """(leanest possible memory, memory of the unconstrained optimum)."""
-    lean = sum(min(c.memory_bytes for c in table.blocks[kind].values()) for kind in table.block_kinds())
-    return lean, brute_force(table, None).memory_bytes
-
+from support import DEGREES, REL_TOL, memory_extremes, random_table
 
 # 28 seeds: the embedding/head boundary reshards (cost model v2) make the full
 # degree -- usually also the leanest here -- the unconstrained optimum of 7 of them,

@@ -7,7 +7,7 @@ from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import PlanInfeasibleError
-from test_planner_ilp import REL_TOL, memory_extremes, random_table
+from support import REL_TOL, memory_extremes, random_table
 
 
 def limits(table):

@@ -20,7 +20,7 @@ from oases_ds.checkpoint import (LATEST, META_FILE, CheckpointError, CheckpointM
 from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def meta(**overrides) -> CheckpointMeta:

@@ -98,7 +98,7 @@ def test_a_dead_rank_makes_the_others_exit_nonzero(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys
-        sys.path[:0] = {[os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]!r}
+        sys.path[:0] = {[os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]!r}
         import engine_workers as ew, oases_ds
         from dist_workers import make_batch, tiny_config
         cfg = ew.ds_config(4, 1, oases={{"enabled": True, "tensor_parallel_size": 2, "process_group_timeout_s": 20}})

@@ -21,7 +21,7 @@ from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
 from oases_ds.schedule.generators import ScheduleSpec
-from test_planner_cli import ROOT, plan_cli
+from support import ROOT, plan_cli
 
 SMALL = ModelConfig(family="gpt", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=16)
 ONE_TFLOPS = DeviceModel("test", peak_tflops=2.0, achieved_fraction=0.5)  # 1e12 FLOP/s sustained

@@ -5,29 +5,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oases_ds.models.ops import CommOp, ComputeOp
 from oases_ds.schedule import generators
 from oases_ds.schedule.checker import ScheduleError, check
 from oases_ds.schedule.generators import (SCHEDULES, Schedule, ScheduleSpec, build_schedule, register_schedule,
                                           registered_schedules, schedule_segments)
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
-
-
-def _fn(ctx, acts):
-    return acts
-
-
-def block_ops():
-    """One TMP block as in the paper, (F_i, C_i, F_j), framed by a layer boundary:
-    0 embed | 1 F_i (layer 0) | 2 C_i AllReduce | 3 F_j (layer 0) | 4 copy (bwd AllReduce) | 5 loss."""
-    return [
-        ComputeOp("embed", -1, "embed", _fn),
-        ComputeOp("L0.fi", 0, "attn", _fn),
-        CommOp("L0.reduce", 0, "attn", 0, "all_reduce", None, None),
-        ComputeOp("L0.fj", 0, "attn", _fn),
-        CommOp("head_copy", 1, "head", 0, None, "all_reduce", None),
-        ComputeOp("loss", 1, "head", _fn, is_loss=True),
-    ]
+from support import block_ops
 
 
 EXPECTED = {
@@ -158,7 +141,7 @@ def test_sub_batches_apply_only_to_split_overlap_and_oases(name, sub_batches):
     assert {ins.sub for ins in schedule.instructions} == set(range(expected))
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "oases_ds" / "configs" / "schedule"
+CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "oases_ds" / "configs" / "schedule"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)

@@ -2,24 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from test_planner_ilp import random_table
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
+from support import plan_cli, random_table
 
 @pytest.fixture
 def table_file(tmp_path):

@@ -19,9 +19,9 @@ import pytest
 from oases_ds.cli import bench, plan, train
 from oases_ds.data import DataConfig, check_data
 from oases_ds.planner.plan import Plan
-from test_planner_ilp import random_table
+from support import random_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:

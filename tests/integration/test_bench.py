@@ -20,7 +20,7 @@ from oases_ds.bench.provenance import REPO_ROOT
 from oases_ds.cli import bench, bench_report  # the entry points, run as a user would
 from oases_ds.cli.common import PLAN_PRESETS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bench_lines.jsonl")
 ALL_PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "experiment")) if f.endswith(".yaml"))
 PRESETS = [p for p in ALL_PRESETS if p not in PLAN_PRESETS]  # oases-bench's; the planner's are run below
@@ -226,7 +226,7 @@ def test_weak_scaling_simulation_from_fixture(tmp_path):
     import importlib.util
     import json as _json
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("weak_scaling_sim", os.path.join(root, "benchmarks", "weak_scaling_sim.py"))
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)

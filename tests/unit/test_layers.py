@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "oases_ds"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
@@ -65,7 +65,7 @@ def layer_of(module: str) -> str:
     if head in SUBPACKAGES:
         return SUBPACKAGES[head]
     if head not in TOP_LEVEL:
-        raise AssertionError(f"{PACKAGE}/{head}.py has no layer: add it to TOP_LEVEL in tests/test_layers.py")
+        raise AssertionError(f"{PACKAGE}/{head}.py has no layer: add it to TOP_LEVEL in tests/unit/test_layers.py")
     return TOP_LEVEL[head]
 
 

@@ -27,7 +27,7 @@ import pytest
 from oases_ds.cli.common import fail_launch
 from oases_ds.launcher import LaunchError, launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 BOUND_S = 120.0  # generous: the machine is shared; only an unbounded wait is a failure
 

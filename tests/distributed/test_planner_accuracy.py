@@ -7,8 +7,8 @@ import pytest
 
 from oases_ds.planner.accuracy import candidate_plans, spearman
 from oases_ds.planner.plan import Plan
-from test_planner_cli import plan_cli
-from test_planner_ilp import random_table
+from support import plan_cli
+from support import random_table
 
 
 def test_candidates_are_distinct_and_start_with_every_uniform_plan():

@@ -1,0 +1,82 @@
+"""Helpers shared by several test tiers (unit, distributed, integration): synthetic cost
+tables, a one-block operator sequence, and the ``oases-plan`` CLI as a subprocess.
+
+The rank-process workers (``dist_workers``, ``engine_workers``, ``lightning_workers``) and
+the unsharded reference models live beside this module: ``conftest.py`` puts this folder
+on ``sys.path`` so spawned rank processes import them by module path."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+from oases_ds.models.ops import CommOp, ComputeOp
+from oases_ds.planner.costs import BlockCost, CostTable
+from oases_ds.planner.objective import brute_force
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository checkout."""
+
+DEGREES = (1, 2, 4)
+# Ties between plans are fine (only objectives are compared); this covers solver tolerances.
+REL_TOL = 1e-7
+
+
+def random_table(seed: int, layers: int) -> CostTable:
+    """Costs drawn independently per degree so the optimum is not always uniform."""
+    rng = random.Random(seed)
+
+    def block(degree: int) -> BlockCost:
+        return BlockCost(
+            fwd_ms=rng.uniform(1, 10),
+            bwd_ms=rng.uniform(2, 20),
+            comm_fwd_ms=rng.uniform(0, 5) * (degree > 1),
+            comm_bwd_ms=rng.uniform(0, 5) * (degree > 1),
+            state_bytes=rng.uniform(1e9, 8e9) / degree,
+            act_bytes=rng.uniform(1e8, 1e9) * degree / max(DEGREES),
+            grad_sync_ms=rng.uniform(0, 6) / degree,
+        )
+
+    return CostTable(
+        model=f"random-{seed}",
+        cluster="synthetic",
+        schedule="oases",
+        devices=4,
+        degrees=DEGREES,
+        blocks={kind: {t: block(t) for t in DEGREES} for kind in ("attn", "mlp")},
+        layers=layers,
+        reshard_bytes=rng.uniform(1e6, 5e8),
+        bandwidth_gbps=rng.choice([10.0, 25.0, 100.0]),
+        latency_us=rng.uniform(5, 50),
+    )
+
+
+def memory_extremes(table: CostTable) -> tuple[float, float]:
+    """(leanest possible memory, memory of the unconstrained optimum)."""
+    lean = sum(min(c.memory_bytes for c in table.blocks[kind].values()) for kind in table.block_kinds())
+    return lean, brute_force(table, None).memory_bytes
+
+
+def _fn(ctx, acts):
+    return acts
+
+
+def block_ops():
+    """One TMP block as in the paper, (F_i, C_i, F_j), framed by a layer boundary:
+    0 embed | 1 F_i (layer 0) | 2 C_i AllReduce | 3 F_j (layer 0) | 4 copy (bwd AllReduce) | 5 loss."""
+    return [
+        ComputeOp("embed", -1, "embed", _fn),
+        ComputeOp("L0.fi", 0, "attn", _fn),
+        CommOp("L0.reduce", 0, "attn", 0, "all_reduce", None, None),
+        ComputeOp("L0.fj", 0, "attn", _fn),
+        CommOp("head_copy", 1, "head", 0, None, "all_reduce", None),
+        ComputeOp("loss", 1, "head", _fn, is_loss=True),
+    ]
+
+
+
+def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
