@@ -37,10 +37,24 @@ import json
 import os
 import statistics
 import time
+import weakref
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from oases_ds.bench.provenance import git_commit, machine
 from oases_ds.bench.spec import reference_tp, resolve
+from oases_ds.data import DataConfig, TokenBatches
+from oases_ds.launcher import launch
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.grads import all_reduce_grads
+from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.runtime.executor import Executor
+from oases_ds.schedule.generators import ScheduleSpec
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
 
@@ -73,16 +87,12 @@ class ActivationProbe:
     """
 
     def __init__(self, executor, model) -> None:
-        import weakref
-
         self.executor = executor
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.saved: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.peak = 0
 
     def _storages(self, obj, out: dict[int, int]) -> None:
-        import torch
-
         if isinstance(obj, torch.Tensor):
             s = obj.untyped_storage()
             if s.data_ptr() not in self.params:
@@ -102,8 +112,6 @@ class ActivationProbe:
         self.peak = max(self.peak, sum(live.values()))
 
     def run(self, batch) -> int:
-        import torch
-
         def pack(t):
             self.saved[id(t)] = t
             return t
@@ -119,26 +127,12 @@ class ActivationProbe:
 
 def _flat_grad_sync(model, comm, dp_group) -> None:
     """DP gradient mean as one bucket through the (emulated) communicator, like DeepSpeed's bucket."""
-    from oases_ds.parallel.grads import all_reduce_grads
-
     all_reduce_grads(list(model.parameters()), comm, dp_group, mean=True)
 
 
 def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Everything one rank does: calibrate the link, then run the variants interleaved."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    from oases_ds.data import DataConfig, TokenBatches
-    from oases_ds.models.config import ModelConfig
-    from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.parallel.context import ParallelContext
-    from oases_ds.parallel.link import LinkModel
-    from oases_ds.parallel.random import RNGTracker
-    from oases_ds.runtime.executor import Executor
-    from oases_ds.schedule.generators import ScheduleSpec
+    import resource  # local: Unix only, and only a measuring rank reads its peak RSS
 
     ctx = ParallelContext.build(tensor_parallel_size=spec["tp"], timeout_s=spec["timeout_s"])
     cfg = ModelConfig(**spec["model"])
@@ -234,8 +228,6 @@ def default_out() -> str:
 
 def assemble(spec: dict, config: dict, ranks: list[dict], wall_s: float) -> dict[str, Any]:
     """The JSON line: everything needed to reproduce and to read the measurement."""
-    import torch
-
     model = spec["model"]
     rank0 = ranks[0]
     variants = {}
@@ -285,8 +277,6 @@ def append_jsonl(path: str, record: dict) -> None:
 
 def run_measurement(config: dict) -> dict[str, Any]:
     """Validate, launch ``tp x dp`` rank processes, assemble and append the record; return it."""
-    from oases_ds.launcher import launch
-
     spec = resolve(config)
     config = {**config, "out": config["out"] or default_out()}  # the record says where it went
     started = time.perf_counter()

@@ -23,6 +23,7 @@ from collections import defaultdict
 from typing import Any
 
 from oases_ds.bench.provenance import REPO_ROOT
+from oases_ds.utils.io import write_text_atomic
 
 BASELINE = "megatron"
 MiB = 2**20
@@ -138,6 +139,7 @@ def record_table(r: dict) -> list[str]:
 
 # -- plots -----------------------------------------------------------------------------------------
 def _plt():
+    # local: matplotlib is slow to import and only the plots need it (and its backend is set first)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -581,9 +583,7 @@ def write_study(study: str, records: list[dict], out_dir: str, validation: str) 
     if study == "e2e":
         md += validation_section(validation, sharing_of(records))
     path = os.path.join(out_dir, f"{stem}.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(md) + "\n")
-    os.replace(path + ".tmp", path)
+    write_text_atomic(path, "\n".join(md) + "\n")
     return path
 
 
@@ -634,9 +634,7 @@ def write_cost_model(path: str, out_dir: str) -> str:
                   f"{r['measured_ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f}) | {r['measured_ms'] / r['predicted_ms']:.3f} |")
     md += ["", f"![predicted vs measured]({stem}-scatter.png)", ""]
     out = os.path.join(out_dir, f"{stem}.md")
-    with open(out + ".tmp", "w") as f:
-        f.write("\n".join(md) + "\n")
-    os.replace(out + ".tmp", out)
+    write_text_atomic(out, "\n".join(md) + "\n")
     return out
 
 

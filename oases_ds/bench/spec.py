@@ -17,6 +17,11 @@ from typing import Any
 
 import yaml
 
+from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.topology import Topology
+from oases_ds.schedule.generators import ScheduleSpec
+
 # The Hydra configs ship inside the package (``oases_ds/configs``; the repository's
 # top-level ``configs`` is a link to it), so the CLIs work from a wheel as well as a clone.
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -60,11 +65,6 @@ def reference_tp(cluster: dict, reference: dict) -> int:
 
 def resolve(cfg: dict) -> dict[str, Any]:
     """Validate everything against the library's own types; raise ValueError with one line."""
-    from oases_ds.models.config import ModelConfig
-    from oases_ds.parallel.link import LinkModel
-    from oases_ds.parallel.topology import Topology
-    from oases_ds.schedule.generators import ScheduleSpec
-
     model = ModelConfig(**cfg["model"])
     tp, dp = cfg["tensor_parallel_size"], cfg["data_parallel_size"]
     if tp < 1 or dp < 1:

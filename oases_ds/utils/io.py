@@ -24,19 +24,29 @@ from typing import Any
 
 PathLike = str | os.PathLike[str]
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+"""The process umask, read once at import (reading it means setting it, which is not
+thread-safe later).  ``mkstemp`` creates files private to their owner (0600); a
+written file gets the mode ``open(path, "w")`` would give it instead."""
+
 
 def write_bytes_atomic(path: PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data``; readers see the old content or the new, nothing between.
 
     Creates the parent directory if needed.  The temporary file is
     ``.<name>.<random>.tmp`` beside the target (hidden, so a directory listing
-    never mistakes it for a result).
+    never mistakes it for a result); the file gets the mode a plain ``open``
+    would give it (``0666`` less the umask), so other users and nodes can read
+    a plan or a report as before.
     """
     target = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(target)
     os.makedirs(directory, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):  # not on Windows, where modes mean little
+            os.fchmod(handle, 0o666 & ~_UMASK)
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
             stream.flush()

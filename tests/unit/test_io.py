@@ -70,6 +70,16 @@ def test_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path, mon
     assert calls == expected
 
 
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX file modes")
+def test_the_file_gets_the_mode_open_would_give_not_mkstemps_0600(tmp_path) -> None:
+    """mkstemp makes owner-only files; a plan or report read by another user or node must not be."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path = tmp_path / "plan.json"
+    write_json_atomic(path, {"attn": [2]})
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+
+
 def test_a_directory_that_refuses_fsync_is_not_an_error(tmp_path, monkeypatch) -> None:
     """Some filesystems answer EINVAL to fsync on a directory; the write still counts."""
     real_fsync = os.fsync
