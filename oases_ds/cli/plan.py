@@ -11,6 +11,7 @@ plan next to it -- the baseline a plan must beat.  Hydra lives here and in
 from __future__ import annotations
 
 import dataclasses
+import dataclasses as dc
 import datetime
 import re
 import sys
@@ -28,6 +29,18 @@ from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, fail_launch, stop
 from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 from oases_ds.launcher import LaunchError, LaunchInterrupted
+from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import LinkModel
+from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
+from oases_ds.planner.analytic import DeviceModel, analytic_table
+from oases_ds.planner.costs import CostTable
+from oases_ds.planner.dp import solve_dp
+from oases_ds.planner.ilp import solve
+from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
+from oases_ds.planner.plan import Plan, PlanInfeasibleError
+from oases_ds.planner.profile import ProfileSpec, cache_path, profile, profile_rows
+from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.utils.io import write_json_atomic
 
 COSTS = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -111,11 +124,6 @@ def parse_bytes(field: str, value: Any) -> float | None:
 
 
 def _spec(cfg: dict) -> Any:
-    from oases_ds.models.config import ModelConfig
-    from oases_ds.parallel.link import LinkModel
-    from oases_ds.planner.profile import ProfileSpec
-    from oases_ds.schedule.generators import ScheduleSpec
-
     sched, cluster, planner = cfg["schedule"], cfg["cluster"], cfg["planner"]
     link = cluster.get("link")
     return ProfileSpec(
@@ -134,7 +142,6 @@ def _spec(cfg: dict) -> Any:
 
 def _device(cfg: dict) -> Any:
     """The cluster's device for ``cost=analytic``; one line naming what is missing."""
-    from oases_ds.planner.analytic import DeviceModel
 
     cluster = cfg["cluster"]
     missing = [f"cluster.{key}" for key in ("link", "device") if not cluster.get(key)]
@@ -149,8 +156,6 @@ def _device(cfg: dict) -> Any:
 
 
 def _analytic(cfg: dict) -> tuple[Any, str]:
-    from oases_ds.planner.analytic import analytic_table
-
     if cfg["planner"]["exposed"] != "model":
         raise ValueError(f"planner.exposed={cfg['planner']['exposed']!r} needs a measured timeline; "
                          f"cost=analytic models the exposed comm: use planner.exposed=model or cost=profile")
@@ -165,8 +170,6 @@ def _analytic(cfg: dict) -> tuple[Any, str]:
 
 def _load_table(cfg: dict) -> tuple[Any, str]:
     """The cost table and a line saying where it came from."""
-    from oases_ds.planner.costs import CostTable
-    from oases_ds.planner.profile import cache_path, profile
 
     if cfg["cost"] not in COSTS:
         raise ValueError(f"cost={cfg['cost']!r} unknown; choose one of {', '.join(COSTS)}")
@@ -196,20 +199,14 @@ def _load_table(cfg: dict) -> tuple[Any, str]:
 
 def _solve(table: Any, limit: float | None, planner: dict) -> Any:
     if planner["solver"] == "dp":
-        from oases_ds.planner.dp import solve_dp
-
         return solve_dp(table, limit)
     if planner["solver"] == "ilp":
-        from oases_ds.planner.ilp import solve
-
         return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
     raise ValueError(f"planner.solver={planner['solver']!r} unknown; choose ilp or dp")
 
 
 def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
     """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None."""
-    from oases_ds.planner.plan import Plan
-    from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 
     options = []
     for degree in table.degrees:
@@ -223,9 +220,6 @@ def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
 
 
 def run(cfg: dict) -> None:
-    from oases_ds.planner.plan import PlanInfeasibleError
-    from oases_ds.planner.profile import profile_rows
-
     check_ranges(cfg)
     if cfg["mode"] not in ("plan", "profile", "accuracy"):
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
@@ -264,13 +258,6 @@ def _describe(degrees: list[int]) -> str:
 
 def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     """Measure >= ``accuracy.plans`` plans for real and rank-correlate with the cost model."""
-    import dataclasses as dc
-
-    from oases_ds.models.config import ModelConfig
-    from oases_ds.parallel.link import LinkModel
-    from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
-    from oases_ds.utils.io import write_json_atomic
-    from oases_ds.schedule.generators import ScheduleSpec
 
     acc, sched, link = cfg["accuracy"], cfg["schedule"], cfg["cluster"].get("link")
     plans = candidate_plans(table, acc["plans"], [solved], seed=acc["seed"])

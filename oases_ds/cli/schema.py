@@ -23,10 +23,19 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Callable, Literal, Optional, Sequence
 
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import MissingConfigException
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from oases_ds.cli.common import CONFIG_DIR, fail
+from oases_ds.data import DataConfig
+from oases_ds.models.config import ModelConfig
 
 
 def _schema_type(hint: Any) -> Any:
@@ -48,9 +57,6 @@ def schema_of(cls: type, name: str) -> type:
 
 
 def _library_schemas() -> tuple[type, type]:
-    from oases_ds.data import DataConfig
-    from oases_ds.models.config import ModelConfig
-
     return schema_of(ModelConfig, "ModelSchema"), schema_of(DataConfig, "DataSchema")
 
 
@@ -157,7 +163,6 @@ def unknown_keys(cfg: dict, schema: type, prefix: str = "") -> list[str]:
 def error_line(err: BaseException, schema: type | None = None, culprit: Callable[[], str | None] | None = None) -> str:
     """One line for a Hydra/OmegaConf composition error: the key, what is wrong, the fix.
     For an error that carries no key, ``culprit()`` names the override to blame."""
-    from hydra.errors import MissingConfigException
 
     chain, e = [], err
     while e is not None and len(chain) < 6:
@@ -225,7 +230,6 @@ def check_experiment(args: Sequence[str], mine: Sequence[str], cli: str, elsewhe
 
 def first_point(args: Sequence[str]) -> list[str]:
     """Command-line overrides with every sweep replaced by its first value (for the up-front check)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out = []
     for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
@@ -241,7 +245,6 @@ def first_point(args: Sequence[str]) -> list[str]:
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> dict[str, Any]:
     """The config Hydra would build for ``overrides`` (one point, no sweep), as a plain dict."""
-    from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         dcfg = compose(config_name=config_name, overrides=list(overrides))

@@ -20,12 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import hydra
+import torch
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import oases_ds
 from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
 from oases_ds.cli.schema import ClusterSchema, DataSchema, ModelSchema, ScheduleSchema
+from oases_ds.config import check_deepspeed_section, parse_oases_section
+from oases_ds.data import DataConfig, TokenBatches, check_data
+from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
+from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.topology import Topology
+from oases_ds.planner.plan import Plan
+from oases_ds.utils.io import write_json_atomic
 
 
 # -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
@@ -101,11 +111,8 @@ def ds_config(cfg: dict) -> dict:
 def validate(cfg: dict) -> None:
     """Fail before launching anything, with one line naming the field: a rank that finds a
     bad value fails alone, after every other rank has started and waits for it."""
+    # Local: oases_ds.checkpoint imports DeepSpeed (seconds); a typo'd key fails before that.
     from oases_ds.checkpoint import CheckpointMeta, preflight
-    from oases_ds.config import check_deepspeed_section, parse_oases_section
-    from oases_ds.data import DataConfig, check_data
-    from oases_ds.models.config import ModelConfig
-    from oases_ds.parallel.topology import Topology
 
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
     model = ModelConfig(**cfg["model"])
@@ -118,8 +125,6 @@ def validate(cfg: dict) -> None:
     model.check_tp(oases.tensor_parallel_size)
     replicas = 1
     if oases.plan:
-        from oases_ds.planner.plan import Plan
-
         try:
             plan = Plan.from_json(oases.plan)
         except OSError as err:
@@ -143,11 +148,6 @@ def validate(cfg: dict) -> None:
 
 def train_rank(cfg: dict) -> dict[str, Any]:
     """Everything one rank does; returns rank 0's summary (other ranks: their final loss)."""
-    import torch
-
-    import oases_ds
-    from oases_ds.data import DataConfig, TokenBatches
-    from oases_ds.models.config import ModelConfig
 
     model_cfg = ModelConfig(**cfg["model"])
     engine, *_ = oases_ds.initialize(model=model_cfg, config=ds_config(cfg))
@@ -195,8 +195,6 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
     }
     if is_main and cfg["stats_out"]:
-        from oases_ds.utils.io import write_json_atomic
-
         write_json_atomic(cfg["stats_out"], {"summary": summary, "history": history, "config": cfg})
     return summary
 
@@ -222,10 +220,6 @@ def main(dcfg: DictConfig) -> None:
         if int(os.environ["RANK"]) == 0:
             print_summary(summary)
         return
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-
-    from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
 
     # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
     env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
