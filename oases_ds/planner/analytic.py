@@ -266,6 +266,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
         reshard_bytes=float(spec.micro_batch // sub * cfg.seq_len * cfg.hidden_size * ACTIVATION_BYTES),
         bandwidth_gbps=link.bandwidth_gbps,
         latency_us=link.latency_us,
+        sub_batches=sub,
         measurements={
             "source": "analytic (oases_ds.planner.analytic): FLOPs / device throughput, LinkModel collectives",
             "device": dataclasses.asdict(device),

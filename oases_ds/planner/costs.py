@@ -21,10 +21,6 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-SUB_BATCHES = 2
-"""Sub-batches per micro-batch (DESIGN: the overlapped schedule splits each in two);
-each is resharded separately, so an edge pays its collective this many times."""
-
 COST_MODEL_VERSION = 2
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
@@ -123,8 +119,16 @@ class CostTable:
     """Free-form evidence behind the numbers (raw comm, measured exposed comm,
     per-op times, how grad sync was obtained), written by the profiler; the
     solver ignores it.  JSON-ready: string keys only."""
+    sub_batches: int = 2
+    """Sub-batches the schedule really runs per micro-batch (``ScheduleSpec.effective_sub_batches``:
+    1 for a blocking schedule).  Each sub-batch is resharded separately and the last one's
+    collective overlaps ``1/sub_batches`` of the neighbouring block, so the edge costs depend on
+    it.  2, the paper's split, when a table written before this field is loaded."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sub_batches, int) or isinstance(self.sub_batches, bool) or self.sub_batches < 1:
+            raise ValueError(f"CostTable.sub_batches must be an int >= 1 (the schedule's effective sub-batches), "
+                             f"got {self.sub_batches!r}")
         if self.devices < 1:
             raise ValueError(f"CostTable.devices must be >= 1, got {self.devices}")
         if self.layers < 1:
@@ -210,7 +214,7 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
       ranks; backward keeps the local rows of the replicated gradient, a slice.
 
     So either direction costs one slice and one AllGather of the big group's
-    share ``reshard_bytes * big / T``, once per sub-batch.  The gathered block
+    share ``reshard_bytes * big / T``, once per sub-batch (``table.sub_batches``).  The gathered block
     input is what the next block checkpoints, so recompute does not repeat the
     gather.  The time is charged as fully exposed: the schedule has no compute
     of the same sub-batch to hide it behind.
@@ -219,14 +223,14 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
         return 0.0
     small, big = sorted((t_from, t_to))
     gathered_bytes = table.reshard_bytes * big / table.devices
-    return SUB_BATCHES * (SLICE_MS + allgather_ms(table, big // small, gathered_bytes))
+    return table.sub_batches * (SLICE_MS + allgather_ms(table, big // small, gathered_bytes))
 
 
 def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
     """Edge cost between block ``block`` at ``t_from`` and block ``block + 1`` at ``t_to``.
 
     Besides the reshard, it carries the collectives the node costs leave out
-    (:attr:`BlockCost.comm_fwd_last_ms`): with ``s`` sub-batches, block i's forward
+    (:attr:`BlockCost.comm_fwd_last_ms`): with ``s`` sub-batches (``table.sub_batches``), block i's forward
     collective of the last sub-batch overlaps sub-batch 0's compute of block i+1
     (``fwd_ms / s``), and block i+1's backward collective of the last sub-batch
     overlaps sub-batch 0's backward of block i (``bwd_ms / s``)::
@@ -241,8 +245,9 @@ def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
     kinds = table.block_kinds()
     here, there = table.blocks[kinds[block]][t_from], table.blocks[kinds[block + 1]][t_to]
     if t_from == t_to:
-        return (max(0.0, here.comm_fwd_last_ms - there.fwd_ms / SUB_BATCHES)
-                + max(0.0, there.comm_bwd_last_ms - here.bwd_ms / SUB_BATCHES))
+        sub_batches = table.sub_batches
+        return (max(0.0, here.comm_fwd_last_ms - there.fwd_ms / sub_batches)
+                + max(0.0, there.comm_bwd_last_ms - here.bwd_ms / sub_batches))
     return reshard_ms(table, t_from, t_to) + here.comm_fwd_last_ms + there.comm_bwd_last_ms
 
 

@@ -378,6 +378,7 @@ def table_from_measurements(
         reshard_bytes=float(spec.micro_batch // sub * m.seq_len * m.hidden_size * 4),
         bandwidth_gbps=bandwidth,
         latency_us=latency,
+        sub_batches=sub,
         measurements={
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "profile_wall_s": wall_s,

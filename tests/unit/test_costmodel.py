@@ -5,6 +5,9 @@ import pytest
 
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
+from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
+from oases_ds.planner.objective import brute_force, predict_step_ms
+from oases_ds.planner.plan import Plan
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from support import block_ops
 
@@ -51,12 +54,19 @@ def test_oases_hides_what_megatron_exposes_when_comm_equals_compute():
 
 def test_a_slower_link_exposes_comm_under_oases_too():
     """A 10x slower link (what-if): each collective takes 10 ms per sub-batch; the link is
-    shared, so messages queue; the simulator must still end after the last message."""
+    shared, so messages queue behind each other::
+
+        compute f0.0 f1.0 f0.1 f1.1 |wait 4-12| F3.0 F5.0 B5.0 |wait 16-22| F3.1 F5.1 B5.1 |wait 26-32|
+                B3.0 R0.0 R1.0 B1.0 B0.0 |wait 40-42| B3.1 R0.1 R1.1 B1.1 B0.1            ends at 50
+        link    C2.0 2-12, C2.1 12-22, Cb4.0 22-32, Cb4.1 32-42
+    """
     ops = block_ops()
     slow = LinkModel(bandwidth_gbps=0.8)
     result = simulate_step(build_schedule(ScheduleSpec("oases"), ops), ops, costs(1, 2, 1), slow)
-    assert result.exposed_comm_ms > 0
-    assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
+    assert result.step_ms == pytest.approx(50)
+    assert result.exposed_comm_ms == pytest.approx(8 + 6 + 6 + 2)
+    assert [(e.start_ms, e.end_ms) for e in result.lane("wait")] == [(4, 12), (16, 22), (26, 32), (40, 42)]
+    assert [(e.start_ms, e.end_ms) for e in result.lane("comm")] == [(2, 12), (12, 22), (22, 32), (32, 42)]
     comm = result.lane("comm")
     assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(comm, comm[1:]))  # one message at a time
     megatron = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), slow)
@@ -70,11 +80,18 @@ def test_link_latency_is_paid_per_collective():
     assert latent.step_ms - base.step_ms == pytest.approx(3 * 0.5)  # three blocking collectives
 
 
-def test_sub_batches_and_cross_pass_ablation_run_through_the_simulator():
+@pytest.mark.parametrize("spec, compute", [
+    (ScheduleSpec("oases", sub_batches=3), 3 * 14),  # per sub-batch: 4 forwards of 1, 2 recomputes of 1, 4 backwards of 2
+    (ScheduleSpec("oases", cross_pass=False), 2 * 14),
+])
+def test_sub_batches_and_cross_pass_ablation_run_through_the_simulator(spec, compute):
+    """Each 1 ms collective starts while the next sub-batch still has 2 ms of compute (or
+    the next pass begins), so none waits: the step is the compute alone."""
     ops = block_ops()
-    for spec in (ScheduleSpec("oases", sub_batches=3), ScheduleSpec("oases", cross_pass=False)):
-        result = simulate_step(build_schedule(spec, ops), ops, costs(1, 2, 1), LINK)
-        assert result.step_ms == pytest.approx(result.compute_ms + result.exposed_comm_ms)
+    result = simulate_step(build_schedule(spec, ops), ops, costs(1, 2, 1), LINK)
+    assert result.compute_ms == pytest.approx(compute)
+    assert result.step_ms == pytest.approx(compute)
+    assert result.lane("wait") == [] and result.comm_ms == pytest.approx(2 * spec.sub_batches)
 
 
 TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=4.0, bwd_ms=8.0, comm_fwd_ms=3.0, comm_bwd_ms=5.0)
@@ -139,3 +156,77 @@ def test_pipelined_comm_hides_fully_when_compute_covers_it():
     fast_link = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=2.0, comm_bwd_ms=6.0)
     # nothing left on the node; the last sub-batch's collective still goes to the edge
     assert pipelined_comm_ms(fast_link, ScheduleSpec("oases", 2)) == pytest.approx((0.0, 0.0, 1.0, 3.0))
+
+
+# -- edge costs take the schedule's sub-batch count from the table --------------------
+def two_layer_table(sub_batches: int) -> CostTable:
+    """A hand-sized T=2 table: 8 Gbit/s is 1e6 bytes per ms, 100 us per collective.
+
+    Node costs (fwd + bwd + comm + grad sync): attn 13 at t=1, 8 at t=2; mlp 20 at t=1, 12 at t=2.
+    """
+    def cost(fwd, bwd, comm_fwd, comm_bwd, grad_sync, fwd_last, bwd_last):
+        return BlockCost(fwd_ms=fwd, bwd_ms=bwd, comm_fwd_ms=comm_fwd, comm_bwd_ms=comm_bwd, state_bytes=0.0,
+                         act_bytes=0.0, grad_sync_ms=grad_sync, comm_fwd_last_ms=fwd_last, comm_bwd_last_ms=bwd_last)
+
+    return CostTable(
+        model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+        blocks={"attn": {1: cost(4, 8, 0, 0, 1, 0, 0), 2: cost(2, 4, 1, 1, 0, 5, 3)},
+                "mlp": {1: cost(6, 12, 0, 0, 2, 0, 0), 2: cost(3, 6, 1, 2, 0, 4, 6)}},
+        layers=2, reshard_bytes=4e6, bandwidth_gbps=8.0, latency_us=100.0, sub_batches=sub_batches,
+    )
+
+
+# One reshard between degrees 1 and 2, per sub-batch: slice 0.005 + AllGather of the degree-2 share
+# (4e6 * 2/2 bytes, half of it received) = 0.005 + 0.1 + 2.0 = 2.105 ms.
+RESHARD_PER_SUB_BATCH = 2.105
+
+
+@pytest.mark.parametrize("sub_batches, same_degree_edge, step", [
+    # attn(2) -> mlp(2): max(0, 5 - 3/s) + max(0, 6 - 4/s)
+    # plan attn 2,1 / mlp 2,2: nodes 8+12+13+12 = 45; mixed edges (2.105 s + 4) + (2.105 s + 6); ends 3 + 4
+    (1, 2.0 + 2.0, 45 + 4.0 + 2 * 2.105 + 10 + 7),
+    (2, 3.5 + 4.0, 45 + 7.5 + 4 * 2.105 + 10 + 7),
+    (4, 4.25 + 5.0, 45 + 9.25 + 8 * 2.105 + 10 + 7),
+])
+def test_edge_costs_use_the_tables_sub_batches(sub_batches, same_degree_edge, step):
+    table = two_layer_table(sub_batches)
+    assert reshard_ms(table, 1, 2) == reshard_ms(table, 2, 1) == pytest.approx(sub_batches * RESHARD_PER_SUB_BATCH)
+    assert edge_ms(table, 0, 2, 2) == pytest.approx(same_degree_edge)
+    assert edge_ms(table, 1, 2, 1) == pytest.approx(sub_batches * RESHARD_PER_SUB_BATCH + 4.0)  # mlp(2)'s last forward
+    assert edge_ms(table, 2, 1, 2) == pytest.approx(sub_batches * RESHARD_PER_SUB_BATCH + 6.0)  # mlp(2)'s last backward
+    assert first_block_ms(table, 1) == pytest.approx(sub_batches * RESHARD_PER_SUB_BATCH)  # embedding at T=2
+    assert first_block_ms(table, 2) == pytest.approx(3.0) and last_block_ms(table, 2) == pytest.approx(4.0)
+    plan = Plan.from_block_degrees([2, 2, 1, 2], 2)
+    assert predict_step_ms(table, plan) == pytest.approx(step)
+
+
+@pytest.mark.parametrize("sub_batches, best_ms", [
+    # uniform 2 by hand: nodes 40; attn->mlp edges 2x(same_degree_edge); mlp->attn max(0, 4 - 2/s) + max(0, 3 - 6/s);
+    # ends 3 + 4.  Uniform 1: 66 + 2 reshards (70.2 at s=1).  A mix runs some block at degree 1, so it reshards
+    # down and back up (>= 2 x 2.105 s) and pays the degree-2 neighbours' last collectives in full at those
+    # edges; e.g. attn 1,2 / mlp 2,2 at s=1: 45 + 2.105 + (2.105 + 6) + 2 + 4 + 4 = 65.2 > 57.
+    (1, 40 + 2 * 4.0 + 2.0 + 0.0 + 7),
+    (2, 40 + 2 * 7.5 + 3.0 + 0.0 + 7),
+    (4, 40 + 2 * 9.25 + 3.5 + 1.5 + 7),
+])
+def test_brute_force_on_the_hand_table_picks_degree_two_everywhere(sub_batches, best_ms):
+    best = brute_force(two_layer_table(sub_batches), None)
+    assert best.block_degrees() == [2, 2, 2, 2]
+    assert best.predicted_step_ms == pytest.approx(best_ms)
+
+
+def test_a_table_without_a_whole_sub_batch_count_is_refused():
+    with pytest.raises(ValueError, match=r"^CostTable.sub_batches must be an int >= 1 .*got 0$"):
+        two_layer_table(0)
+
+
+def test_sub_batches_survive_json_and_an_older_table_reads_as_two(tmp_path):
+    import json
+
+    path = tmp_path / "t.json"
+    two_layer_table(4).to_json(path)
+    assert CostTable.from_json(path).sub_batches == 4
+    data = json.loads(path.read_text())
+    del data["sub_batches"]  # written before the field existed: the paper's 2 was hard-coded then
+    path.write_text(json.dumps(data))
+    assert CostTable.from_json(path).sub_batches == 2
