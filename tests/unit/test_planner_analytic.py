@@ -78,6 +78,19 @@ def test_backward_is_twice_forward_plus_what_the_schedule_recomputes(schedule, r
             assert c.bwd_ms == pytest.approx((2 + recompute[kind]) * c.fwd_ms, rel=1e-12)
 
 
+@pytest.mark.parametrize("schedule, sub_batches, expected", [
+    (ScheduleSpec("oases", sub_batches=4), 4, 4),
+    (ScheduleSpec("oases"), 2, 2),
+    (ScheduleSpec("megatron", sub_batches=4), 4, 1),  # blocking: runs the micro-batch whole
+])
+def test_the_table_carries_the_sub_batches_its_schedule_runs(schedule, sub_batches, expected):
+    """The edge costs read ``CostTable.sub_batches``; a 4-way split reshards 4 sub-batches, megatron one."""
+    spec = ProfileSpec(model=SMALL, devices=4, micro_batch=16, schedule=schedule, link=PCIE, cluster="test")
+    costs = analytic_table(spec, ONE_TFLOPS, 2)
+    assert costs.sub_batches == expected
+    assert costs.reshard_bytes == 16 / expected * 16 * 64 * 2  # one sub-batch of fp16 activations
+
+
 # -- memory ----------------------------------------------------------------------
 def test_state_is_sixteen_bytes_per_parameter_and_shrinks_with_t():
     H = 64
