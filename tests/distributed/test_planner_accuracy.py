@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from oases_ds.planner.accuracy import candidate_plans, spearman
+from oases_ds.planner.accuracy import Setup, candidate_plans, mixed_spearman, spearman, summary_markdown
 from oases_ds.planner.plan import Plan
-from support import plan_cli
+from support import ROOT, plan_cli
 from support import random_table
 
 
@@ -58,6 +61,53 @@ def pearson(x: list[float], y: list[float]) -> float:
 
 def test_hand_ranks_share_ties():
     assert ranks([5.0, 1.0, 5.0, 3.0]) == [3.5, 1.0, 3.5, 2.0]
+
+
+def row(attn: list[int], mlp: list[int], predicted: float, measured: float) -> dict:
+    return {"attn": attn, "mlp": mlp, "predicted_ms": predicted, "measured_ms": measured}
+
+
+# Two uniform plans ranked right, far from the rest; four mixes whose middle two are swapped.
+ROWS = [row([1, 1], [1, 1], 100, 1000), row([2, 2], [2, 2], 10, 100),
+        row([1, 2], [2, 2], 20, 200), row([2, 1], [2, 2], 30, 400), row([2, 2], [1, 2], 40, 300),
+        row([1, 1], [2, 1], 50, 500)]
+
+
+def test_mixed_spearman_ranks_only_the_mixes():
+    """Mixes predicted 20,30,40,50, measured ranks 1,3,2,4: d = 0,1,1,0, rho = 1 - 6 * 2 / (4 * 15) = 0.8;
+    over all six plans the uniform ones lift it to 1 - 6 * 2 / (6 * 35) = 0.943."""
+    assert mixed_spearman(ROWS) == (pytest.approx(0.8), 4)
+    assert spearman([r["predicted_ms"] for r in ROWS], [r["measured_ms"] for r in ROWS])[0] == pytest.approx(1 - 12 / 210)
+    assert mixed_spearman(ROWS[:4]) == (None, 2)  # two mixes always rank +-1: not reported
+
+
+def test_summary_reports_each_setup_against_the_target():
+    result = {"rows": ROWS, "spearman": 1 - 12 / 210, "p_value": 0.005, "spearman_mixed": 0.8, "mixed_plans": 4,
+              "table_key": "k", "time": "t", "machine": {"cpu_count": 2}, "git_commit": "abc", "config": {}}
+    entries = [(Setup("all", "nothing", ()), "a.json", result),
+               (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
+               (Setup("gone", "never run", ()), "c.json", None)]
+    text = summary_markdown(entries, "note")
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | `c.json` missing |" in text
+    assert "- overrides: `accuracy.seed=1`; table `k`" in text
+    assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
+
+
+def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    results.mkdir()
+    (results / "planner_accuracy-link_1g.json").write_text(json.dumps(
+        {"rows": ROWS, "spearman": 0.95, "p_value": 0.01, "spearman_mixed": 0.8, "mixed_plans": 4}))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cost_model_oos.py"), "--report-only",
+                           "--setup", "link_1g", "--setup", "tmp4", "--results-dir", str(results),
+                           "--report-dir", str(reports)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (report,) = reports.iterdir()
+    text = report.read_text()
+    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes |" in text
+    assert "| tmp4 | T=4: degrees 1, 2 and 4" in text and "planner_accuracy-tmp4.json` missing |" in text
 
 
 @pytest.mark.distributed

@@ -1,0 +1,98 @@
+"""Cost-model accuracy out of sample: score cost model v2 on setups it was not tuned on.
+
+Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, ~15-25 min on a quiet
+2-core machine) or ``--setup link_1g`` (repeatable).  Each setup is
+``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
+``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
+``benchmarks/reports/cost_model_oos-<date>.md`` is generated from those files
+(:func:`oases_ds.planner.accuracy.summary_markdown`).  ``--report-only`` regenerates
+it from the files already there.  ``--quick`` checks the harness in minutes (3 plans
+reach no conclusion: its Spearman is noise by design), into ``--results-dir``.
+
+The model is *not* retuned on these setups: a miss is reported, not fitted away.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oases_ds.planner.accuracy import Setup, summary_markdown  # noqa: E402
+from oases_ds.utils.io import write_text_atomic  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETUPS: tuple[Setup, ...] = (
+    Setup("in_sample", "nothing: gpt_small, T=2, 0.2 Gbit/s, 10 plans (the tuning setup, for reference)", ()),
+    Setup("link_1g", "link 1 Gbit/s instead of 0.2 (comm 5x cheaper against the same compute)",
+          ("cluster.name=cpu_1g", "cluster.link.bandwidth_gbps=1.0")),
+    Setup("llama", "family LLaMA (RMSNorm, SwiGLU MLP, rotary attention)", ("model=llama_small",)),
+    Setup("bert", "family BERT (post-norm, masked-LM head)", ("model=bert_small",)),
+    Setup("tmp4", "T=4: degrees 1, 2 and 4, 4 ranks, micro-batch 16", ("devices=4", "micro_batch=16")),
+    Setup("mixed", "only the plans that mix degrees are ranked (14 plans, another seed)",
+          ("accuracy.plans=14", "accuracy.seed=1"), mixed_only=True),
+)
+
+QUICK = ("accuracy.plans=4", "accuracy.warmup=0", "accuracy.repeats=1", "planner.warmup=0", "planner.repeats=1")
+"""Harness check: every stage runs, nothing is concluded."""
+
+
+def result_path(results_dir: Path, setup: Setup) -> Path:
+    return results_dir / f"planner_accuracy-{setup.name}.json"
+
+
+def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str) -> float:
+    """Run one setup through ``oases-plan``; returns its wall seconds.  Its output streams through."""
+    cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", *setup.overrides,
+           *(QUICK if quick else ()), f"accuracy.out={result_path(results_dir, setup)}", f"planner.cache_dir={cache_dir}"]
+    print(f"== {setup.name}: {' '.join(cmd[2:])}", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode:
+        raise SystemExit(f"error: setup {setup.name} failed (exit {proc.returncode}); its output is above")
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = [s.name for s in SETUPS]
+    parser.add_argument("--setup", action="append", choices=names, help="only these setups (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="harness check: 4 plans, 1 round, no warm-up")
+    parser.add_argument("--report-only", action="store_true", help="no measuring: report the result files there")
+    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--report-dir", default=str(ROOT / "benchmarks" / "reports"))
+    parser.add_argument("--cache-dir", default=".oases/profiles", help="profile cache (planner.cache_dir)")
+    args = parser.parse_args(argv)
+    results_dir = Path(args.results_dir)
+    chosen = [s for s in SETUPS if not args.setup or s.name in args.setup]
+    walls: dict[str, float] = {}
+    if not args.report_only:
+        for setup in chosen:
+            walls[setup.name] = run_setup(setup, results_dir, args.quick, args.cache_dir)
+            print(f"== {setup.name}: {walls[setup.name]:.0f} s", flush=True)
+    entries = []
+    for setup in chosen:
+        path = result_path(results_dir, setup)
+        shown = os.path.relpath(path, ROOT)
+        entries.append((setup, shown, json.loads(path.read_text()) if path.exists() else None))
+    note = ("**Harness check (`--quick`: 4 plans, 1 round): these numbers are noise, not a measurement.**"
+            if args.quick else "Measured by `python benchmarks/cost_model_oos.py`.")
+    if walls:
+        note += " Wall time per setup: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()) + "."
+    today = datetime.date.today().isoformat()
+    out = Path(args.report_dir) / f"cost_model_oos-{today}{'-quick' if args.quick else ''}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, summary_markdown(entries, note))
+    print(f"wrote {os.path.relpath(out, ROOT)}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
