@@ -37,6 +37,12 @@ What the engine refuses instead of doing silently wrong:
 * A non-finite loss raises :class:`NonFiniteLossError` naming the optimizer
   step that produced it, checked on the step's loss after its DP reduction (the
   one host sync a step has anyway, not one per micro-batch).
+* A micro-batch without a labelled token (its mean loss would be 0/0) is refused
+  before the step runs, by one check per step on the labels as the data loader
+  delivered them (:func:`~oases_ds.models.operator_model.check_labelled_tokens`).
+  The per-micro-batch loop itself never reads a tensor back to the host: the token
+  count and loss scale stay on the device, timings are clock marks resolved after
+  the loop (CUDA events on a GPU, see :mod:`oases_ds.runtime.timeline`).
 """
 from __future__ import annotations
 
