@@ -60,9 +60,11 @@ def check_labelled_tokens(micro_batches: Sequence[dict[str, torch.Tensor]]) -> N
     """Refuse a step in which some micro-batch has no labelled token (its mean loss would be 0/0).
 
     Why here and not per micro-batch in the hot loop: turning a count into a Python
-    value waits for the device.  This runs once per step, on the labels as the data
-    loader delivered them (on CPU, where it costs no device sync), and answers every
-    micro-batch with one reduction.
+    value waits for the device.  This runs once per step, before any of the step's work
+    is queued, on the labels as the data loader delivered them, and answers every
+    micro-batch with one reduction.  Labels on CPU (the usual loader) cost no device
+    sync.  Labels already on the device (a framework that moved the batch first) cost one per
+    step, while the device is idle: the previous step ended on its loss read-back.
     """
     if not micro_batches:
         return
