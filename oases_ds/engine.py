@@ -37,13 +37,18 @@ What the engine refuses instead of doing silently wrong:
 * A non-finite loss raises :class:`NonFiniteLossError` naming the optimizer
   step that produced it, checked on the step's loss after its DP reduction (the
   one host sync a step has anyway, not one per micro-batch).
+* A micro-batch without a labelled token (its mean loss would be 0/0) is refused
+  before the step runs, by one check per step on the labels as the data loader
+  delivered them (:func:`~oases_ds.models.operator_model.check_labelled_tokens`).
+  The per-micro-batch loop itself never reads a tensor back to the host: the token
+  count and loss scale stay on the device, timings are clock marks resolved after
+  the loop (CUDA events on a GPU, see :mod:`oases_ds.runtime.timeline`).
 """
 from __future__ import annotations
 
 import math
 import os
 import shutil
-import time
 import warnings
 from typing import Any, Iterator
 
@@ -58,11 +63,12 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_save_tag, prune, publish, read_latest)
 from oases_ds.config import OasesConfig, OasesConfigError
-from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
 from oases_ds.parallel.collectives import group_size, start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.executor import Executor
+from oases_ds.runtime.timeline import clock_for
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule: call engine.train_batch(batch) instead "
@@ -166,19 +172,22 @@ class OasesEngine(DeepSpeedEngine):
         self.module.train()
         self.module.rng.step = self.global_steps  # dropout keys follow the checkpointed step count
         self.oases_comm.stats.reset()
-        start = time.perf_counter()
-        losses, exposed, tokens = [], 0.0, 0
+        check_labelled_tokens(micro_batches)  # once per step, on the labels as delivered (see its docstring)
+        clock = clock_for(self.device)
+        start = clock.mark()
+        # non_blocking: a blocking host-to-device copy waits for the device's queue
+        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        losses, timelines, tokens = [], [], 0
         for acc, mb in enumerate(micro_batches):
-            mb = {k: v.to(self.device) for k, v in mb.items()}
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
-            exposed += self.executor.timeline.busy("wait")
-            tokens += int(mb["tokens"].numel())
+            timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device
+            tokens += mb["tokens"].numel()
             self.step()
         loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
-        if self.device.type == "cuda":  # host timers would only see kernel launches
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        begun, ended = clock.resolve([start, clock.mark()])
+        elapsed = ended - begun
+        exposed = sum(timeline.busy("wait") for timeline in timelines)
         stats = self.oases_comm.stats
         self.last_stats = {
             "loss": float(loss),

@@ -253,3 +253,36 @@ def misuse_run() -> dict:
         out["nan"] = f"{type(err).__name__}: {err}"
     out["global_steps"] = engine.global_steps
     return out
+
+
+def host_sync_run() -> dict:
+    """Two steps of 2 micro-batches each with the engine's per-micro-batch hot path (the
+    schedule, the surrogate, DeepSpeed's backward) under the host-sync guard, then a step
+    whose second micro-batch has no labelled token."""
+    import oases_ds
+    from support import forbid_host_sync
+
+    oases = {"enabled": True, "tensor_parallel_size": 2, "seed": 7, "process_group_timeout_s": 120}
+    engine, *_ = oases_ds.initialize(model=tiny_config("gpt"), optimizer=sgd, config=ds_config(4, 2, oases=oases))
+    unguarded, guarded = engine._run_schedule, []
+
+    def run_schedule(*args, **kwargs):
+        with forbid_host_sync():
+            loss = unguarded(*args, **kwargs)
+        guarded.append(loss.detach())
+        return loss
+
+    engine._run_schedule = run_schedule  # an instance attribute: this engine only
+    losses = [float(engine.train_batch(make_batch(tiny_config("gpt"), 8, step))) for step in range(2)]
+    out = {"losses": losses, "guarded": len(guarded), "stats": engine.last_stats}
+    batch = make_batch(tiny_config("gpt"), 8, 2)
+    batch["labels"][4:] = -100  # micro-batch 1 of the step
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.train_batch(batch)
+        out["empty"] = "no error"
+    except ValueError as err:
+        out["empty"] = str(err)
+    out["weights_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    out["global_steps"] = engine.global_steps
+    return out

@@ -1,15 +1,20 @@
 """Helpers shared by several test tiers (unit, distributed, integration): synthetic cost
-tables, a one-block operator sequence, and the ``oases-plan`` CLI as a subprocess.
+tables, a one-block operator sequence, the ``oases-plan`` CLI as a subprocess, and a guard
+that makes any host synchronisation raise.
 
 The rank-process workers (``dist_workers``, ``engine_workers``, ``lightning_workers``) and
 the unsharded reference models live beside this module: ``conftest.py`` puts this folder
 on ``sys.path`` so spawned rank processes import them by module path."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 import sys
+from typing import Iterator
+
+import torch
 
 from oases_ds.models.ops import CommOp, ComputeOp
 from oases_ds.planner.costs import BlockCost, CostTable
@@ -80,3 +85,37 @@ def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+HOST_SYNCS = ("item", "__int__", "__float__", "__bool__", "tolist")
+"""Tensor methods that turn device data into Python values: each makes the host wait for the device."""
+
+
+class HostSyncError(AssertionError):
+    """A tensor was read back to the host inside a guarded region."""
+
+
+@contextlib.contextmanager
+def forbid_host_sync() -> Iterator[None]:
+    """Within the block, every method in :data:`HOST_SYNCS` raises :class:`HostSyncError`.
+
+    Why on CPU: a CPU run cannot show a GPU stall, but the same Python calls that stall a
+    GPU step (``int(t)``, ``t.item()``, ``if t:``) run on CPU too, so catching the call
+    proves the code path is sync-free on any device."""
+    own = {name: torch.Tensor.__dict__.get(name) for name in HOST_SYNCS}
+
+    def refuse(name: str):
+        def method(self, *args, **kwargs):
+            raise HostSyncError(f"Tensor.{name} called in a region that must not synchronise the host with the device")
+        return method
+
+    for name in HOST_SYNCS:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in own.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)

@@ -56,6 +56,25 @@ IGNORE_INDEX = -100
 SITE_EMBED = 0
 
 
+def check_labelled_tokens(micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
+    """Refuse a step in which some micro-batch has no labelled token (its mean loss would be 0/0).
+
+    Why here and not per micro-batch in the hot loop: turning a count into a Python
+    value waits for the device.  This runs once per step, before any of the step's work
+    is queued, on the labels as the data loader delivered them, and answers every
+    micro-batch with one reduction.  Labels on CPU (the usual loader) cost no device
+    sync.  Labels already on the device (a framework that moved the batch first) cost one per
+    step, while the device is idle: the previous step ended on its loss read-back.
+    """
+    if not micro_batches:
+        return
+    labelled = torch.stack([(mb["labels"] != IGNORE_INDEX).any() for mb in micro_batches])
+    if not bool(labelled.all()):
+        empty = [i for i, ok in enumerate(labelled.tolist()) if not ok]
+        raise ValueError(f"micro-batch {empty[0]} of this step has no labelled tokens (every label is the ignore "
+                         f"index {IGNORE_INDEX}); give each micro-batch at least one label that is not {IGNORE_INDEX}")
+
+
 def dropout_site(layer: int, which: str) -> int:
     """Key site of a dropout call: ``which`` in {"attn_probs", "attn_out", "mlp_out"}."""
     return 1 + 3 * layer + ("attn_probs", "attn_out", "mlp_out").index(which)
@@ -126,12 +145,14 @@ class OperatorModel(nn.Module):
     ) -> torch.Tensor:
         """Eager mean loss of ``batch``: the operator sequence in order, collectives
         synchronous through the autograd region Functions.  This is what a plain
-        DeepSpeedEngine (Oases switched off) and evaluation run."""
+        DeepSpeedEngine (Oases switched off) and evaluation run.
+
+        The token count stays a tensor on the labels' device (no host sync per call); a
+        batch without labelled tokens gives a NaN loss here (:func:`check_labelled_tokens`
+        refuses it before a training step)."""
         labels = batch["labels"]
-        tokens = int((labels != IGNORE_INDEX).sum())
-        if tokens == 0:
-            raise ValueError("batch has no labelled tokens (every label is the ignore index)")
-        ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], 1.0 / tokens, self.rng,
+        loss_scale = (labels != IGNORE_INDEX).sum().to(torch.float32).reciprocal()
+        ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], loss_scale, self.rng,
                         Communicator(), training=self.training)
         acts: Acts = ()
         for op in self.ops:

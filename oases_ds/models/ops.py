@@ -102,7 +102,9 @@ class OpContext:
         batch: this sub-batch's tensors ("tokens", "labels", ...).
         sample_offset: index of this sub-batch's first sample in the global batch.
         global_batch: samples in the global batch (all DP ranks, all sub-batches).
-        loss_scale: factor turning a sum of token losses into this rank's mean loss.
+        loss_scale: factor turning a sum of token losses into this rank's mean loss:
+            1 / labelled tokens as a 0-dim tensor on the batch's device, so computing it
+            never waits for the device (a float is accepted where that does not matter).
         rng: dropout key source.
         comm: communicator for collectives issued inside an operator (the loss).
         phase: "forward" or "recompute", for accounting those collectives.
@@ -112,7 +114,7 @@ class OpContext:
     batch: dict[str, torch.Tensor]
     sample_offset: int
     global_batch: int
-    loss_scale: float
+    loss_scale: torch.Tensor | float
     rng: RNGTracker
     comm: Communicator
     phase: str = "forward"

@@ -55,6 +55,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.runtime.executor import Executor, split_batch
+from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, held_inputs, schedule_segments
 
 _COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
@@ -176,16 +177,21 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _timed_collective(comm: Any, tensor: Any, group: Any, repeats: int, warmup: int) -> float:
-    """Median ms of a blocking AllReduce of ``tensor`` on ``group`` (all its ranks call this)."""
-    times = []
+def _timed_collective(comm: Any, tensor: torch.Tensor, group: Any, repeats: int, warmup: int) -> float:
+    """Median ms of a blocking AllReduce of ``tensor`` on ``group`` (all its ranks call this).
+
+    Timed by the clock of ``tensor``'s device: on CUDA, events around the issue and
+    the wait, so the time is the collective's on the device, not its launch's."""
+    clock = clock_for(tensor.device)
+    marks = []
     for rep in range(warmup + repeats):
         dist.barrier(group=group)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         comm.all_reduce(tensor, group, "forward").wait()
         if rep >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return _median(times)
+            marks += [t0, clock.mark()]
+    seconds = clock.resolve(marks)
+    return _median([(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)])
 
 
 def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any) -> dict[str, float]:
@@ -216,7 +222,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     """Profile every degree on this rank; returns per-degree measurements."""
     T = spec.devices
     ctx = ParallelContext.build(tensor_parallel_size=T)
-    rank = ctx.rank
+    rank, device = ctx.rank, ctx.device  # layer, batch and payloads live where training would put them
     one_layer = dataclasses.replace(spec.model, num_layers=1)
     # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
     replica_group: dict[int, Any] = {}
@@ -235,9 +241,9 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
         group = ctx.sub_group(degree)
         share = spec.micro_batch * degree // T
         gen = torch.Generator().manual_seed(spec.seed + rank // degree)
-        seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen)
+        seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen).to(device)
         batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
-        model = OperatorModel(one_layer, group=group, seed=spec.seed)
+        model = OperatorModel(one_layer, group=group, seed=spec.seed).to(device)
         executor = Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(spec.seed))
         block_of = [op.block for op in model.ops]
 
@@ -276,11 +282,11 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
 
         # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
         comm = Communicator(spec.link)
-        payload = torch.zeros(share // sub, cfg.seq_len, cfg.hidden_size)
+        payload = torch.zeros(share // sub, cfg.seq_len, cfg.hidden_size, device=device)
         result["allreduce_bytes"] = payload.numel() * payload.element_size()
         result["allreduce_ms"] = _timed_collective(comm, payload, group, spec.repeats, spec.warmup) if degree > 1 else 0.0
         result["latency_ms"] = (
-            _timed_collective(comm, torch.zeros(1), group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+            _timed_collective(comm, torch.zeros(1, device=device), group, spec.repeats, spec.warmup) if degree > 1 else 0.0
         )
         for kind in BLOCK_KINDS:
             ops = [op for op in model.ops if isinstance(op, CommOp) and op.block == kind]
@@ -294,7 +300,7 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
             result[f"{kind}.params"] = numel[kind]
             result[f"{kind}.state_bytes"] = float(numel[kind] * STATE_BYTES_PER_PARAM)
             result[f"{kind}.act_bytes"] = float(saved[kind] * sub)
-            grads = torch.zeros(numel[kind])
+            grads = torch.zeros(numel[kind], device=device)
             replicas = replica_group[degree]
             result[f"{kind}.grad_sync_ms"] = (
                 _timed_collective(Communicator(spec.link), grads, replicas, spec.repeats, spec.warmup)

@@ -17,7 +17,6 @@ really holds only its checkpoints.
 """
 from __future__ import annotations
 
-import time
 from types import MappingProxyType
 from typing import Callable, Literal, Mapping
 
@@ -29,7 +28,7 @@ from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.grads import all_reduce_grads
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.runtime.timeline import Timeline, op_label
+from oases_ds.runtime.timeline import Timeline, clock_for, op_label
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.dataflow import last_reads
 from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule
@@ -190,15 +189,18 @@ class Executor:
                 f"a sub-batch of {b // parts} samples cannot be shared by the {replicas} replicas of the plan's "
                 f"lowest-degree block; use a micro-batch size divisible by sub_batches x {replicas} = {parts * replicas}"
             )
-        tokens = int((batch["labels"] != IGNORE_INDEX).sum())
-        if tokens == 0:
-            raise ValueError("batch has no labelled tokens (every label is the ignore index)")
+        # The token count stays a tensor on the batch's device: int() here would make the host wait
+        # for the device once per micro-batch.  An all-ignored batch is refused before the step
+        # (OasesEngine, through check_labelled_tokens), not here; run directly, it gives a NaN loss.
+        tokens = (batch["labels"] != IGNORE_INDEX).sum()
+        loss_scale = tokens.to(torch.float32).reciprocal()
+        self.timeline = Timeline(clock_for(batch["tokens"].device))  # a fresh one: a caller may still read the last
         self._ctx = [
             OpContext(
                 batch=sub,
                 sample_offset=sample_offset + j * (b // parts),
                 global_batch=global_batch or b,
-                loss_scale=1.0 / tokens,
+                loss_scale=loss_scale,
                 rng=self.rng,
                 comm=self.comm,
                 training=True,  # evaluation goes through OperatorModel.forward
@@ -215,9 +217,10 @@ class Executor:
         if not self.record:
             fn()
             return
-        t0 = time.perf_counter()
+        clock = self.timeline.clock
+        t0 = clock.mark()
         fn()
-        self.timeline.add(str(ins), lane, ins.sub, t0, time.perf_counter(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
+        self.timeline.add(str(ins), lane, ins.sub, t0, clock.mark(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
 
     def _run_compute(self, ins: Instruction, keep_graph: bool, phase: str) -> None:
         op = self.ops[ins.op]
@@ -275,7 +278,7 @@ class Executor:
     def _start(self, ins: StartAsync) -> None:
         op = self.ops[ins.op]
         assert isinstance(op, CommOp)
-        t0 = time.perf_counter()
+        t0 = self.timeline.clock.mark() if self.record else None  # before the issue: the collective cannot start earlier
         src = ("grad", ins.op + 1, ins.sub) if ins.phase == "backward" else ("act", ins.op, ins.sub)
         acts = self._buffers[src]
         direction = "backward" if ins.phase == "backward" else "forward"
@@ -285,10 +288,13 @@ class Executor:
     def _sync(self, ins: Sync) -> None:
         op = self.ops[ins.op]
         pending, acts, started = self._buffers[("comm", ins.op, ins.sub, ins.phase)]
-        t0 = time.perf_counter()
-        result = pending.wait()
-        t1 = time.perf_counter()
-        if self.record:
+        if not self.record:
+            result = pending.wait()
+        else:
+            clock = self.timeline.clock
+            t0 = clock.mark()
+            result = pending.wait()
+            t1 = clock.mark()  # on CUDA: fires once the compute stream may go on, i.e. the collective is done
             label, phase = self._labels[ins.op], _COMM_PHASE[ins.phase]
             self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, phase)
             self.timeline.add(f"C{ins.op}.{ins.sub}:{ins.phase}", "comm", ins.sub, started, t1, label, phase)

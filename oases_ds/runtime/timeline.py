@@ -8,13 +8,29 @@ one named thread per lane, each event named by operator, phase and sub-batch
 (``L1.attn.qkv fwd sb0``) with the schedule token (``F17.0``) in its args, so a
 trace reads without the operator table at hand.
 
-Times are host-side (``perf_counter``): exact for gloo on CPU, where compute runs on
-the calling thread and ``wait`` blocks until the data is there; on CUDA they time
-kernel launches and stream waits, so use a profiler there.
+How intervals are timed depends on where the tensors live (:func:`clock_for`):
+
+* CPU (:class:`HostClock`): ``perf_counter``.  Exact for gloo on CPU, where compute
+  runs on the calling thread and a Sync blocks until the data is there.
+* CUDA (:class:`CudaClock`): CUDA events recorded on the device's current stream.
+  Host timers would only see kernel launches.  A compute interval is an event pair
+  around the operator's kernels.  A ``wait`` interval is the pair around
+  ``work.wait()``: once the collective's stream joins the compute stream, the second
+  event fires only when the collective is done, so the pair measures how long the
+  compute stream stalled, which is the exposed communication.  A ``comm`` interval
+  runs from an event recorded just before the collective is issued (its stream
+  cannot start earlier) to that same post-wait event.  So it is an upper bound that
+  is exact whenever the collective was exposed.
+  Events are read only when the timeline is (:attr:`Timeline.events`), so recording
+  never synchronises the host with the device inside a step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 from oases_ds.utils.io import write_json_atomic
 
@@ -45,7 +61,7 @@ class Event:
     name: str
     lane: str  # "compute" | "comm" | "wait"
     sub: int
-    start: float  # seconds, perf_counter
+    start: float  # seconds: perf_counter on CPU, since the timeline's first event on CUDA
     end: float
     op: str = ""
     phase: str = ""
@@ -58,21 +74,97 @@ class Event:
         return f"{self.op} {self.phase} sb{self.sub}"
 
 
-@dataclass
-class Timeline:
-    events: list[Event] = field(default_factory=list)
+class Clock(Protocol):
+    """Takes time marks now and turns them into seconds later.
 
-    def add(self, name: str, lane: str, sub: int, start: float, end: float, op: str = "", phase: str = "") -> None:
-        self.events.append(Event(name, lane, sub, start, end, op, phase))
+    Why two steps: on a GPU a mark is an event the device records when it gets there.
+    Reading it waits for the device, so marks are taken in the hot loop and read
+    once, afterwards.
+    """
+
+    def mark(self) -> Any: ...
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        """Seconds of each mark on one common origin, in order (may wait for the device)."""
+        ...
+
+
+class HostClock:
+    """``perf_counter``: for CPU tensors, whose work is done when the call returns."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def resolve(self, marks: list[float]) -> list[float]:
+        return list(marks)
+
+
+class CudaClock:
+    """CUDA events on ``device``'s current stream; seconds since the first mark it resolved."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._origin: torch.cuda.Event | None = None
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def resolve(self, marks: list[torch.cuda.Event]) -> list[float]:
+        if not marks:
+            return []
+        for event in marks:  # marks may sit on several streams; waiting for each is cheap once the last is done
+            event.synchronize()
+        if self._origin is None:  # one origin for every later resolve, so batches line up
+            self._origin = marks[0]
+        return [self._origin.elapsed_time(event) / 1e3 for event in marks]
+
+
+def clock_for(device: torch.device | str) -> Clock:
+    """The clock that times work on ``device``: events on CUDA, ``perf_counter`` elsewhere."""
+    return CudaClock(torch.device(device)) if torch.device(device).type == "cuda" else HostClock()
+
+
+class Timeline:
+    """The intervals of one run, timed by ``clock`` (default: host time).
+
+    Intervals are added as raw clock marks.  They are read as :class:`Event` in seconds
+    the first time :attr:`events` (or anything computed from it) is asked for.
+    On CUDA that read is the only point that waits for the device.
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or HostClock()
+        self._pending: list[tuple[str, str, int, Any, Any, str, str]] = []
+        self._events: list[Event] = []
+
+    def add(self, name: str, lane: str, sub: int, start: Any, end: Any, op: str = "", phase: str = "") -> None:
+        """One interval from mark ``start`` to mark ``end`` (``clock.mark()`` values; floats for host time)."""
+        self._pending.append((name, lane, sub, start, end, op, phase))
+
+    @property
+    def events(self) -> list[Event]:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            marks = [m for p in pending for m in (p[3], p[4])]
+            seconds = self.clock.resolve(marks)
+            self._events.extend(
+                Event(name, lane, sub, seconds[2 * i], seconds[2 * i + 1], op, phase)
+                for i, (name, lane, sub, _, _, op, phase) in enumerate(pending)
+            )
+        return self._events
 
     def clear(self) -> None:
-        self.events.clear()
+        self._pending.clear()
+        self._events.clear()
 
     @property
     def span(self) -> float:
-        if not self.events:
+        events = self.events
+        if not events:
             return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        return max(e.end for e in events) - min(e.start for e in events)
 
     def busy(self, lane: str) -> float:
         return sum(e.end - e.start for e in self.events if e.lane == lane)

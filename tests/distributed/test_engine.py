@@ -6,6 +6,7 @@ relative error <= 1e-5 per parameter (fp32).  Gradient clipping is set to 0.05
 so it is active, which also checks that DeepSpeed's clipping sees the TMP layout
 through the mpu (sharded parameters counted once per shard, replicated ones once).
 """
+import math
 import os
 import subprocess
 import sys
@@ -169,3 +170,14 @@ def test_a_link_too_slow_for_the_timeout_warns_at_start(misuse):
                                 "link.bandwidth_gbps=1e-07, longer than oases.process_group_timeout_s=120"), warned[0]
     assert warned[0].endswith("raise process_group_timeout_s above 164 or the bandwidth")
     assert misuse[1]["link_warnings"] == []  # rank 0 only
+
+
+@pytest.mark.distributed
+def test_the_hot_path_never_syncs_and_an_unlabelled_micro_batch_is_refused_before_the_step():
+    for rank in launch(ew.host_sync_run, 2, timeout_s=300):
+        assert rank["guarded"] == 4  # 2 steps x 2 micro-batches, each under the guard, none raised
+        assert all(math.isfinite(loss) for loss in rank["losses"])
+        stats = rank["stats"]
+        assert stats["step_s"] > 0 and 0 <= stats["exposed_comm_s"] <= stats["step_s"]
+        assert rank["empty"].startswith("micro-batch 1 of this step has no labelled tokens"), rank["empty"]
+        assert rank["weights_unchanged"] and rank["global_steps"] == 2  # refused before anything ran
