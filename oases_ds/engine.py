@@ -62,6 +62,7 @@ from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.collectives import group_size, start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
+from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
@@ -93,6 +94,7 @@ class OasesEngine(DeepSpeedEngine):
     """DeepSpeedEngine that trains an :class:`OperatorModel` with an Oases schedule."""
 
     _oases_in_train_batch = False  # a class default: DeepSpeedEngine.__init__ runs before ours sets it
+    _dp_wait_s = 0.0  # exposed wait for the overlapped DP buckets in the last micro-batch
 
     def __init__(self, *args: Any, oases: OasesConfig, parallel_context: ParallelContext, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -108,6 +110,9 @@ class OasesEngine(DeepSpeedEngine):
         self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}
         self._oases_data_iter: Iterator | None = None
+        self.dp_reducer = self._overlapped_dp_reducer()
+        if self.dp_reducer is not None:
+            self.executor.add_hook(self.dp_reducer)
         if oases.link is not None and dist.get_rank() == 0:
             message = slow_link_warning(oases.link.model(), oases.process_group_timeout_s, self._largest_collectives())
             if message:
@@ -131,6 +136,19 @@ class OasesEngine(DeepSpeedEngine):
         dp_bytes = min(grads, int(bucket)) * torch.empty((), dtype=self.communication_data_type).element_size()
         out.append(("DP gradient AllReduce", "all_reduce", dp_bytes, ctx.dp_size))
         return out
+
+    def _overlapped_dp_reducer(self) -> DPGradReducer | None:
+        """The per-block DP reduction overlapped with the schedule, where it reproduces
+        DeepSpeed's reduction exactly: fp32 gradients held by the module's parameters
+        (ZeRO 0, no bf16/fp16 wrapper), averaged over DP without pre-division, communicated
+        in the gradients' dtype.  Elsewhere (ZeRO-1, bf16, fp16) DeepSpeed's own reducer
+        runs after the schedule, as before; ``None`` then, and with one DP rank."""
+        dtype = next(self.module.parameters()).dtype
+        if (self.parallel_context.dp_size == 1 or self.zero_optimization_stage() != 0 or self.bfloat16_enabled()
+                or self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or not self.gradient_average
+                or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype):
+            return None
+        return DPGradReducer(self.module, self.schedule, self.oases_comm, self.parallel_context.dp_group)
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others
@@ -172,7 +190,7 @@ class OasesEngine(DeepSpeedEngine):
             mb = {k: v.to(self.device) for k, v in mb.items()}
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
-            exposed += self.executor.timeline.busy("wait")
+            exposed += self.executor.timeline.busy("wait") + self._dp_wait_s
             tokens += int(mb["tokens"].numel())
             self.step()
         loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
@@ -218,6 +236,19 @@ class OasesEngine(DeepSpeedEngine):
         accumulated = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self._dp_wait_s = 0.0
+        if self.dp_reducer is not None and self.is_gradient_accumulation_boundary():
+            # The schedule's hooks reduce each block over DP as its backward ends; DeepSpeed's
+            # backward (gas scaling + reduction) is replaced by the reducer's fold, 1/gas each.
+            self.dp_reducer.arm(list(zip(params, accumulated)), 1.0 / self.gradient_accumulation_steps())
+            try:
+                loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
+            except BaseException:
+                self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
+                raise
+            self.dp_reducer.finish()
+            self._dp_wait_s = self.dp_reducer.wait_s
+            return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         grads = [p.grad for p in params]
         for p, g in zip(params, accumulated):

@@ -169,3 +169,31 @@ def test_a_link_too_slow_for_the_timeout_warns_at_start(misuse):
                                 "link.bandwidth_gbps=1e-07, longer than oases.process_group_timeout_s=120"), warned[0]
     assert warned[0].endswith("raise process_group_timeout_s above 164 or the bandwidth")
     assert misuse[1]["link_warnings"] == []  # rank 0 only
+
+
+@pytest.fixture(scope="module")
+def dp2_gas2():
+    """DP 2 x TMP 1 (2 ranks) and DP 2 x TMP 2 (4 ranks), 2 micro-batches of 2 per step,
+    ZeRO 0 and 1, clipping 0.05, oases schedule: one launch each, shared by the tests below."""
+    return {(tp, zero): launch(ew.oases_run, 2 * tp, ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero), timeout_s=600)[0]
+            for tp in (1, 2) for zero in (0, 1)}
+
+
+@pytest.mark.parametrize("tp, zero", [(1, 0), (1, 1), (2, 0), (2, 1)])
+def test_dp2_gradient_accumulation_matches_plain_deepspeed(dp2_gas2, tp, zero):
+    out = dp2_gas2[(tp, zero)]
+    assert_params_match(out, reference())
+    assert out["global_steps"] == STEPS
+    # ZeRO 0 reduces per block inside the schedule; ZeRO 1 keeps DeepSpeed's partitioned reducer
+    assert out["dp_overlap"] is (zero == 0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp):
+    log = dp2_gas2[(tp, 0)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
+    backwards = [i for i, e in enumerate(log) if e.startswith("B")]
+    buckets = [i for i, e in enumerate(log) if e.startswith("dp:")]
+    assert buckets and buckets[0] < backwards[-1], log
+    assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
+    assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
+    assert dp2_gas2[(tp, 0)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch

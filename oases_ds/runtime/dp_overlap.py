@@ -1,0 +1,175 @@
+"""Data-parallel gradient reduction overlapped with the schedule's backward.
+
+Why: reducing gradients after the schedule (DeepSpeed's way) leaves the whole
+DP AllReduce exposed after the last Backward.  A block's gradient is final as
+soon as the last Backward touching its parameters has run, so on the last
+micro-batch of an accumulation window its bucket can be summed over the DP
+group while the schedule backpropagates through the blocks below it::
+
+    compute  ... B(L1.mlp) B(L1.attn)  B(L0.mlp)  B(L0.attn)  B(embed) | wait | step
+    DP comm             [ L1.mlp ][ L1.attn ][ L0.mlp ][ L0.attn ][emb]|
+
+Only the last micro-batch reduces (an earlier one's gradient is not complete),
+so gradient accumulation stays exact: a bucket reduces ``accumulated + g / gas``,
+the value DeepSpeed's accumulation would have produced.  The accumulation is
+folded in place into the already accumulated ``.grad``; the only extra memory is
+one block-sized flat bucket in flight per block.
+
+Blocks a plan runs as several replicas have their gradients summed over the
+replica group by the executor after the schedule (``Executor.run``): those
+buckets are reduced over DP after that, in :meth:`finish`, not overlapped.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.collectives import Pending, group_size
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.grads import copy_from_flat
+from oases_ds.runtime.executor import HookPhase
+from oases_ds.schedule.generators import Schedule
+from oases_ds.schedule.instructions import Backward, Instruction
+
+BlockKey = tuple[int, str]  # (layer, block) as the operators name them
+
+_LAYER_PARAM = re.compile(r"^layers\.(\d+)\.(attn|mlp)(_norm)?\.")
+
+
+def block_of(name: str, num_layers: int) -> BlockKey | None:
+    """The (layer, block) whose operators use parameter ``name`` (the norm before a block
+    belongs to it); ``None`` for a name outside the known layout."""
+    if name.startswith("embed."):
+        return (-1, "embed")
+    if name.startswith("head."):
+        return (num_layers, "head")
+    match = _LAYER_PARAM.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+@dataclass
+class Bucket:
+    """One block's parameters, reduced as one flat tensor.
+
+    Attributes:
+        key: the block, ``(layer, block)``.
+        params: its parameters that take gradients, in model order.
+        trigger: the last Backward of the block's operators in the schedule, after
+            which its gradient is final; ``None``: reduced in :meth:`DPGradReducer.finish`.
+    """
+
+    key: BlockKey
+    params: list[torch.nn.Parameter]
+    trigger: Instruction | None
+    pending: Pending | None = field(default=None, repr=False)
+
+
+class DPGradReducer:
+    """Executor hook that starts each block's DP gradient AllReduce as soon as its
+    last Backward has run on the boundary micro-batch (see the module docstring).
+
+    Args:
+        model: the operator model (its parameter names say which block they serve).
+        schedule: the instruction list the executor runs.
+        comm: the executor's communicator (bytes counted under ``grad_sync``; an
+            emulated link holds the buckets too).
+        dp_group: the data-parallel group; the result is the mean over it.
+    """
+
+    def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None) -> None:
+        self.comm, self.dp_group = comm, dp_group
+        self.dp_size = group_size(dp_group)
+        last: dict[BlockKey, Instruction] = {}
+        for ins in schedule.instructions:
+            if isinstance(ins, Backward):
+                op = model.ops[ins.op]
+                last[(op.layer, op.block)] = ins
+        replicated = {id(p) for params, _ in model.sharding.replica_groups(model.layers) for p in params}
+        grouped: dict[BlockKey | None, list[torch.nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                key = block_of(name, len(model.layers))
+                # a parameter outside the known layout, or summed over replicas after the
+                # schedule, is reduced after the schedule (correct, not overlapped)
+                grouped.setdefault(None if key is None or id(p) in replicated else key, []).append(p)
+        self.buckets = [Bucket(key, params, last.get(key)) for key, params in grouped.items() if key is not None]
+        late = grouped.get(None, []) + [p for b in self.buckets if b.trigger is None for p in b.params]
+        self.buckets = [b for b in self.buckets if b.trigger is not None]
+        if late:
+            self.buckets.append(Bucket((len(model.layers) + 1, "after_schedule"), late, None))
+        self._by_trigger: dict[Instruction, list[Bucket]] = {}
+        for b in self.buckets:
+            if b.trigger is not None:
+                self._by_trigger.setdefault(b.trigger, []).append(b)
+        self._accumulated: dict[int, torch.Tensor | None] | None = None
+        self._scale = 1.0
+        self.log: list[str] = []  # instruction / bucket order of the last armed run, for tests and traces
+        self.wait_s = 0.0  # how long finish() waited for the buckets: the exposed part of the reduction
+
+    @property
+    def armed(self) -> bool:
+        return self._accumulated is not None
+
+    def arm(self, accumulated: list[tuple[torch.nn.Parameter, torch.Tensor | None]], micro_batch_scale: float) -> None:
+        """The next :meth:`Executor.run` is the accumulation window's last micro-batch:
+        reduce ``accumulated + micro_batch_scale * g`` for each parameter, where
+        ``g`` is the gradient that run leaves in ``.grad``."""
+        self._accumulated = {id(p): g for p, g in accumulated}
+        self._scale = micro_batch_scale
+        self.log = []
+
+    def __call__(self, ins: Instruction, phase: HookPhase) -> None:
+        if self._accumulated is None:
+            return
+        if phase == "before" and isinstance(ins, Backward):
+            self.log.append(str(ins))
+        elif phase == "after":
+            for bucket in self._by_trigger.get(ins, ()):
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        assert self._accumulated is not None
+        grads = []
+        for p in bucket.params:
+            g, before = p.grad, self._accumulated.pop(id(p), None)
+            if g is None:  # no gradient this micro-batch
+                g = before if before is not None else torch.zeros_like(p)
+            elif before is not None:
+                g = before.add_(g, alpha=self._scale)  # in place: no second gradient-sized buffer
+            else:
+                g = g.mul_(self._scale)
+            p.grad = g
+            grads.append(g)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.pending = self.comm.all_reduce(flat, self.dp_group, "grad_sync")
+        self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
+
+    def finish(self) -> None:
+        """After the run: reduce what waits for the schedule's end, wait for every
+        bucket, and put the DP mean into ``.grad``.  Disarms."""
+        if self._accumulated is None:
+            raise RuntimeError("DPGradReducer.finish without arm: no boundary micro-batch ran")
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._start(bucket)
+        t0 = time.perf_counter()
+        for bucket in self.buckets:
+            assert bucket.pending is not None
+            flat = bucket.pending.wait()
+            bucket.pending = None
+            flat /= self.dp_size
+            copy_from_flat([p.grad for p in bucket.params], flat)  # _start set every .grad
+        self.wait_s = time.perf_counter() - t0
+        self._accumulated = None
+
+    def abandon(self) -> None:
+        """The run failed: forget the buckets in flight (starting the rest could wait on
+        peers that failed too) and disarm.  The gradients are not to be used."""
+        for bucket in self.buckets:
+            bucket.pending = None
+        self._accumulated = None
