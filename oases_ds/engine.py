@@ -4,7 +4,7 @@ Like DeepSpeed's ``PipelineEngine`` it owns the whole step (``train_batch``),
 because the Oases schedule interleaves forward, recompute and backward of two
 sub-batches -- there is no single ``loss`` tensor to hand to
 ``engine.backward``.  Everything else stays DeepSpeed's: data-parallel gradient
-reduction (over the mpu's DP group only), gradient clipping, optimizer and LR
+reduction (over the mpu's DP group only; for ZeRO 0 overlapped, see below), gradient clipping, optimizer and LR
 scheduler step, ZeRO-1 partitioning, bf16 master weights, gradient-accumulation
 boundaries, ``global_steps``, checkpoints.
 
@@ -14,6 +14,16 @@ micro-batch's parameter gradients ``g`` on its own (any previously accumulated
 surrogate ``sum_p <p, g_p>``, whose gradient is exactly ``g``.  So DeepSpeed's
 backward hooks, gradient-accumulation scaling and reductions see one ordinary
 backward per micro-batch, at the cost of one multiply-add per parameter.
+
+Except on the last micro-batch of an accumulation window with ZeRO 0 in fp32
+(:meth:`OasesEngine._overlapped_dp_reducer`): there DeepSpeed's reduction would
+run after the schedule, fully exposed, so a
+:class:`~oases_ds.runtime.dp_overlap.DPGradReducer` hooked into the executor
+instead starts each block's DP AllReduce as soon as the block's last Backward has
+run, folds the micro-batch into the accumulated gradient (``1/gas``, as DeepSpeed
+scales) and leaves the DP mean in ``.grad``; the surrogate backward is skipped,
+and ``step`` clips and updates as usual.  ZeRO-1, bf16 and fp16 keep DeepSpeed's
+reducer (their gradients live in the optimizer's own partitioned buffers).
 
 DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``DeepSpeedEngine._backward_prologue`` / ``_backward_prologue_per_tensor`` and
@@ -141,12 +151,13 @@ class OasesEngine(DeepSpeedEngine):
         """The per-block DP reduction overlapped with the schedule, where it reproduces
         DeepSpeed's reduction exactly: fp32 gradients held by the module's parameters
         (ZeRO 0, no bf16/fp16 wrapper), averaged over DP without pre-division, communicated
-        in the gradients' dtype.  Elsewhere (ZeRO-1, bf16, fp16) DeepSpeed's own reducer
+        in the gradients' dtype, DeepSpeed counting the micro-batches.  Elsewhere (ZeRO-1, bf16, fp16) DeepSpeed's own reducer
         runs after the schedule, as before; ``None`` then, and with one DP rank."""
         dtype = next(self.module.parameters()).dtype
         if (self.parallel_context.dp_size == 1 or self.zero_optimization_stage() != 0 or self.bfloat16_enabled()
                 or self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or not self.gradient_average
-                or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype):
+                or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype
+                or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
             return None
         return DPGradReducer(self.module, self.schedule, self.oases_comm, self.parallel_context.dp_group)
 
