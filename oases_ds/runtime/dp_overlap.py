@@ -13,7 +13,7 @@ Only the last micro-batch reduces (an earlier one's gradient is not complete),
 so gradient accumulation stays exact: a bucket reduces ``accumulated + g / gas``,
 the value DeepSpeed's accumulation would have produced.  The accumulation is
 folded in place into the already accumulated ``.grad``; the only extra memory is
-one block-sized flat bucket in flight per block.
+the flat copies of the (at most ``max_in_flight``) blocks reducing at once.
 
 Blocks a plan runs as several replicas have their gradients summed over the
 replica group by the executor after the schedule (``Executor.run``): those
@@ -79,10 +79,18 @@ class DPGradReducer:
         comm: the executor's communicator (bytes counted under ``grad_sync``; an
             emulated link holds the buckets too).
         dp_group: the data-parallel group; the result is the mean over it.
+        max_in_flight: buckets reducing at once; starting one more first completes the
+            oldest, so at most this many block-sized reduced copies are alive (not a
+            whole gradient's worth at the end of the schedule).
     """
 
-    def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None) -> None:
-        self.comm, self.dp_group = comm, dp_group
+    def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None,
+                 max_in_flight: int = 2) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1 (buckets reducing at once), got {max_in_flight}")
+        self.comm, self.dp_group, self.max_in_flight = comm, dp_group, max_in_flight
+        self._in_flight: list[Bucket] = []
+        self._started: set[BlockKey] = set()
         self.dp_size = group_size(dp_group)
         last: dict[BlockKey, Instruction] = {}
         for ins in schedule.instructions:
@@ -120,6 +128,8 @@ class DPGradReducer:
         reduce ``accumulated + micro_batch_scale * g`` for each parameter, where
         ``g`` is the gradient that run leaves in ``.grad``."""
         self._accumulated = {id(p): g for p, g in accumulated}
+        self._started: set[BlockKey] = set()
+        self._in_flight = []
         self._scale = micro_batch_scale
         self.log = []
 
@@ -146,25 +156,33 @@ class DPGradReducer:
             p.grad = g
             grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
+        self._started.add(bucket.key)
         bucket.pending = self.comm.all_reduce(flat, self.dp_group, "grad_sync")
         self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > self.max_in_flight:  # bound the reduced copies alive at once
+            self._complete(self._in_flight.pop(0))
+
+    def _complete(self, bucket: Bucket) -> None:
+        assert bucket.pending is not None
+        flat = bucket.pending.wait()
+        bucket.pending = None
+        flat /= self.dp_size
+        copy_from_flat([p.grad for p in bucket.params], flat)  # _start set every .grad
 
     def finish(self) -> None:
         """After the run: reduce what waits for the schedule's end, wait for every
         bucket, and put the DP mean into ``.grad``.  Disarms."""
         if self._accumulated is None:
             raise RuntimeError("DPGradReducer.finish without arm: no boundary micro-batch ran")
-        for bucket in self.buckets:
-            if bucket.pending is None:
-                self._start(bucket)
         t0 = time.perf_counter()
         for bucket in self.buckets:
-            assert bucket.pending is not None
-            flat = bucket.pending.wait()
-            bucket.pending = None
-            flat /= self.dp_size
-            copy_from_flat([p.grad for p in bucket.params], flat)  # _start set every .grad
+            if bucket.key not in self._started:
+                self._start(bucket)
+        for bucket in self._in_flight:
+            self._complete(bucket)
         self.wait_s = time.perf_counter() - t0
+        self._in_flight = []
         self._accumulated = None
 
     def abandon(self) -> None:
@@ -172,4 +190,5 @@ class DPGradReducer:
         peers that failed too) and disarm.  The gradients are not to be used."""
         for bucket in self.buckets:
             bucket.pending = None
+        self._in_flight = []
         self._accumulated = None

@@ -33,8 +33,8 @@ def test_every_parameter_belongs_to_one_block_released_by_its_last_backward():
     assert block_of("layers.1.attn_norm.weight", 2) == (1, "attn") and block_of("rope", 2) is None
 
 
-@pytest.mark.parametrize("schedule", ["oases", "megatron", "none"])
-def test_boundary_fold_is_accumulated_plus_scaled_micro_batch_gradient(schedule):
+@pytest.mark.parametrize("schedule, max_in_flight", [("oases", 2), ("megatron", 1), ("none", 6)])
+def test_boundary_fold_is_accumulated_plus_scaled_micro_batch_gradient(schedule, max_in_flight):
     model = OperatorModel(CFG, seed=1)
     ex = Executor.for_schedule(model, ScheduleSpec(schedule))
     ex.run(_batch(0))
@@ -43,7 +43,7 @@ def test_boundary_fold_is_accumulated_plus_scaled_micro_batch_gradient(schedule)
     ex.run(_batch(1))
     micro = [p.grad.clone() for p in model.parameters()]
     # the engine's boundary step: stash the accumulated gradient, run, fold with 1/gas
-    reducer = DPGradReducer(model, ex.schedule, ex.comm, None)
+    reducer = DPGradReducer(model, ex.schedule, ex.comm, None, max_in_flight)
     ex.add_hook(reducer)
     stash = [a.clone() for a in accumulated]
     for p in model.parameters():
@@ -62,3 +62,10 @@ def test_finish_without_arm_is_one_line():
     ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     with pytest.raises(RuntimeError, match=r"^DPGradReducer.finish without arm: no boundary micro-batch ran$"):
         DPGradReducer(model, ex.schedule, ex.comm, None).finish()
+
+
+def test_max_in_flight_below_one_is_one_line():
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
+    with pytest.raises(ValueError, match=r"^max_in_flight must be >= 1 \(buckets reducing at once\), got 0$"):
+        DPGradReducer(model, ex.schedule, ex.comm, None, max_in_flight=0)
