@@ -159,7 +159,10 @@ class OasesEngine(DeepSpeedEngine):
                 or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype
                 or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
             return None
-        return DPGradReducer(self.module, self.schedule, self.oases_comm, self.parallel_context.dp_group)
+        ctx = self.parallel_context
+        reducer = DPGradReducer(self.module, self.schedule, self.oases_comm, ctx.dp_group, replica_dp_group=ctx.replica_dp_group)
+        self.executor.sum_replica_grads = False  # folded into the reducer's AllReduce at the boundary
+        return reducer
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others

@@ -167,6 +167,14 @@ class ParallelContext:
             raise ValueError(f"no reshard group for degrees {small} -> {large}; both must be in {degrees}, small < large")
         return self._plan_group(("reshard", small, large), lambda: self.topology.reshard_group_ranks(small, large))
 
+    def replica_dp_group(self, degree: int) -> dist.ProcessGroup | None:
+        """The replicas of this rank's shard of a degree-``degree`` block, across all DP
+        replicas (``Topology.replica_dp_group_ranks``), created on first use."""
+        if degree not in self.topology.degrees() or degree >= self.tp_size:
+            raise ValueError(f"no replica group for TMP degree {degree}; it must be in {self.topology.degrees()[:-1]}")
+        return self._plan_group(("replica_dp", degree),
+                                lambda: self.topology.replica_dp_group_ranks(degree, self.tp_size))
+
     def mpu(self) -> "MPUAdapter":
         return MPUAdapter(self)
 

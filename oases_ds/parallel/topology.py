@@ -97,6 +97,14 @@ class Topology:
                     groups.append([grp[start + offset + j * small] for j in range(large // small)])
         return groups
 
+    def replica_dp_group_ranks(self, small: int, large: int) -> list[list[int]]:
+        """The reshard groups of degrees ``small < large`` joined across DP: the ranks holding
+        one parameter shard of a degree-``small`` block in every replica and every DP
+        replica.  One AllReduce over such a group sums a replicated block's gradient over
+        its replicas and over DP at once."""
+        first = [ranks for ranks in self.reshard_group_ranks(small, large) if max(ranks) < self.tp_size]
+        return [sorted(d * self.tp_size + t for d in range(self.dp_size) for t in ranks) for ranks in first]
+
     def degrees(self) -> list[int]:
         """The TMP degrees a plan may give a block: powers of two dividing ``tp_size``."""
         return [d for d in (2**k for k in range(self.tp_size.bit_length())) if self.tp_size % d == 0]

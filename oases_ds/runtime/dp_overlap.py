@@ -15,15 +15,18 @@ the value DeepSpeed's accumulation would have produced.  The accumulation is
 folded in place into the already accumulated ``.grad``; the only extra memory is
 the flat copies of the (at most ``max_in_flight``) blocks reducing at once.
 
-Blocks a plan runs as several replicas have their gradients summed over the
-replica group by the executor after the schedule (``Executor.run``): those
-buckets are reduced over DP after that, in :meth:`finish`, not overlapped.
+Blocks a plan runs as several replicas need their gradients summed over the
+replicas too.  Both sums are linear, so at the boundary one AllReduce over the
+shard's replicas across DP does both (``replica_dp_group``), and the executor
+skips its own per-micro-batch replica sum; without that group the executor sums
+after each run and those buckets reduce over DP in :meth:`finish`, not overlapped.
 """
 from __future__ import annotations
 
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,11 +64,14 @@ class Bucket:
         params: its parameters that take gradients, in model order.
         trigger: the last Backward of the block's operators in the schedule, after
             which its gradient is final; ``None``: reduced in :meth:`DPGradReducer.finish`.
+        group: the DP group, or for a block a plan runs as several replicas its
+            replicas across DP (the sum over them, divided by the DP size).
     """
 
     key: BlockKey
     params: list[torch.nn.Parameter]
     trigger: Instruction | None
+    group: dist.ProcessGroup | None
     pending: Pending | None = field(default=None, repr=False)
 
 
@@ -82,10 +88,15 @@ class DPGradReducer:
         max_in_flight: buckets reducing at once; starting one more first completes the
             oldest, so at most this many block-sized reduced copies are alive (not a
             whole gradient's worth at the end of the schedule).
+        replica_dp_group: TMP degree -> the group of a shard's replicas across DP
+            (``ParallelContext.replica_dp_group``).  Given, a replicated block's bucket
+            sums over its replicas and DP in one AllReduce, and the executor must not
+            sum replicas itself (``Executor.sum_replica_grads = False``); ``None``: the
+            executor sums them after each run and the reducer reduces them over DP after.
     """
 
     def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None,
-                 max_in_flight: int = 2) -> None:
+                 max_in_flight: int = 2, replica_dp_group: Callable[[int], dist.ProcessGroup | None] | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 (buckets reducing at once), got {max_in_flight}")
         self.comm, self.dp_group, self.max_in_flight = comm, dp_group, max_in_flight
@@ -97,19 +108,25 @@ class DPGradReducer:
             if isinstance(ins, Backward):
                 op = model.ops[ins.op]
                 last[(op.layer, op.block)] = ins
-        replicated = {id(p) for params, _ in model.sharding.replica_groups(model.layers) for p in params}
-        grouped: dict[BlockKey | None, list[torch.nn.Parameter]] = {}
+        full = model.sharding.full_degree
+        replicas = {id(p): group_size(g) for params, g in model.sharding.replica_groups(model.layers) for p in params}
+        grouped: dict[tuple[BlockKey | None, int], list[torch.nn.Parameter]] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
-                key = block_of(name, len(model.layers))
-                # a parameter outside the known layout, or summed over replicas after the
-                # schedule, is reduced after the schedule (correct, not overlapped)
-                grouped.setdefault(None if key is None or id(p) in replicated else key, []).append(p)
-        self.buckets = [Bucket(key, params, last.get(key)) for key, params in grouped.items() if key is not None]
-        late = grouped.get(None, []) + [p for b in self.buckets if b.trigger is None for p in b.params]
-        self.buckets = [b for b in self.buckets if b.trigger is not None]
+                key, copies = block_of(name, len(model.layers)), replicas.get(id(p), 1)
+                if key is None or (copies > 1 and replica_dp_group is None):
+                    key, copies = None, 1  # outside the known layout, or summed over replicas after the run
+                grouped.setdefault((key, copies), []).append(p)
+        self.buckets = []
+        late: list[torch.nn.Parameter] = []
+        for (key, copies), params in grouped.items():
+            if key is None or key not in last:
+                late += params
+            else:  # a block at degree full/copies: one AllReduce sums over its replicas and over DP
+                group = dp_group if copies == 1 else replica_dp_group(full // copies)  # type: ignore[misc]
+                self.buckets.append(Bucket(key, params, last[key], group))
         if late:
-            self.buckets.append(Bucket((len(model.layers) + 1, "after_schedule"), late, None))
+            self.buckets.append(Bucket((len(model.layers) + 1, "after_schedule"), late, None, dp_group))
         self._by_trigger: dict[Instruction, list[Bucket]] = {}
         for b in self.buckets:
             if b.trigger is not None:
@@ -157,7 +174,7 @@ class DPGradReducer:
             grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._started.add(bucket.key)
-        bucket.pending = self.comm.all_reduce(flat, self.dp_group, "grad_sync")
+        bucket.pending = self.comm.all_reduce(flat, bucket.group, "grad_sync")
         self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
         self._in_flight.append(bucket)
         while len(self._in_flight) > self.max_in_flight:  # bound the reduced copies alive at once

@@ -197,3 +197,21 @@ def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp):
     assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
     assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
     assert dp2_gas2[(tp, 0)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
+
+
+def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path):
+    """DP 2 x TMP 2 with a plan putting one attention and one MLP block at degree 1 (2
+    replicas each): their bucket is one AllReduce over the shard's replicas across DP.
+    2 micro-batches of 4 per rank (a replica needs whole samples of a sub-batch), so the
+    reference runs the global batch of 16."""
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 1), (1, 2), devices=2).to_json(path)
+    ref = launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
+    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, 0, "oases", False, "sgd", str(path)), timeout_s=600)[0]
+    assert_params_match(out, ref)
+    assert out["dp_overlap"]
+    # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
+    assert out["grad_sync_calls"] == 6
+    assert {"dp:0.mlp", "dp:1.attn"} <= set(out["dp_log"])

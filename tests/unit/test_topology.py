@@ -82,3 +82,14 @@ def test_an_unavailable_degree_names_the_allowed_ones():
         ctx.sub_group(3)
     with pytest.raises(ValueError, match=r"^no reshard group for degrees 4 -> 2; both must be in \[1, 2, 4\], small < large$"):
         ctx.reshard_group(4, 2)
+
+
+def test_replica_dp_groups_join_each_shards_replicas_across_dp():
+    topo = Topology(world_size=8, tp_size=4)  # DP 2 x TMP 4
+    assert topo.replica_dp_group_ranks(2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert topo.replica_dp_group_ranks(1, 4) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert Topology(4, 2).replica_dp_group_ranks(1, 2) == [[0, 1, 2, 3]]
+    for small in (1, 2):  # each is a union of reshard groups, one per DP index
+        for group in topo.replica_dp_group_ranks(small, 4):
+            parts = [r for r in topo.reshard_group_ranks(small, 4) if set(r) <= set(group)]
+            assert sorted(x for r in parts for x in r) == group and len(parts) == topo.dp_size
