@@ -69,3 +69,34 @@ def test_max_in_flight_below_one_is_one_line():
     ex = Executor.for_schedule(model, ScheduleSpec("oases"))
     with pytest.raises(ValueError, match=r"^max_in_flight must be >= 1 \(buckets reducing at once\), got 0$"):
         DPGradReducer(model, ex.schedule, ex.comm, None, max_in_flight=0)
+
+
+def test_a_failed_run_is_abandoned_and_the_next_boundary_reduces_normally():
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
+    reducer = DPGradReducer(model, ex.schedule, ex.comm, None)
+    ex.add_hook(reducer)
+    reducer.arm([(p, None) for p in model.parameters()], 1.0)
+    bad = {k: v[:3] for k, v in _batch(0).items()}  # 3 samples do not split into 2 sub-batches
+    with pytest.raises(ValueError, match="does not divide the micro-batch size 3"):
+        ex.run(bad)
+    reducer.abandon()  # what OasesEngine does when the run raises
+    assert not reducer.armed
+    ex.run(_batch(0))  # a disarmed reducer stays out of the way
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    reducer.arm([(p, None) for p in model.parameters()], 1.0)
+    ex.run(_batch(0))
+    reducer.finish()
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
+
+
+def test_a_replica_group_for_the_full_degree_is_refused_in_one_line():
+    from oases_ds.parallel.context import ParallelContext
+    from oases_ds.parallel.topology import Topology
+
+    ctx = ParallelContext.for_rank(Topology(8, 4), 0, new_group=lambda ranks, **kw: tuple(ranks))
+    assert ctx.replica_dp_group(2) == (0, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"^no replica group for TMP degree 4; it must be in \[1, 2\]$"):
+        ctx.replica_dp_group(4)
