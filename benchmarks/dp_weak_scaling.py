@@ -48,7 +48,6 @@ def _worker(args: dict) -> dict:
 
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.parallel.comm import Communicator
     from oases_ds.parallel.context import ParallelContext
     from oases_ds.parallel.grads import all_reduce_grads
     from oases_ds.parallel.link import LinkModel
@@ -131,7 +130,8 @@ def summary_line(result: dict, args: dict) -> str:
 
 
 def replace_readme_line(line: str, path: str = README) -> None:
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     block = f"{MARK_BEGIN}\n{line}\n{MARK_END}"
     if MARK_BEGIN in text and MARK_END in text:
         head, rest = text.split(MARK_BEGIN, 1)

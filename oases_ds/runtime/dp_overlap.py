@@ -101,7 +101,7 @@ class DPGradReducer:
             raise ValueError(f"max_in_flight must be >= 1 (buckets reducing at once), got {max_in_flight}")
         self.comm, self.dp_group, self.max_in_flight = comm, dp_group, max_in_flight
         self._in_flight: list[Bucket] = []
-        self._started: set[BlockKey] = set()
+        self._started: set[int] = set()  # id() of the buckets started in this boundary run
         self.dp_size = group_size(dp_group)
         last: dict[BlockKey, Instruction] = {}
         for ins in schedule.instructions:
@@ -145,7 +145,7 @@ class DPGradReducer:
         reduce ``accumulated + micro_batch_scale * g`` for each parameter, where
         ``g`` is the gradient that run leaves in ``.grad``."""
         self._accumulated = {id(p): g for p, g in accumulated}
-        self._started: set[BlockKey] = set()
+        self._started = set()
         self._in_flight = []
         self._scale = micro_batch_scale
         self.log = []
@@ -173,7 +173,7 @@ class DPGradReducer:
             p.grad = g
             grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._started.add(bucket.key)
+        self._started.add(id(bucket))
         bucket.pending = self.comm.all_reduce(flat, bucket.group, "grad_sync")
         self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
         self._in_flight.append(bucket)
@@ -194,7 +194,7 @@ class DPGradReducer:
             raise RuntimeError("DPGradReducer.finish without arm: no boundary micro-batch ran")
         t0 = time.perf_counter()
         for bucket in self.buckets:
-            if bucket.key not in self._started:
+            if id(bucket) not in self._started:
                 self._start(bucket)
         for bucket in self._in_flight:
             self._complete(bucket)
