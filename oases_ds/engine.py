@@ -4,7 +4,7 @@ Like DeepSpeed's ``PipelineEngine`` it owns the whole step (``train_batch``),
 because the Oases schedule interleaves forward, recompute and backward of two
 sub-batches -- there is no single ``loss`` tensor to hand to
 ``engine.backward``.  Everything else stays DeepSpeed's: data-parallel gradient
-reduction (over the mpu's DP group only), gradient clipping, optimizer and LR
+reduction (over the mpu's DP group only; for ZeRO 0 overlapped, see below), gradient clipping, optimizer and LR
 scheduler step, ZeRO-1 partitioning, bf16 master weights, gradient-accumulation
 boundaries, ``global_steps``, checkpoints.
 
@@ -14,6 +14,16 @@ micro-batch's parameter gradients ``g`` on its own (any previously accumulated
 surrogate ``sum_p <p, g_p>``, whose gradient is exactly ``g``.  So DeepSpeed's
 backward hooks, gradient-accumulation scaling and reductions see one ordinary
 backward per micro-batch, at the cost of one multiply-add per parameter.
+
+Except on the last micro-batch of an accumulation window with ZeRO 0 in fp32
+(:meth:`OasesEngine._overlapped_dp_reducer`): there DeepSpeed's reduction would
+run after the schedule, fully exposed, so a
+:class:`~oases_ds.runtime.dp_overlap.DPGradReducer` hooked into the executor
+instead starts each block's DP AllReduce as soon as the block's last Backward has
+run, folds the micro-batch into the accumulated gradient (``1/gas``, as DeepSpeed
+scales) and leaves the DP mean in ``.grad``; the surrogate backward is skipped,
+and ``step`` clips and updates as usual.  ZeRO-1, bf16 and fp16 keep DeepSpeed's
+reducer (their gradients live in the optimizer's own partitioned buffers).
 
 DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``DeepSpeedEngine._backward_prologue`` / ``_backward_prologue_per_tensor`` and
@@ -67,6 +77,7 @@ from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
 from oases_ds.parallel.collectives import group_size, start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
+from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
 
@@ -99,6 +110,7 @@ class OasesEngine(DeepSpeedEngine):
     """DeepSpeedEngine that trains an :class:`OperatorModel` with an Oases schedule."""
 
     _oases_in_train_batch = False  # a class default: DeepSpeedEngine.__init__ runs before ours sets it
+    _dp_wait_s = 0.0  # exposed wait for the overlapped DP buckets in the last micro-batch
 
     def __init__(self, *args: Any, oases: OasesConfig, parallel_context: ParallelContext, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -114,6 +126,9 @@ class OasesEngine(DeepSpeedEngine):
         self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}
         self._oases_data_iter: Iterator | None = None
+        self.dp_reducer = self._overlapped_dp_reducer()
+        if self.dp_reducer is not None:
+            self.executor.add_hook(self.dp_reducer)
         if oases.link is not None and dist.get_rank() == 0:
             message = slow_link_warning(oases.link.model(), oases.process_group_timeout_s, self._largest_collectives())
             if message:
@@ -137,6 +152,23 @@ class OasesEngine(DeepSpeedEngine):
         dp_bytes = min(grads, int(bucket)) * torch.empty((), dtype=self.communication_data_type).element_size()
         out.append(("DP gradient AllReduce", "all_reduce", dp_bytes, ctx.dp_size))
         return out
+
+    def _overlapped_dp_reducer(self) -> DPGradReducer | None:
+        """The per-block DP reduction overlapped with the schedule, where it reproduces
+        DeepSpeed's reduction exactly: fp32 gradients held by the module's parameters
+        (ZeRO 0, no bf16/fp16 wrapper), averaged over DP without pre-division, communicated
+        in the gradients' dtype, DeepSpeed counting the micro-batches.  Elsewhere (ZeRO-1, bf16, fp16) DeepSpeed's own reducer
+        runs after the schedule, as before; ``None`` then, and with one DP rank."""
+        dtype = next(self.module.parameters()).dtype
+        if (self.parallel_context.dp_size == 1 or self.zero_optimization_stage() != 0 or self.bfloat16_enabled()
+                or self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or not self.gradient_average
+                or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype
+                or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
+            return None
+        ctx = self.parallel_context
+        reducer = DPGradReducer(self.module, self.schedule, self.oases_comm, ctx.dp_group, replica_dp_group=ctx.replica_dp_group)
+        self.executor.sum_replica_grads = False  # folded into the reducer's AllReduce at the boundary
+        return reducer
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others
@@ -177,17 +209,18 @@ class OasesEngine(DeepSpeedEngine):
         start = clock.mark()
         # non_blocking: a blocking host-to-device copy waits for the device's queue
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-        losses, timelines, tokens = [], [], 0
+        losses, timelines, tokens, dp_wait = [], [], 0, 0.0
         for acc, mb in enumerate(micro_batches):
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
             timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device
+            dp_wait += self._dp_wait_s
             tokens += mb["tokens"].numel()
             self.step()
         loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
         begun, ended = clock.resolve([start, clock.mark()])
         elapsed = ended - begun
-        exposed = sum(timeline.busy("wait") for timeline in timelines)
+        exposed = sum(timeline.busy("wait") for timeline in timelines) + dp_wait
         stats = self.oases_comm.stats
         self.last_stats = {
             "loss": float(loss),
@@ -227,6 +260,19 @@ class OasesEngine(DeepSpeedEngine):
         accumulated = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self._dp_wait_s = 0.0
+        if self.dp_reducer is not None and self.is_gradient_accumulation_boundary():
+            # The schedule's hooks reduce each block over DP as its backward ends; DeepSpeed's
+            # backward (gas scaling + reduction) is replaced by the reducer's fold, 1/gas each.
+            self.dp_reducer.arm(list(zip(params, accumulated)), 1.0 / self.gradient_accumulation_steps())
+            try:
+                loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
+            except BaseException:
+                self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
+                raise
+            self.dp_reducer.finish()
+            self._dp_wait_s = self.dp_reducer.wait_s
+            return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         grads = [p.grad for p in params]
         for p, g in zip(params, accumulated):

@@ -104,8 +104,10 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     full = make_batch(tiny_config(family), per_rank * ctx.dp_size, 999)
     mine = {k: v[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank] for k, v in full.items()}
     eval_loss = float(start_all_reduce(engine(mine).detach(), ctx.dp_group).wait()) / ctx.dp_size
+    reducer = engine.dp_reducer
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
-            "stats": engine.last_stats, "eval_loss": eval_loss}
+            "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
+            "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync")}
 
 
 def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,17 +43,35 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+NewGroup = Callable[..., "dist.ProcessGroup | None"]
+
+
 @dataclass
 class ParallelContext:
     """Process groups and coordinates of this rank in the DP x TMP grid.
+
+    Only the TMP and DP groups exist from the start.  The groups a plan needs
+    (one replica of a block at a smaller TMP degree, the ranks that reshard
+    activations between two degrees) are created the first time this rank asks
+    for them, and only the one holding this rank: building every group of every
+    degree on every rank, as ``new_group`` without local synchronisation demands,
+    is about 1,500 calls per rank at 512 ranks (``Topology.eager_group_count``),
+    most of them for plans that never run.
+
+    Groups are made with ``use_local_synchronization=True``, so only members
+    take part.  torch names such a group from its ranks and the number of groups
+    the calling rank already has, so members must have created the same number
+    before: that holds because every rank creates exactly its TMP and DP groups
+    here, and later asks for plan groups in the same order (the model is built
+    from the same plan on every rank, one creation per new request).
 
     Attributes:
         topology: the pure rank arithmetic.
         rank: this process's global rank.
         tp_group / dp_group: process groups containing this rank.
         device: where this rank's tensors live.
-        sub_tp_groups: degree -> group of ``degree`` ranks inside this rank's TMP
-            group (for layers planned with a smaller TMP degree).
+        timeout_s: every group's timeout, so a dead peer is an error, not a hang.
+        new_group: ``torch.distributed.new_group``-shaped factory (tests count calls).
     """
 
     topology: Topology
@@ -61,39 +80,45 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     timeout_s: float = DEFAULT_TIMEOUT_S
-    sub_tp_groups: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
-    reshard_groups: dict[tuple[int, int], dist.ProcessGroup | None] = field(default_factory=dict)
+    new_group: NewGroup = field(default=dist.new_group, repr=False)
+    _plan_groups: dict[tuple, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
         cls, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None
     ) -> "ParallelContext":
-        """Create all groups.  Collective over the world: every rank must call it."""
+        """Create this rank's TMP and DP groups.  Every rank must call it (each blocks
+        until the members of its two groups have)."""
         init_distributed(timeout_s)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        topo = Topology(world_size=world, tp_size=tensor_parallel_size)
-        timeout = datetime.timedelta(seconds=timeout_s)
+        topo = Topology(world_size=dist.get_world_size(), tp_size=tensor_parallel_size)
+        return cls.for_rank(topo, dist.get_rank(), timeout_s, device or default_device())
 
-        def mine(groups: list[list[int]]) -> dist.ProcessGroup | None:
-            found = None
-            for ranks in groups:  # new_group is collective: every rank creates every group
-                group = dist.new_group(ranks=ranks, timeout=timeout)
-                if rank in ranks:
-                    found = group
-            return found
+    @classmethod
+    def for_rank(
+        cls, topology: Topology, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
+        new_group: NewGroup = dist.new_group,
+    ) -> "ParallelContext":
+        """The context of ``rank`` with groups from ``new_group``; pure but for the factory,
+        so a unit test can build all 512 ranks' contexts with a counting fake."""
+        ctx = cls(topology, rank, None, None, device or torch.device("cpu"), timeout_s, new_group)
+        ctx.tp_group = ctx._create(topology.group_containing(rank, topology.tp_group_ranks()))
+        ctx.dp_group = ctx._create(topology.group_containing(rank, topology.dp_group_ranks()))
+        return ctx
 
-        tp_group = mine(topo.tp_group_ranks())
-        dp_group = mine(topo.dp_group_ranks())
-        subs: dict[int, dist.ProcessGroup | None] = {tensor_parallel_size: tp_group}
-        degrees = [d for d in (2**k for k in range(tensor_parallel_size.bit_length())) if tensor_parallel_size % d == 0]
-        for degree in degrees:
-            if degree < tensor_parallel_size:
-                subs[degree] = mine(topo.sub_tp_group_ranks(degree)) if degree > 1 else None
-        reshard = {
-            (small, large): mine(topo.reshard_group_ranks(small, large))
-            for small in degrees for large in degrees if small < large
-        }
-        return cls(topo, rank, tp_group, dp_group, device or default_device(), timeout_s, subs, reshard)
+    def _create(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        return self.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
+                              use_local_synchronization=True)
+
+    def _plan_group(self, key: tuple, groups: Callable[[], list[list[int]]]) -> dist.ProcessGroup | None:
+        """The group of ``key`` holding this rank, created on first request (see the class docstring)."""
+        if key not in self._plan_groups:
+            self._plan_groups[key] = self._create(self.topology.group_containing(self.rank, groups()))
+        return self._plan_groups[key]
+
+    @property
+    def plan_groups_created(self) -> int:
+        """Plan groups this rank has created so far (beyond its TMP and DP groups)."""
+        return sum(g is not None for g in self._plan_groups.values())
 
     @property
     def coord(self) -> Coord:
@@ -120,20 +145,35 @@ class ParallelContext:
         return self.topology.rank(Coord(dp=self.dp_rank, tp=0))
 
     def sub_group(self, degree: int) -> dist.ProcessGroup | None:
-        """Group sharding one replica of a layer planned at TMP ``degree``."""
-        if degree not in self.sub_tp_groups:
-            raise ValueError(f"TMP degree {degree} not available; built for {sorted(self.sub_tp_groups)}")
-        return self.sub_tp_groups[degree]
+        """Group sharding one replica of a layer planned at TMP ``degree`` (created on first use)."""
+        if degree not in self.topology.degrees():
+            raise ValueError(f"TMP degree {degree} not available; tensor_parallel_size={self.tp_size} allows "
+                             f"{self.topology.degrees()}")
+        if degree == 1:
+            return None
+        if degree == self.tp_size:
+            return self.tp_group
+        return self._plan_group(("sub", degree), lambda: self.topology.sub_tp_group_ranks(degree))
 
     def layout(self, degree: int) -> "BlockLayout":
         """Where this rank sits for a block planned at TMP ``degree``."""
         return BlockLayout(degree, self.sub_group(degree), self.tp_rank // degree, self.tp_size // degree)
 
     def reshard_group(self, small: int, large: int) -> dist.ProcessGroup | None:
-        """Group exchanging activations between degrees ``small < large`` (see Topology)."""
-        if (small, large) not in self.reshard_groups:
-            raise ValueError(f"no reshard group for degrees {small} -> {large}")
-        return self.reshard_groups[(small, large)]
+        """Group exchanging activations between degrees ``small < large`` (see Topology),
+        created on first use."""
+        degrees = self.topology.degrees()
+        if small not in degrees or large not in degrees or small >= large:
+            raise ValueError(f"no reshard group for degrees {small} -> {large}; both must be in {degrees}, small < large")
+        return self._plan_group(("reshard", small, large), lambda: self.topology.reshard_group_ranks(small, large))
+
+    def replica_dp_group(self, degree: int) -> dist.ProcessGroup | None:
+        """The replicas of this rank's shard of a degree-``degree`` block, across all DP
+        replicas (``Topology.replica_dp_group_ranks``), created on first use."""
+        if degree not in self.topology.degrees() or degree >= self.tp_size:
+            raise ValueError(f"no replica group for TMP degree {degree}; it must be in {self.topology.degrees()[:-1]}")
+        return self._plan_group(("replica_dp", degree),
+                                lambda: self.topology.replica_dp_group_ranks(degree, self.tp_size))
 
     def mpu(self) -> "MPUAdapter":
         return MPUAdapter(self)

@@ -27,6 +27,11 @@ def all_reduce_grads(
     flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "grad_sync").wait()
     if mean:
         flat /= size
+    copy_from_flat(grads, flat)
+
+
+def copy_from_flat(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the consecutive pieces of ``flat`` (a reduced bucket) back into ``grads``, in place."""
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -97,6 +97,36 @@ class Topology:
                     groups.append([grp[start + offset + j * small] for j in range(large // small)])
         return groups
 
+    def replica_dp_group_ranks(self, small: int, large: int) -> list[list[int]]:
+        """The reshard groups of degrees ``small < large`` joined across DP: the ranks holding
+        one parameter shard of a degree-``small`` block in every replica and every DP
+        replica.  One AllReduce over such a group sums a replicated block's gradient over
+        its replicas and over DP at once."""
+        first = [ranks for ranks in self.reshard_group_ranks(small, large) if max(ranks) < self.tp_size]
+        return [sorted(d * self.tp_size + t for d in range(self.dp_size) for t in ranks) for ranks in first]
+
+    def degrees(self) -> list[int]:
+        """The TMP degrees a plan may give a block: powers of two dividing ``tp_size``."""
+        return [d for d in (2**k for k in range(self.tp_size.bit_length())) if self.tp_size % d == 0]
+
+    def group_containing(self, rank: int, groups: list[list[int]]) -> list[int]:
+        """The one group of a partition of the world (any ``*_group_ranks`` list) that holds ``rank``."""
+        self._check_rank(rank)
+        for ranks in groups:
+            if rank in ranks:
+                return ranks
+        raise ValueError(f"rank {rank} is in none of the {len(groups)} groups")
+
+    def eager_group_count(self) -> int:
+        """How many ``new_group`` calls every rank made when all plan groups were built
+        up front: each TMP and DP group, each sub-TMP group of every degree in 2..tp_size/2,
+        each reshard group of every degree pair.  Kept to state what lazy creation saves."""
+        degrees = self.degrees()
+        count = len(self.tp_group_ranks()) + len(self.dp_group_ranks())
+        count += sum(len(self.sub_tp_group_ranks(d)) for d in degrees if 1 < d < self.tp_size)
+        count += sum(len(self.reshard_group_ranks(s, l)) for s in degrees for l in degrees if s < l)
+        return count
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")

@@ -89,6 +89,10 @@ class Executor:
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
+        self.sum_replica_grads = True
+        """Complete replica blocks' gradients at the end of :meth:`run`; a caller that sums
+        them later itself (the DP reducer folds the sum into its AllReduce at the
+        accumulation boundary, which is exact because both sums are linear) turns it off."""
         self._handlers: dict[type, Callable[[Instruction], None]] = {
             Forward: self._forward,
             Recompute: self._recompute,
@@ -168,7 +172,8 @@ class Executor:
         self._buffers.clear()
         if leftover:
             raise RuntimeError(f"schedule left buffers alive: {leftover[:4]}")
-        self._sum_replica_grads()
+        if self.sum_replica_grads:
+            self._sum_replica_grads()
         return torch.stack(self._losses).sum()
 
     def _sum_replica_grads(self) -> None:

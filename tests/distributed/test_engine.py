@@ -181,3 +181,49 @@ def test_the_hot_path_never_syncs_and_an_unlabelled_micro_batch_is_refused_befor
         assert stats["step_s"] > 0 and 0 <= stats["exposed_comm_s"] <= stats["step_s"]
         assert rank["empty"].startswith("micro-batch 1 of this step has no labelled tokens"), rank["empty"]
         assert rank["weights_unchanged"] and rank["global_steps"] == 2  # refused before anything ran
+
+
+@pytest.fixture(scope="module")
+def dp2_gas2():
+    """DP 2 x TMP 1 (2 ranks) and DP 2 x TMP 2 (4 ranks), 2 micro-batches of 2 per step,
+    ZeRO 0 and 1, clipping 0.05, oases schedule: one launch each, shared by the tests below."""
+    return {(tp, zero): launch(ew.oases_run, 2 * tp, ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero), timeout_s=600)[0]
+            for tp in (1, 2) for zero in (0, 1)}
+
+
+@pytest.mark.parametrize("tp, zero", [(1, 0), (1, 1), (2, 0), (2, 1)])
+def test_dp2_gradient_accumulation_matches_plain_deepspeed(dp2_gas2, tp, zero):
+    out = dp2_gas2[(tp, zero)]
+    assert_params_match(out, reference())
+    assert out["global_steps"] == STEPS
+    # ZeRO 0 reduces per block inside the schedule; ZeRO 1 keeps DeepSpeed's partitioned reducer
+    assert out["dp_overlap"] is (zero == 0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp):
+    log = dp2_gas2[(tp, 0)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
+    backwards = [i for i, e in enumerate(log) if e.startswith("B")]
+    buckets = [i for i, e in enumerate(log) if e.startswith("dp:")]
+    assert buckets and buckets[0] < backwards[-1], log
+    assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
+    assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
+    assert dp2_gas2[(tp, 0)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
+
+
+def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path):
+    """DP 2 x TMP 2 with a plan putting one attention and one MLP block at degree 1 (2
+    replicas each): their bucket is one AllReduce over the shard's replicas across DP.
+    2 micro-batches of 4 per rank (a replica needs whole samples of a sub-batch), so the
+    reference runs the global batch of 16."""
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 1), (1, 2), devices=2).to_json(path)
+    ref = launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
+    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, 0, "oases", False, "sgd", str(path)), timeout_s=600)[0]
+    assert_params_match(out, ref)
+    assert out["dp_overlap"]
+    # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
+    assert out["grad_sync_calls"] == 6
+    assert {"dp:0.mlp", "dp:1.attn"} <= set(out["dp_log"])
