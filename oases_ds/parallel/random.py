@@ -29,13 +29,15 @@ import torch
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (x < 2**31) * _MUL never overflows int64
 
-# Element finalizer constants (odd, so each multiply is a bijection mod 2**32), as
-# signed int32 values: the per-element hash runs in int32 with wrap-around.
-_FIN_MUL1 = 0x7FEB352D
-_FIN_MUL2 = 0x846CA68B - (1 << 32)
-_CHUNK_ELEMS = 1 << 18
-"""Elements per chunk of the CPU mask loop: two int32 work buffers of 1 MiB each stay
-in a 1 MiB L2 plus L3; measured fastest of 2**14..2**20 on this machine (2-core EPYC)."""
+_FIN_MUL = 0x846CA68B - (1 << 32)
+"""Odd, so multiplying by it is a bijection mod 2**32; as a signed int32 because the
+per-element hash runs in int32 with wrap-around."""
+_CHUNK_ELEMS = 1 << 22
+"""Elements per chunk of the CPU mask loop: bounds the two int32 work buffers to 16 MiB
+each (they live in a 32 MiB L3) however large the tensor.  Measured interleaved on this
+2-core EPYC under load: 2**22 took 0.43x F.dropout's time on a (4,16,512,512) mask,
+2**20 0.84x, 2**18 1.85x, 2**16 10x -- each chunk is ~6 op launches, and with other
+jobs on the cores every launch's thread hand-off costs more than the cache saves."""
 
 
 def _mix(x: torch.Tensor | int) -> torch.Tensor | int:
@@ -71,17 +73,19 @@ def _hash32(x: torch.Tensor, salt: int) -> torch.Tensor:
 
 
 def _finalize_(w: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """In-place int32 finalizer (multiply, logical xorshift, multiply; wrap-around).
+    """In-place int32 finalizer: ``w ^= w >> 16; w *= _FIN_MUL`` with wrap-around.
 
-    ``x >> s`` on int32 is an arithmetic shift, so ``& (2**(32-s) - 1)`` makes it the
-    logical one that keeps each step a bijection.  Int32 multiply wraps modulo 2**32
-    in torch's CPU and CUDA kernels alike (two's complement); the golden values in
-    tests/unit/test_random.py pin the result to a pure-Python mod-2**32 model."""
-    w.mul_(_FIN_MUL1)
+    ``w`` is ``rowhash + colhash``; the xorshift breaks the additive structure that
+    four corners (r,c),(r,c'),(r',c),(r',c') share, the multiply spreads every bit
+    into the top bits that the threshold reads.  The shift is arithmetic (int32), so
+    bit 31 of ``w ^ (w >> 16)`` is always 0: 2**31 distinct inputs, mapped one-to-one
+    by the odd multiply -- a masking ``& 0xFFFF`` would make it 2**32 at one more pass,
+    for no measurable change in keep rate or correlation (tests/unit/test_random.py).
+    Int32 add and multiply wrap modulo 2**32 in torch's CPU and CUDA kernels alike (two's
+    complement); the golden test pins the bits to a pure-Python mod-2**32 model."""
     torch.bitwise_right_shift(w, 16, out=tmp)
-    tmp.bitwise_and_(0xFFFF)
     w.bitwise_xor_(tmp)
-    w.mul_(_FIN_MUL2)
+    w.mul_(_FIN_MUL)
     return w
 
 
@@ -98,10 +102,10 @@ def keep_mask(
 
     Why this shape of hash: the element at global (row, col) -- row the linear index
     of all dims but the last, col the last-dim index -- gets
-    ``finalize(rowhash(row) ^ colhash(col))`` compared with a threshold.  The two
+    ``finalize(rowhash(row) + colhash(col))`` compared with a threshold.  The two
     index hashes are strong but run on ``rows + cols`` values; per element there are
-    only 6 int32 passes (xor, mul, shift, and, xor, mul) and the compare that writes
-    the bool mask, done in L2-sized chunks on CPU.  The old 31-bit int64 hash of
+    only 4 int32 passes (add, shift, xor, multiply) and the compare that writes the
+    bool mask, in bounded chunks on CPU.  The old 31-bit int64 hash of
     the full linear index made ~35 full-size int64 passes (5.4x ``F.dropout``).
     The mask is still a function of global coordinates only, so slices, TMP
     degrees, sub-batches and recomputes all see the same bits."""
@@ -143,7 +147,7 @@ def keep_mask(
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         w, t = work[: r1 - r0], tmp[: r1 - r0]
-        torch.bitwise_xor(row_h[r0:r1, None], col_h[None, :], out=w)
+        torch.add(row_h[r0:r1, None], col_h[None, :], out=w)
         torch.ge(_finalize_(w, t), threshold, out=flat[r0:r1])
     return out
 

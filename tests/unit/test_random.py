@@ -56,10 +56,9 @@ def _py_hash32(x: int, salt: int) -> int:
 def _py_keep(key: int, row: int, col: int, p: float) -> bool:
     """The mask bit as unsigned mod-2**32 arithmetic in Python integers: what any
     device must reproduce (a device whose int32 multiply did not wrap would differ)."""
-    w = _py_hash32(row, keyed_random.mix_key(key, 7)) ^ _py_hash32(col, keyed_random.mix_key(key, 11))
-    w = (w * 0x7FEB352D) & 0xFFFFFFFF
-    w ^= w >> 16
-    w = (w * 0x846CA68B) & 0xFFFFFFFF
+    w = (_py_hash32(row, keyed_random.mix_key(key, 7)) + _py_hash32(col, keyed_random.mix_key(key, 11))) & 0xFFFFFFFF
+    shifted = (w >> 16) | (0xFFFF0000 if w >= 1 << 31 else 0)  # int32 >> is arithmetic
+    w = ((w ^ shifted) * 0x846CA68B) & 0xFFFFFFFF
     signed = w - (1 << 32) if w >= 1 << 31 else w
     return signed >= round(p * (1 << 32)) - (1 << 31)
 
@@ -109,8 +108,8 @@ def test_neighbouring_elements_rows_keys_and_samples_are_uncorrelated():
 
 
 def test_row_and_column_hashes_do_not_cancel_in_quartets():
-    """Element hash is f(rowhash ^ colhash): the four corners (r,c),(r,c'),(r',c),(r',c')
-    have inputs that xor to 0; a weak finalizer would make the 4th bit predictable."""
+    """Element hash is f(rowhash + colhash): the four corners (r,c),(r,c'),(r',c),(r',c')
+    have inputs with h1 + h4 = h2 + h3; a weak finalizer would make the 4th bit predictable."""
     m = keep_mask(5, (256, 256), (0, 0), (256, 256), 0.5, CPU).to(torch.int64)
     parity = m[:-1, :-1] ^ m[:-1, 1:] ^ m[1:, :-1] ^ m[1:, 1:]
     n = parity.numel()
