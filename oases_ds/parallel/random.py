@@ -36,7 +36,7 @@ _CHUNK_ELEMS = 1 << 22
 """Elements per chunk of the CPU mask loop: bounds the two int32 work buffers to 16 MiB
 each (they live in a 32 MiB L3) however large the tensor.  Measured interleaved on this
 2-core EPYC under load: 2**22 took 0.43x F.dropout's time on a (4,16,512,512) mask,
-2**20 0.84x, 2**18 1.85x, 2**16 10x -- each chunk is ~6 op launches, and with other
+2**20 0.84x, 2**18 1.85x, 2**16 10x -- each chunk is 5 op launches, and with other
 jobs on the cores every launch's thread hand-off costs more than the cache saves."""
 
 
@@ -120,7 +120,8 @@ def keep_mask(
                              f"is outside full_shape {tuple(full_shape)}; offsets + local_shape must fit in full_shape")
     shape = tuple(int(n) for n in local_shape)
     device = torch.device(device)
-    if p >= 1.0:
+    threshold = round(p * (1 << 32)) - (1 << 31)  # finalized values are uniform over int32
+    if threshold >= 1 << 31:  # p within 2**-33 of 1: no int32 value is kept (the scalar would wrap)
         return torch.zeros(shape, dtype=torch.bool, device=device)
     if ndim == 0:  # a scalar is the one element (row 0, col 0) of a 1x1 tensor
         return keep_mask(key, (1, 1), (0, 0), (1, 1), p, device).reshape(())
@@ -138,7 +139,6 @@ def keep_mask(
         stride *= int(full_shape[dim])
     row_h = _hash32(row.reshape(-1), mix_key(key, 7))
     col_h = _hash32(torch.arange(offsets[-1], offsets[-1] + cols, dtype=torch.int64, device=device), mix_key(key, 11))
-    threshold = round(p * (1 << 32)) - (1 << 31)  # finalized values are uniform over int32
     flat = out.view(-1, cols)
     rows = flat.shape[0]
     step = max(1, _CHUNK_ELEMS // cols) if device.type == "cpu" else rows

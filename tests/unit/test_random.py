@@ -139,6 +139,7 @@ def test_every_slice_kind_matches_the_full_mask(monkeypatch):
 def test_extreme_probabilities_and_degenerate_shapes():
     assert keep_mask(1, (4, 5), (0, 0), (4, 5), 0.0, CPU).all()
     assert not keep_mask(1, (4, 5), (0, 0), (4, 5), 1.0, CPU).any()
+    assert not keep_mask(1, (4, 5), (0, 0), (4, 5), 1 - 1e-12, CPU).any()  # threshold 2**31 must not wrap
     assert keep_mask(1, (0, 5), (0, 0), (4, 5), 0.5, CPU).shape == (0, 5)
     assert keep_mask(1, (), (), (), 0.5, CPU).shape == ()
     assert keep_mask(1, (7,), (3,), (10,), 0.5, CPU).tolist() == keep_mask(1, (10,), (0,), (10,), 0.5, CPU)[3:].tolist()
