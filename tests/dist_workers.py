@@ -62,7 +62,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
 
 
 def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05,
-                  plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None, variants: list[str] | None = None) -> dict:
+                  plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None, variants: list[str] | None = None,
+                  dropout: float = 0.1) -> dict:
     """Train every schedule variant for ``steps`` SGD steps and compare, after every
     step, gathered gradients and the loss with the unsharded reference."""
     import sys, os
@@ -74,7 +75,7 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
     dp, dp_rank = ctx.dp_size, ctx.dp_rank
     results: dict = {}
     for family in families:
-        cfg = tiny_config(family)
+        cfg = tiny_config(family, dropout)
         ref = ReferenceModel(cfg, seed=7)
         ref_rng = RNGTracker(seed=11)
         opt = torch.optim.SGD(ref.parameters(), lr=lr)

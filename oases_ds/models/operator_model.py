@@ -302,7 +302,9 @@ class OperatorModel(nn.Module):
                 full = (c.global_batch, cfg.num_heads, p.shape[2], p.shape[3])
                 return self._dropout(c, p, dropout_site(i, "attn_probs"), offsets, full)
 
-            return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=drop))
+            # No dropout callable -> the fused SDPA route (eval, or attention dropout 0).
+            active = drop if c.training and cfg.dropout > 0.0 else None
+            return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=active))
 
         def proj(c: OpContext, a: Acts) -> Acts:
             return (a[0], layer.attn.o.partial(a[1]))

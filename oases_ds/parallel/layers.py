@@ -192,13 +192,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.flatten(-2)
 
 
-def attention_core(q, k, v, causal: bool, dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over (b, heads, seq, d); returns (b, seq, heads*d)."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s = q.shape[-2]
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = dropout(scores.softmax(dim=-1))
-    out = probs @ v
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over (b, heads, seq, d); returns (b, seq, heads*d).
+
+    Without ``dropout`` (eval, or attention dropout 0 as LLaMA trains) this is one
+    ``scaled_dot_product_attention`` call: flash / memory-efficient kernels on CUDA,
+    the fused kernel on CPU, and no (seq x seq) probabilities kept for backward.
+    SDPA cannot take an external mask, and the keyed mask must be a function of
+    global (sample, head, i, j) (see parallel/random.py), so with ``dropout`` the
+    probabilities are materialised -- leanly: the scale goes on q (b,h,s,d) instead of
+    the scores (b,h,s,s), and the causal fill is in place on the fresh matmul output.
+    benchmarks/micro_attention.py measures both routes against the plain one.
+    """
+    if dropout is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2)
+        if causal:
+            s_q, s_k = scores.shape[-2], scores.shape[-1]
+            scores.masked_fill_(torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        out = dropout(scores.softmax(dim=-1)) @ v
     return out.transpose(1, 2).flatten(2)

@@ -33,3 +33,15 @@ def test_gradients_and_losses_match_reference(layout, family, variant):
         r = per_rank[(family, variant)]
         assert r["grad_err"] <= TOL, f"rank {rank}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
         assert r["loss_err"] <= TOL, f"rank {rank}: loss rel err {r['loss_err']:.2e}"
+
+
+@pytest.mark.distributed
+def test_dropout_free_models_match_reference_through_sdpa():
+    """Dropout 0 (LLaMA's setting) sends attention through scaled_dot_product_attention;
+    the sharded schedules must still match the einsum reference to 1e-5."""
+    per_rank = launch(dist_workers.parity_worker, 4, (2, FAMILIES, 2, 4, 0.05, None, ["oases"], 0.0), timeout_s=600)
+    for rank, res in enumerate(per_rank):
+        assert len(res) == len(FAMILIES)
+        for (family, variant), r in res.items():
+            assert r["grad_err"] <= TOL, f"rank {rank} {family}/{variant}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
+            assert r["loss_err"] <= TOL, f"rank {rank} {family}/{variant}: loss rel err {r['loss_err']:.2e}"

@@ -1,0 +1,71 @@
+"""Kernel micro-benchmarks on a shared, loaded machine: interleaved timing and ratios.
+
+Why interleaved: other developers' jobs come and go on the same two cores, so a
+variant timed in one block and its baseline in another would compare two machine
+states.  Each round runs every variant once, back to back, starting with a
+different one each round; per-round ratios then compare like with like, and the
+median over rounds is what ``benchmarks/README.md`` quotes (min-max beside it).
+Used by ``benchmarks/micro_dropout.py`` and ``benchmarks/micro_attention.py``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from oases_ds.bench.provenance import git_commit, machine
+from oases_ds.utils.io import write_json_atomic, write_text_atomic
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one call per variant per round, start rotated."""
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_summary(times: dict[str, list[float]], base: str) -> dict[str, dict[str, float]]:
+    """Median seconds and per-round ratio to ``base`` (median, min, max) of each variant."""
+    out = {}
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, times[base])]
+        out[name] = {"median_ms": statistics.median(ts) * 1e3, "ratio_median": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    return out
+
+
+def record(name: str, rounds: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON payload: what ran, where, on which commit, with the load it ran under."""
+    return {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "machine": machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0], "rounds": rounds, "cases": cases}
+
+
+def write_results(json_path: str, payload: dict[str, Any], readme_path: str, table: list[str]) -> None:
+    """Write the JSON record and replace the benchmark's generated table in the README
+    (between ``<!-- <name>:begin -->`` and ``<!-- <name>:end -->``, appended if absent)."""
+    write_json_atomic(json_path, payload)
+    begin, end = f"<!-- {payload['benchmark']}:begin -->", f"<!-- {payload['benchmark']}:end -->"
+    text = open(readme_path, encoding="utf-8").read() if os.path.exists(readme_path) else ""
+    block = "\n".join([begin, *table, end])
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    write_text_atomic(readme_path, text)
+
+
+def fmt_ratio(s: dict[str, float]) -> str:
+    return f"{s['ratio_median']:.2f}x ({s['ratio_min']:.2f}-{s['ratio_max']:.2f})"
