@@ -43,7 +43,7 @@ def test_masked_lm_batches_label_only_masked_positions():
 def test_bad_data_config():
     with pytest.raises(ValueError, match="data.source='csv' unknown"):
         DataConfig("csv")
-    with pytest.raises(ValueError, match="data.path is not set; data.source=mmap needs a uint16 token file"):
+    with pytest.raises(ValueError, match="data.path is not set; data.source=mmap needs a token file"):
         DataConfig("mmap")
 
 
@@ -71,5 +71,7 @@ def test_check_data_is_what_token_batches_checks(tmp_path):
             check_data(cfg, vocab, seq)
         with pytest.raises(ValueError, match=message):
             TokenBatches(cfg, vocab, seq)
-    check_data(cfg, vocab_size=20, seq_len=19)  # exactly one window, every id in the vocabulary
-    assert TokenBatches(cfg, 20, 19).windows == 1
+    with pytest.raises(ValueError, match="has 1 window.*leaves none to train on"):
+        check_data(cfg, vocab_size=20, seq_len=19)  # one window: nothing left once one is held out
+    check_data(cfg, vocab_size=20, seq_len=9)  # two windows: one trains, one is held out
+    assert TokenBatches(cfg, 20, 9).windows == 1
