@@ -62,7 +62,7 @@ class MetricsLog:
         if csv_path:
             kept = self._rows_up_to(csv_path, start_step) if start_step else []
             write_text_atomic(csv_path, "".join(",".join(r) + "\n" for r in [list(COLUMNS), *kept]))
-            self._stream = open(csv_path, "a", newline="")
+            self._stream = open(csv_path, "a", newline="")  # noqa: SIM115 -- held open for the run, closed by close()
         if tb_dir:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency, checked by check_tensorboard
 

@@ -1,9 +1,16 @@
-"""Token sources: windows, DP shares, masked-LM batches, memory-mapped files."""
+"""Token sources: windows, DP shares, masked-LM batches, memory-mapped files, and the
+tokenizer pipeline behind oases-data (a tokenizer trained here: nothing is downloaded)."""
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from oases_ds.data import DataConfig, TokenBatches, check_data
+import oases_ds.data as data_module
+from oases_ds.cli import data as data_cli
+from oases_ds.data import CorpusSpec, DataConfig, TokenBatches, TokenFileMeta, check_data, tokenize_corpus
 
 
 def test_embedded_text_is_bytes_and_labels_are_shifted():
@@ -78,14 +85,6 @@ def test_check_data_is_what_token_batches_checks(tmp_path):
 
 
 # -- oases-data: a local tokenizer over local text -----------------------------------------------------
-import json  # noqa: E402 -- the tokenizer tests' own imports, kept with them
-import os  # noqa: E402
-
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
-
-from oases_ds.cli import data as data_cli  # noqa: E402
-from oases_ds.data import CorpusSpec, TokenFileMeta, tokenize_corpus  # noqa: E402
-
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the bird sang a song", "hello world again"]
 
 
@@ -247,3 +246,16 @@ def test_data_mmap_checks_the_sidecar(corpus):
     (corpus / "tokens.bin.json").write_text('{"dtype": "int8"')
     with pytest.raises(ValueError, match="tokens.bin.json is not a token-file sidecar"):
         DataConfig("mmap", str(out))
+
+
+def test_a_long_txt_is_streamed_in_pieces_and_stays_one_document(corpus, monkeypatch):
+    """Pieces of ~12 characters (the real size is 1 MiB): the ids are the whole text's, with one EOS at its end."""
+    monkeypatch.setattr(data_module, "TXT_CHUNK_CHARS", 12)
+    tok = word_tokenizer(corpus / "tok.json")
+    text = "".join(s + "\n" for s in SENTENCES * 5)
+    (corpus / "long.txt").write_text(text)
+    assert len(list(data_module.iter_documents(str(corpus / "long.txt")))) > 10
+    out = corpus / "tokens.bin"
+    report = tokenize_corpus(CorpusSpec((str(corpus / "long.txt"),), str(corpus / "tok.json"), str(out), batch_docs=3))
+    assert report.documents == 1
+    assert np.fromfile(out, np.uint16).tolist() == expected_ids(tok, [text], tok.token_to_id("</s>"))
