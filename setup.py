@@ -29,12 +29,14 @@ setup(
         # The CPU wheel of this pinned version; an unpinned torch resolves to a multi-GB CUDA build.
         "cpu": ["torch==2.13.0"],
         "test": ["pytest>=7"],
+        "tensorboard": ["tensorboard>=2.10"],  # oases-train metrics.tensorboard=DIR (CSV needs nothing)
     },
     entry_points={
         "console_scripts": [
             "oases-train=oases_ds.cli.train:entry",
             "oases-plan=oases_ds.cli.plan:entry",
             "oases-bench=oases_ds.cli.bench:entry",
+            "oases-data=oases_ds.cli.data:entry",
         ]
     },
 )

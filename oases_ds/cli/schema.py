@@ -107,6 +107,14 @@ class ScheduleSchema:
     fine_grained_recompute: bool = True
 
 
+@dataclass
+class MetricsSchema:
+    """Where rank 0 logs step, loss, eval_loss, lr, tokens/s (oases_ds.utils.metrics)."""
+
+    csv: Optional[str] = None  # a CSV file; needs nothing installed
+    tensorboard: Optional[str] = None  # a TensorBoard log directory; needs the [tensorboard] extra
+
+
 # -- turning a composition error into one line -------------------------------------------------------
 _HINTS = (
     ("converted to Integer", "give a whole number"),

@@ -3,7 +3,10 @@
 Started plainly it launches ``nprocs`` rank processes itself (CPU: gloo); started
 by ``torchrun`` or the ``deepspeed`` launcher it runs as one rank.  Rank 0
 prints progress (step, loss, tokens/s, TMP bytes, exposed communication) and a
-summary.  Hydra lives here and in ``configs/`` only; the library takes typed
+summary.  ``eval_every=N`` evaluates every N steps (and always after the last) on
+one fixed held-out batch, windows no step trains on (:class:`oases_ds.data.TokenBatches`);
+``metrics.csv`` / ``metrics.tensorboard`` log step, loss, eval_loss, lr and tokens/s
+(:mod:`oases_ds.utils.metrics`).  Hydra lives here and in ``configs/`` only; the library takes typed
 configs.
 
 A failing rank ends the run with one line, ``error: rank R: Type: message (full
@@ -28,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 import oases_ds
 from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
-from oases_ds.cli.schema import ClusterSchema, DataSchema, ModelSchema, ScheduleSchema
+from oases_ds.cli.schema import ClusterSchema, DataSchema, MetricsSchema, ModelSchema, ScheduleSchema
 from oases_ds.config import check_deepspeed_section, parse_oases_section
 from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
@@ -36,6 +39,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.topology import Topology
 from oases_ds.planner.plan import Plan
 from oases_ds.utils.io import write_json_atomic
+from oases_ds.utils.metrics import MetricsLog, check_csv, check_tensorboard
 
 
 # -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
@@ -67,6 +71,8 @@ class TrainSchema:
     bf16: bool = False
     seed: int = 1234
     log_every: int = 10
+    eval_every: int = 0
+    metrics: MetricsSchema = field(default_factory=MetricsSchema)
     timeout_s: float = 600.0
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     trace: Optional[str] = None
@@ -76,7 +82,7 @@ class TrainSchema:
 ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 
 RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "steps": 1, "micro_batch": 1, "grad_accum": 1,
-                            "warmup_steps": 0, "log_every": 1, "checkpoint.every": 0, "checkpoint.keep": 0}
+                            "warmup_steps": 0, "log_every": 1, "eval_every": 0, "checkpoint.every": 0, "checkpoint.keep": 0}
 """Smallest value of each numeric key (``lr`` and ``timeout_s`` must be > 0)."""
 
 
@@ -120,6 +126,8 @@ def validate(cfg: dict) -> None:
     oases = parse_oases_section(ds["oases"])
     check_deepspeed_section(ds)
     check_data(DataConfig(**cfg["data"]), model.vocab_size, model.seq_len)
+    check_csv(cfg["metrics"]["csv"])
+    check_tensorboard(cfg["metrics"]["tensorboard"])
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
     Topology(world, oases.tensor_parallel_size)
     model.check_tp(oases.tensor_parallel_size)
@@ -166,31 +174,49 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         print(f"oases-train: {model_cfg.family} h={model_cfg.hidden_size} L={model_cfg.num_layers} | "
               f"{torch.distributed.get_world_size()} ranks = TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
               f"{label} | from step {start_step}", flush=True)
+    # Every evaluation reads the same held-out batch (windows no training step reads), so eval losses compare.
+    def evaluate() -> float:
+        return float(engine.eval_batch(data.eval_batch(0, dp, ctx.dp_rank, micro)))
+
+    metrics = MetricsLog(cfg["metrics"]["csv"], cfg["metrics"]["tensorboard"], start_step) if is_main else None
+    evals: list[dict[str, float]] = []
     t_start = time.perf_counter()
     saved = False
-    for step in range(start_step, cfg["steps"]):
-        parts = [data.batch(step, slots, a * dp + ctx.dp_rank, micro) for a in range(gas)]
-        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        loss = float(engine.train_batch(batch))
-        stats = dict(engine.last_stats, step=step + 1)
-        history.append(stats)
-        if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
-            print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
-                  f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}", flush=True)
-        saved = bool(ckpt["dir"] and ckpt["every"] and (step + 1) % ckpt["every"] == 0)
-        if saved:
-            engine.save_checkpoint(ckpt["dir"], keep=ckpt.get("keep", 0))
+    try:
+        for step in range(start_step, cfg["steps"]):
+            parts = [data.batch(step, slots, a * dp + ctx.dp_rank, micro) for a in range(gas)]
+            batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            loss = float(engine.train_batch(batch))
+            stats = dict(engine.last_stats, step=step + 1, lr=float(engine.get_lr()[0]))
+            history.append(stats)
+            if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
+                print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
+                      f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}",
+                      flush=True)
+            eval_loss = None
+            if (cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0) or step + 1 == cfg["steps"]:
+                eval_loss = evaluate()
+                evals.append({"step": step + 1, "eval_loss": eval_loss})
+                if is_main:
+                    print(f"eval {step + 1:>5}/{cfg['steps']} | held-out loss {eval_loss:7.4f}", flush=True)
+            if metrics is not None:
+                metrics.log(step + 1, loss, eval_loss, stats["lr"], stats["tokens_per_s"])
+            saved = bool(ckpt["dir"] and ckpt["every"] and (step + 1) % ckpt["every"] == 0)
+            if saved:
+                engine.save_checkpoint(ckpt["dir"], keep=ckpt.get("keep", 0))
+    finally:
+        if metrics is not None:
+            metrics.close()
     if ckpt["dir"] and history and not saved:  # the last step's checkpoint, unless just written
         engine.save_checkpoint(ckpt["dir"], keep=ckpt.get("keep", 0))
-    eval_batch = data.batch(10**6, dp, ctx.dp_rank, micro)  # a fixed batch no step trains on
-    eval_loss = float(engine.eval_batch(eval_batch))
+    eval_loss = evals[-1]["eval_loss"] if evals else evaluate()  # nothing trained (resumed at the end): still report one
     if cfg["trace"] and is_main:
         engine.save_trace(cfg["trace"])
     elapsed = time.perf_counter() - t_start
     done = history[-1] if history else {}
     summary = {
         "steps_run": len(history), "global_steps": engine.global_steps, "first_loss": history[0]["loss"] if history else None,
-        "final_loss": done.get("loss"), "eval_loss": eval_loss, "elapsed_s": elapsed,
+        "final_loss": done.get("loss"), "eval_loss": eval_loss, "evals": evals, "elapsed_s": elapsed,
         "median_tokens_per_s": sorted(h["tokens_per_s"] for h in history)[len(history) // 2] if history else 0.0,
         "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
     }

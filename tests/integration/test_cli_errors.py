@@ -94,7 +94,7 @@ def test_train_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path,
 
 # -- oases-train: data problems found before any rank reads the data --------------------------------
 @pytest.mark.parametrize("args, start", [
-    (["data=mmap"], "error: data.path is not set; data.source=mmap needs a uint16 token file"),
+    (["data=mmap"], "error: data.path is not set; data.source=mmap needs a token file"),
     (["data=mmap", "data.path={in}/missing.bin"], "error: data.path='{in}/missing.bin' does not exist"),
     (["data=mmap", "data.path={in}"], "error: data.path='{in}' is not a file"),
     (["data=mmap", "data.path={in}/empty.bin"], "error: data.path='{in}/empty.bin' is empty"),
