@@ -233,24 +233,35 @@ def _greedy_bounds(table: CostTable, chain: _Chain, limit: float) -> _Bounds:
 
 
 @dataclass
-class _Front:
-    """Pareto front of labels at one (block, degree): memory ascending, cost strictly
-    descending, and where each label came from (previous degree, its index there)."""
+class _Labels:
+    """Every label kept at one block, all degrees together, grouped by degree: within a
+    group memory ascends and cost strictly descends (a Pareto front per degree).
 
+    Why one array per block, not one per (block, degree): the search is numpy calls per
+    block, and a block has few live degrees but six possible ones."""
+
+    degree: np.ndarray
+    """Degree index of the block for each label (ascending)."""
     memory: np.ndarray
     cost: np.ndarray
-    source_degree: np.ndarray
-    source_index: np.ndarray
+    source: np.ndarray
+    """Index of the label this one extends in the previous block's arrays (-1: first block)."""
 
     @classmethod
-    def pareto(cls, memory: np.ndarray, cost: np.ndarray, degree: np.ndarray, index: np.ndarray) -> _Front:
-        """Keep the labels no other beats in both memory and cost (ties: one of them)."""
-        order = np.lexsort((cost, memory))
-        memory, cost = memory[order], cost[order]
-        keep = np.ones(len(order), dtype=bool)
-        keep[1:] = cost[1:] < np.minimum.accumulate(cost)[:-1]
-        order = order[keep]
-        return cls(memory[keep], cost[keep], degree[order], index[order])
+    def pareto(cls, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray, source: np.ndarray, width: int) -> _Labels:
+        """Keep, per degree, the labels no other beats in both memory and cost (ties: one).
+
+        The per-degree running minimum of cost is taken exactly, on a [degree, rank]
+        array padded with +inf, so no float offset can reorder near-ties."""
+        order = np.lexsort((cost, memory, degree))
+        degree, memory, cost, source = degree[order], memory[order], cost[order], source[order]
+        counts = np.bincount(degree, minlength=width)
+        rank = np.arange(len(degree)) - np.repeat(np.cumsum(counts) - counts, counts)
+        padded = np.full((width, int(counts.max()) + 1), np.inf)
+        padded[degree, rank + 1] = cost
+        cheaper_before = np.minimum.accumulate(padded, axis=1)[degree, rank]
+        keep = cost < cheaper_before
+        return cls(degree[keep], memory[keep], cost[keep], source[keep])
 
 
 def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bound: str = "lagrangian") -> list[int]:
@@ -274,44 +285,35 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bo
     lean = chain.memory.min(axis=1)
     lean_after = np.concatenate([np.cumsum(lean[::-1])[::-1][1:], [0.0]])  # leanest blocks > b: exact, no edges
 
-    def admissible(block: int, memory: np.ndarray, cost: np.ndarray) -> np.ndarray:
-        """[D, n] mask of the labels at block ``block`` (row: its degree) that may still
-        complete within the limit at <= incumbent."""
+    def admissible(block: int, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """Mask of the labels at ``block`` (at ``degree``) that may still complete within
+        the limit at a cost <= the incumbent's."""
         ok = memory + lean_after[block] <= limit
         for lam, rest in bounds.rests:
-            ok &= cost + rest[block][:, None] - lam * (limit - memory) <= incumbent
+            ok &= cost + rest[block][degree] - lam * (limit - memory) <= incumbent
         return ok
 
-    empty = _Front(np.empty(0), np.empty(0), np.empty(0, dtype=np.intp), np.empty(0, dtype=np.intp))
-    memory, cost = chain.memory[0][:, None], chain.node[0][:, None]
-    ok = admissible(0, memory, cost)[:, 0]
-    none, zero = np.full(1, -1), np.zeros(1, dtype=np.intp)
-    fronts = [[_Front(memory[i], cost[i], none, zero) if ok[i] else empty for i in range(width)]]
+    degree = np.arange(width)
+    memory, cost = chain.memory[0], chain.node[0]
+    ok = admissible(0, degree, memory, cost)
+    labels = [_Labels(degree[ok], memory[ok], cost[ok], np.full(int(ok.sum()), -1))]
     for block in range(1, chain.blocks):
-        previous = fronts[-1]
-        sizes = [len(front.cost) for front in previous]
-        source_degree = np.repeat(np.arange(width), sizes)
-        source_index = np.concatenate([np.arange(n) for n in sizes])
-        # All labels into every degree at once: rows are the degree of this block.
-        memory = np.concatenate([front.memory for front in previous])[None, :] + chain.memory[block][:, None]
-        cost = (np.concatenate([front.cost for front in previous])[None, :] + chain.edge[block - 1][source_degree].T
-                + chain.node[block][:, None])
-        ok = admissible(block, memory, cost)
-        fronts.append([
-            _Front.pareto(memory[j, ok[j]], cost[j, ok[j]], source_degree[ok[j]], source_index[ok[j]]) if ok[j].any()
-            else empty for j in range(width)
-        ])
+        previous = labels[-1]
+        # Every label into every degree of this block: [degree here, label before].
+        memory = previous.memory[None, :] + chain.memory[block][:, None]
+        cost = previous.cost[None, :] + chain.edge[block - 1][previous.degree].T + chain.node[block][:, None]
+        here = np.broadcast_to(degree[:, None], memory.shape)
+        ok = admissible(block, here, memory, cost)
+        source = np.broadcast_to(np.arange(len(previous.cost))[None, :], memory.shape)
+        labels.append(_Labels.pareto(here[ok], memory[ok], cost[ok], source[ok], width))
+        if not len(labels[-1].cost):  # the incumbent's own labels are admissible: only float trouble
+            return [degrees[i] for i in bounds.incumbent]
 
-    finals = [(float(front.cost[-1]), i) for i, front in enumerate(fronts[-1]) if len(front.cost)]
-    if not finals:  # the incumbent's own labels are admissible, so only float trouble lands here
-        return [degrees[i] for i in bounds.incumbent]
-    _, i = min(finals)
-    index = len(fronts[-1][i].cost) - 1
-    path = [i]
-    for block in range(chain.blocks - 1, 0, -1):
-        front = fronts[block][i]
-        i, index = int(front.source_degree[index]), int(front.source_index[index])
-        path.append(i)
+    index = int(labels[-1].cost.argmin())
+    path = []
+    for block in range(chain.blocks - 1, -1, -1):
+        path.append(int(labels[block].degree[index]))
+        index = int(labels[block].source[index])
     path.reverse()
     return [degrees[i] for i in path]
 
