@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -188,8 +189,9 @@ def render(result: dict) -> str:
     by_key = {(row["layers"], row["candidate"]): row for row in result["rows"]}
 
     def cell(row: dict) -> str:
-        if row["median_ms"] is None:
-            return "failed"
+        if row["median_ms"] is None:  # a PlanSolverError says how long it ran and why it stopped
+            ran = re.search(r"after (\d+) ms", row["error"] or "")
+            return f"no proof in {int(ran.group(1)) / 1e3:.0f} s" if ran else "failed"
         text = f"{row['median_ms']:.0f}" if row["median_ms"] >= 10 else f"{row['median_ms']:.1f}"
         if row["candidate"] != DEFAULT:
             text += f" ({row['ratio_to_default']:.1f}x)"
@@ -250,6 +252,7 @@ def main() -> None:
         "devices": DEVICES,
         "degrees": list(DEGREES),
         "repeats": args.repeats,
+        "time_limit_s": args.time_limit_s,
         "ilp_repeats": min(args.ilp_repeats, args.repeats),
         "note": "wall ms of one solve incl. model build; interleaved repeats; ratio_to_default = median / dp median",
         "rows": rows,
