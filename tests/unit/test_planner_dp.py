@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from omegaconf import OmegaConf
 
-from oases_ds.cli.plan import SOLVERS, PlannerSchema, check_solver
+from oases_ds.cli.plan import SOLVERS, PlannerSchema, PlanSchema, check_solver, run
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.dp import BOUNDS, _Chain, _lagrangian_bounds, solve_dp
 from oases_ds.planner.ilp import solve
@@ -104,3 +105,12 @@ def test_solver_choice_is_validated_in_the_config() -> None:
     with pytest.raises(ValueError) as info:
         check_solver({"planner": {"solver": "gurobi"}})
     assert str(info.value) == "planner.solver='gurobi' unknown; choose one of dp, ilp"
+
+
+def test_unknown_solver_fails_before_the_cost_table_is_loaded(tmp_path) -> None:
+    """Profiling can take minutes, so a typo in planner.solver must stop the run first: the
+    table named here does not exist, and the error is about the solver, not the file."""
+    cfg = OmegaConf.to_container(OmegaConf.structured(PlanSchema))
+    cfg["planner"]["solver"], cfg["table"] = "gurobi", str(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match=r"^planner.solver='gurobi' unknown; choose one of dp, ilp$"):
+        run(cfg)
