@@ -258,7 +258,8 @@ class _Labels:
     """Index of the label this one extends in the previous block's arrays (-1: first block)."""
 
     @classmethod
-    def pareto(cls, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray, source: np.ndarray, width: int) -> _Labels:
+    def pareto(cls, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray, source: np.ndarray,
+               width: int) -> _Labels:
         """Keep, per degree, the labels no other beats in both memory and cost (ties: one).
 
         The per-degree running minimum of cost is taken exactly, on a [degree, rank]

@@ -71,8 +71,9 @@ def solve(
     """Optimal plan for ``table`` within ``memory_limit_bytes`` per device (None: unbounded).
 
     ``hint``: block degrees (attn0, mlp0, ...) of a plan the backend starts from (a warm
-    start; it still has to prove optimality).  Raises :class:`PlanInfeasibleError` when no plan fits and :class:`PlanSolverError`
-    unless the solver proves optimality (zero relative gap) within ``time_limit_s``.
+    start; it still has to prove optimality).  Raises :class:`PlanInfeasibleError` when
+    no plan fits and :class:`PlanSolverError` unless the solver proves optimality (zero
+    relative gap) within ``time_limit_s``.
     """
     check_memory_feasible(table, memory_limit_bytes)
     started = time.perf_counter()
