@@ -143,6 +143,7 @@ def measure(layers_list: list[int], candidates: list[str], repeats: int, ilp_rep
         limits[layers] = binding_limit(table, solve_dp(table, None))
         check_memory_feasible(table, limits[layers])
     runs: dict[tuple[int, str], list[float]] = {(depth, name): [] for depth in layers_list for name in candidates}
+    cpu: dict[tuple[int, str], list[float]] = {key: [] for key in runs}  # process CPU time: less load-bound than wall
     plans: dict[tuple[int, str], Plan] = {}
     errors: dict[tuple[int, str], str] = {}
     for repeat in range(repeats):
@@ -151,13 +152,14 @@ def measure(layers_list: list[int], candidates: list[str], repeats: int, ilp_rep
                 key = (layers, name)
                 if key in errors or (name.startswith("ilp-") and repeat >= ilp_repeats):
                     continue
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 try:
                     plans[key] = CANDIDATES[name](tables[layers], limits[layers], time_limit_s)
                 except (RuntimeError, PlanInfeasibleError) as error:
                     errors[key] = str(error)
                     continue
                 runs[key].append((time.perf_counter() - started) * 1e3)
+                cpu[key].append((time.process_time() - started_cpu) * 1e3)
                 print(f"repeat {repeat} {layers:4d} layers {name:14s} {runs[key][-1]:9.1f} ms", flush=True)
     rows = []
     for layers in layers_list:
@@ -170,6 +172,7 @@ def measure(layers_list: list[int], candidates: list[str], repeats: int, ilp_rep
             rows.append({
                 "layers": layers, "candidate": name, "memory_limit_bytes": limits[layers],
                 "median_ms": median, "runs_ms": runs[key], "error": errors.get(key),
+                "median_cpu_ms": statistics.median(cpu[key]) if cpu[key] else None,
                 "ratio_to_default": median / default_ms if median and default_ms else None,
                 "objective_ms": plan.predicted_step_ms if plan else None,
                 "same_objective_as_default": (None if plan is None or reference is None else
@@ -213,6 +216,9 @@ def render(result: dict) -> str:
         lines.append(f"| {layers} | " + " | ".join(cell(by_key[layers, name]) for name in candidates) + " |")
     worst = max((by_key[layers, DEFAULT]["median_ms"] or math.inf) for layers in layers_list)
     lines += ["", f"Slowest `{DEFAULT}` median: {worst:.0f} ms."]
+    cpu = [by_key[layers, DEFAULT].get("median_cpu_ms") for layers in layers_list]
+    if all(ms is not None for ms in cpu):  # recorded since the first run of this table
+        lines[-1] += f" Its median process CPU ms ({', '.join(f'{ms:.0f}' for ms in cpu)}) shows the load's share."
     return "\n".join(lines)
 
 
