@@ -10,7 +10,8 @@ its blocks' bytes, so no plan is rounded in or out of the limit (only
 :data:`~oases_ds.planner.objective.MEMORY_REL_EPS`, 1e-12 relative, absorbs
 summation order).  The result is optimal by construction, not within a gap.
 
-Why it is fast (5.7 s for SCIP to under 0.25 s at 128 layers, measured below):
+Why it is fast (hundreds of times faster than SCIP to the same proven optimum,
+benchmarks/README.md):
 
 * a Lagrangian bound (Handler-Zang).  Pricing memory at ``lam`` ms per byte turns
   the problem into an unconstrained shortest path (one backward Viterbi pass,
