@@ -1,4 +1,4 @@
-"""Planner solve time versus model depth, for every OR-Tools backend the ILP can use.
+"""Planner solve time versus model depth: the default label DP against every candidate, interleaved.
 
 Not a test: run ``python benchmarks/planner_solve_time.py``.  The cost tables are
 synthetic but shaped like a GPT layer (hidden 4096, 32k tokens per micro-batch)
@@ -8,28 +8,41 @@ share one profile, as in the paper, which makes the memory-bound problem highly
 symmetric -- the hard case for branch and bound.  The memory limit is set halfway
 between the leanest plan and the unconstrained optimum, so it always binds.
 
-Prints a table and writes ``benchmarks/results/planner_solve_time.json`` (``--out``).
-Backend ``DP`` is the exact label DP (:mod:`oases_ds.planner.dp`), for comparison.
+Candidates (:data:`CANDIDATES`): ``dp`` the default (label DP, Lagrangian bound),
+``dp-greedy`` the same search with the earlier DP's bounds, ``ilp-SCIP`` / ``ilp-CP_SAT``
+the OR-Tools model, ``ilp-SCIP-hint`` SCIP warm-started from the DP's plan.  Every
+candidate proves optimality or fails; each run checks its objective against ``dp``'s.
+The machine is shared, so the runs are interleaved (repeat r runs every candidate at
+every depth before repeat r+1) and the report states medians and ratios to ``dp``
+from the same run.
+
+Writes ``benchmarks/results/planner_solve_time.json`` (``--out``, atomically) and
+renders it into the solve-time section of ``benchmarks/README.md`` (``--render-only``
+re-renders from the JSON without solving).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import platform
+import re
 import statistics
 import sys
 import time
 from datetime import date
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.planner.costs import BlockCost, CostTable  # noqa: E402
 from oases_ds.planner.dp import solve_dp  # noqa: E402
-from oases_ds.planner.ilp import BACKENDS, solve  # noqa: E402
+from oases_ds.planner.ilp import solve  # noqa: E402
 from oases_ds.planner.objective import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
-from oases_ds.utils.io import write_json_atomic  # noqa: E402
+from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 DEVICES = 32
 DEGREES = (1, 2, 4, 8, 16, 32)
@@ -41,6 +54,10 @@ INTER_GBYTES_S = 25 / 8  # 25 Gb/s Ethernet between nodes
 OVERLAP = 0.8  # share of a block's compute the overlapped schedule hides comm behind
 ACCUMULATION = 8  # micro-batches per optimizer step: grad sync amortised over them
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_solve_time.json"
+README = Path(__file__).resolve().parent / "README.md"
+BEGIN, END = "<!-- planner_solve_time: begin (generated) -->", "<!-- planner_solve_time: end -->"
+"""The README lines between these markers are rewritten from the JSON; nothing else is touched."""
+DEFAULT = "dp"
 
 
 def allreduce_ms(ranks: int, nbytes: float, gbytes_s: float, latency_ms: float = 0.03) -> float:
@@ -93,65 +110,164 @@ def binding_limit(table: CostTable, unconstrained: Plan) -> float:
     return (lean + unconstrained.memory_bytes) / 2
 
 
-def time_solves(table: CostTable, limit: float | None, backend: str, repeats: int, time_limit_s: float) -> dict:
-    runs: list[float] = []
-    plan = None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        if backend == "DP":
-            plan = solve_dp(table, limit)
-        else:
-            plan = solve(table, limit, time_limit_s=time_limit_s, backend=backend)
-        runs.append((time.perf_counter() - started) * 1e3)
-    assert plan is not None
-    return {
-        "median_ms": statistics.median(runs),
-        "runs_ms": runs,
-        "objective_ms": plan.predicted_step_ms,
-        "plan": plan.as_table(),
-    }
+Solver = Callable[[CostTable, "float | None", float], Plan]
+
+
+def _ilp(backend: str, warm: bool = False) -> Solver:
+    def run(table: CostTable, limit: float | None, time_limit_s: float) -> Plan:
+        hint = solve_dp(table, limit).block_degrees() if warm else None  # the warm start's DP time counts
+        return solve(table, limit, time_limit_s=time_limit_s, backend=backend, hint=hint)
+    return run
+
+
+CANDIDATES: dict[str, Solver] = {
+    "dp": lambda table, limit, _: solve_dp(table, limit),
+    "dp-greedy": lambda table, limit, _: solve_dp(table, limit, bound="greedy"),
+    "ilp-SCIP": _ilp("SCIP"),
+    "ilp-SCIP-hint": _ilp("SCIP", warm=True),
+    "ilp-CP_SAT": _ilp("CP_SAT"),
+    "ilp-CBC": _ilp("CBC"),
+    "ilp-HIGHS": _ilp("HIGHS"),
+}
+"""Name -> solver; the default run measures all but CBC and HiGHS (CBC runs past 60 s at
+96 layers, HiGHS is slower than SCIP: ``--candidates`` adds them)."""
+
+
+def measure(layers_list: list[int], candidates: list[str], repeats: int, ilp_repeats: int,
+            time_limit_s: float) -> list[dict]:
+    """Every (depth, candidate) ``repeats`` times (ILP candidates: the first ``ilp_repeats``
+    of them, they take seconds each), interleaved; one row per pair."""
+    tables = {layers: synthetic_table(layers) for layers in layers_list}
+    limits = {}
+    for layers, table in tables.items():
+        limits[layers] = binding_limit(table, solve_dp(table, None))
+        check_memory_feasible(table, limits[layers])
+    runs: dict[tuple[int, str], list[float]] = {(depth, name): [] for depth in layers_list for name in candidates}
+    cpu: dict[tuple[int, str], list[float]] = {key: [] for key in runs}  # process CPU time: less load-bound than wall
+    plans: dict[tuple[int, str], Plan] = {}
+    errors: dict[tuple[int, str], str] = {}
+    for repeat in range(repeats):
+        for layers in layers_list:
+            for name in candidates:
+                key = (layers, name)
+                if key in errors or (name.startswith("ilp-") and repeat >= ilp_repeats):
+                    continue
+                started, started_cpu = time.perf_counter(), time.process_time()
+                try:
+                    plans[key] = CANDIDATES[name](tables[layers], limits[layers], time_limit_s)
+                except (RuntimeError, PlanInfeasibleError) as error:
+                    errors[key] = str(error)
+                    continue
+                runs[key].append((time.perf_counter() - started) * 1e3)
+                cpu[key].append((time.process_time() - started_cpu) * 1e3)
+                print(f"repeat {repeat} {layers:4d} layers {name:14s} {runs[key][-1]:9.1f} ms", flush=True)
+    rows = []
+    for layers in layers_list:
+        default_ms = statistics.median(runs[layers, DEFAULT]) if runs.get((layers, DEFAULT)) else None
+        reference = plans.get((layers, DEFAULT))
+        for name in candidates:
+            key = (layers, name)
+            plan = plans.get(key)
+            median = statistics.median(runs[key]) if runs[key] else None
+            rows.append({
+                "layers": layers, "candidate": name, "memory_limit_bytes": limits[layers],
+                "median_ms": median, "runs_ms": runs[key], "error": errors.get(key),
+                "median_cpu_ms": statistics.median(cpu[key]) if cpu[key] else None,
+                "ratio_to_default": median / default_ms if median and default_ms else None,
+                "objective_ms": plan.predicted_step_ms if plan else None,
+                "same_objective_as_default": (None if plan is None or reference is None else
+                                              math.isclose(plan.predicted_step_ms, reference.predicted_step_ms,
+                                                           rel_tol=1e-7)),
+                "uniform_t8_step_ms": predict_step_ms(tables[layers], Plan.uniform(DEVICES, layers, 8)),
+                "plan": plan.as_table() if plan else None,
+            })
+    return rows
+
+
+def render(result: dict) -> str:
+    """The README section's body: one row per depth, one column per candidate (median ms,
+    ratio to the default from the same run), every number from ``result``."""
+    candidates = list(dict.fromkeys(row["candidate"] for row in result["rows"]))
+    layers_list = list(dict.fromkeys(row["layers"] for row in result["rows"]))
+    by_key = {(row["layers"], row["candidate"]): row for row in result["rows"]}
+
+    def cell(row: dict) -> str:
+        if row["median_ms"] is None:  # a PlanSolverError says how long it ran and why it stopped
+            ran = re.search(r"after (\d+) ms", row["error"] or "")
+            return f"no proof in {int(ran.group(1)) / 1e3:.0f} s" if ran else "failed"
+        text = f"{row['median_ms']:.0f}" if row["median_ms"] >= 10 else f"{row['median_ms']:.1f}"
+        if row["candidate"] != DEFAULT:
+            text += f" ({row['ratio_to_default']:.1f}x)"
+        return text + ("" if row["same_objective_as_default"] in (True, None) else " DIFFERENT OPTIMUM")
+
+    lines = [
+        f"Generated by `python benchmarks/planner_solve_time.py` on {result['date']} ({result['machine']}; "
+        f"load average {result['load_average']}) from `results/planner_solve_time.json`: median wall ms of "
+        f"{result['repeats']} interleaved runs per cell ({result['ilp_repeats']} for `ilp-*`, the first ones), "
+        f"in brackets the ratio to `{DEFAULT}` in the same run. "
+        f"T={result['devices']}, degrees {result['degrees']}, memory limit halfway between the leanest plan "
+        "and the unbounded optimum (binding). Every candidate proves optimality; all found the same objective "
+        "unless a cell says otherwise.",
+        "",
+        "| layers | " + " | ".join(f"`{name}` ms" for name in candidates) + " |",
+        "|---:|" + "---:|" * len(candidates),
+    ]
+    for layers in layers_list:
+        lines.append(f"| {layers} | " + " | ".join(cell(by_key[layers, name]) for name in candidates) + " |")
+    worst = max((by_key[layers, DEFAULT]["median_ms"] or math.inf) for layers in layers_list)
+    lines += ["", f"Slowest `{DEFAULT}` median: {worst:.0f} ms."]
+    cpu = [by_key[layers, DEFAULT].get("median_cpu_ms") for layers in layers_list]
+    if all(ms is not None for ms in cpu):  # recorded since the first run of this table
+        lines[-1] += f" Its median process CPU ms ({', '.join(f'{ms:.0f}' for ms in cpu)}) shows the load's share."
+    return "\n".join(lines)
+
+
+def render_readme(result: dict, readme: Path = README) -> None:
+    """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` (atomically)."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme}: markers {BEGIN!r} / {END!r} missing; add them where the table belongs")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    write_text_atomic(readme, f"{head}{BEGIN}\n{render(result)}\n{END}{tail}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[24, 48, 96, 128])
-    choices = sorted(BACKENDS) + ["DP"]  # DP: the exact label DP of oases_ds.planner.dp, no OR-Tools
-    parser.add_argument("--backends", nargs="+", default=choices, choices=choices)
+    parser.add_argument("--candidates", nargs="+", choices=sorted(CANDIDATES),
+                        default=[name for name in CANDIDATES if name not in ("ilp-CBC", "ilp-HIGHS")])
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ilp-repeats", type=int, default=2, help="repeats (the first ones) that run ilp-*")
     parser.add_argument("--time-limit-s", type=float, default=60.0)
+    parser.add_argument("--render-only", action="store_true", help="re-render the README from --out, no solving")
     args = parser.parse_args()
-
-    rows = []
-    for layers in args.layers:
-        table = synthetic_table(layers)
-        reference = solve(table, None)
-        limit = binding_limit(table, reference)
-        check_memory_feasible(table, limit)
-        uniform_ms = predict_step_ms(table, Plan.uniform(DEVICES, layers, 8))
-        for bound, memory_limit in (("none", None), ("binding", limit)):
-            for backend in args.backends:
-                try:
-                    result = time_solves(table, memory_limit, backend, args.repeats, args.time_limit_s)
-                except (RuntimeError, PlanInfeasibleError) as error:
-                    result = {"median_ms": None, "error": str(error)}
-                row = {"layers": layers, "memory_bound": bound, "memory_limit_bytes": memory_limit,
-                       "backend": backend, "uniform_t8_step_ms": uniform_ms, **result}
-                rows.append(row)
-                outcome = (f"{row['median_ms']:9.1f} ms  objective {row['objective_ms']:.3f} ms"
-                           if row["median_ms"] is not None else f"failed: {row['error']}")
-                print(f"{layers:6d} {bound:8s} {backend:7s} {outcome}", flush=True)
-
-    write_json_atomic(args.out, {
+    if args.render_only:
+        render_readme(json.loads(args.out.read_text()), args.readme)
+        return
+    if DEFAULT not in args.candidates:
+        parser.error(f"--candidates must include {DEFAULT} (the ratios are to it)")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    rows = measure(args.layers, args.candidates, args.repeats, min(args.ilp_repeats, args.repeats), args.time_limit_s)
+    result = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
+        "machine": f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+                   f"{os.cpu_count()} CPUs shared",
+        "load_average": load,
         "devices": DEVICES,
         "degrees": list(DEGREES),
         "repeats": args.repeats,
-        "note": "solve() wall time incl. model build; median of repeats; 2 shared CPU cores",
+        "time_limit_s": args.time_limit_s,
+        "ilp_repeats": min(args.ilp_repeats, args.repeats),
+        "note": "wall ms of one solve incl. model build; interleaved repeats; ratio_to_default = median / dp median",
         "rows": rows,
-    }, indent=2, sort_keys=True)
-    print(f"wrote {args.out}")
+    }
+    write_json_atomic(args.out, result, indent=2, sort_keys=True)
+    render_readme(result, args.readme)
+    print(render(result))
+    print(f"wrote {args.out} and {args.readme}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class PlannerSchema:
     warmup: int = 2
     repeats: int = 5
     exposed: str = "model"
-    solver: str = "ilp"
+    solver: str = "dp"
     backend: str = "SCIP"
     time_limit_s: float = 60.0
     seed: int = 0
@@ -96,6 +96,17 @@ RANGES: dict[str, float] = {"devices": 1, "micro_batch": 1, "planner.warmup": 0,
                             "accuracy.plans": 1, "accuracy.warmup": 0, "accuracy.repeats": 1}
 """Smallest value of each numeric key (``layers`` >= 1 when set; ``timeout_s`` and
 ``planner.time_limit_s`` must be > 0)."""
+
+
+SOLVERS: tuple[str, ...] = ("dp", "ilp")
+"""``planner.solver`` choices: ``dp`` the exact label DP (default: proven optimal and the
+fastest, benchmarks/README.md), ``ilp`` the OR-Tools model (``planner.backend``)."""
+
+
+def check_solver(cfg: dict) -> None:
+    """Reject an unknown ``planner.solver`` before any profiling, which can take minutes."""
+    if cfg["planner"]["solver"] not in SOLVERS:
+        raise ValueError(f"planner.solver={cfg['planner']['solver']!r} unknown; choose one of {', '.join(SOLVERS)}")
 
 
 def check_ranges(cfg: dict) -> None:
@@ -198,11 +209,10 @@ def _load_table(cfg: dict) -> tuple[Any, str]:
 
 
 def _solve(table: Any, limit: float | None, planner: dict) -> Any:
+    """The solver ``planner.solver`` names (checked by :func:`check_solver` at start-up)."""
     if planner["solver"] == "dp":
         return solve_dp(table, limit)
-    if planner["solver"] == "ilp":
-        return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
-    raise ValueError(f"planner.solver={planner['solver']!r} unknown; choose ilp or dp")
+    return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
 
 
 def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
@@ -221,6 +231,7 @@ def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
 
 def run(cfg: dict) -> None:
     check_ranges(cfg)
+    check_solver(cfg)
     if cfg["mode"] not in ("plan", "profile", "accuracy"):
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
     if cfg["mode"] == "accuracy" and cfg["cost"] == "analytic":

@@ -3,29 +3,52 @@
 Why a DP next to the ILP: the objective is a chain -- node costs plus an edge
 cost between *adjacent* blocks -- and the only coupling across the chain is the
 memory sum.  So the problem is a shortest path through the layered graph
-(block, degree) with one resource, and it can be solved exactly by labels: at
-each (block, degree) keep every (memory, cost) pair that no other pair beats in
-both (a Pareto front).  No memory is discretised, so nothing is rounded away.
+(block, degree) with one resource, solved exactly by labels: at each
+(block, degree) keep every (memory, cost) pair that no other pair beats in both
+(a Pareto front).  Memory is not discretised: a label carries the float sum of
+its blocks' bytes, so no plan is rounded in or out of the limit (only
+:data:`~oases_ds.planner.objective.MEMORY_REL_EPS`, 1e-12 relative, absorbs
+summation order).  The result is optimal by construction, not within a gap.
 
-Why it is fast where branch and bound is slow: every layer shares one profile,
-so a huge number of plans share a memory total; the ILP's LP relaxation cannot
-tell them apart and SCIP enumerates them, while the DP keeps one label per
-distinct (memory, cost) trade-off.  Two prunes keep the fronts small and stay
-exact: a label that cannot fit even if every later block takes its leanest
-degree is dropped, and so is one whose cost plus the cheapest possible
-remainder already exceeds a feasible plan's cost (the greedy incumbent below).
+Why it is fast (hundreds of times faster than SCIP to the same proven optimum,
+benchmarks/README.md):
 
-:func:`solve_dp` is held equal to the ILP and to brute force by
-``tests/unit/test_planner_dp.py``; the ILP stays the solver of record and takes the
-DP plan as its starting incumbent (:func:`oases_ds.planner.ilp.solve`).
+* a Lagrangian bound (Handler-Zang).  Pricing memory at ``lam`` ms per byte turns
+  the problem into an unconstrained shortest path (one backward Viterbi pass,
+  blocks x degrees^2); its cost-to-go ``rest(b, t)`` bounds every completion::
+
+      cost of a completion using <= M bytes  >=  rest_lam(b, t) - lam * M
+
+  for every ``lam >= 0``.  A few passes find the ``lam`` where the cheapest
+  infeasible and the cheapest feasible path tie (the dual optimum).  Labels whose
+  cost plus this bound (at that ``lam`` and at 0) exceed the incumbent are dropped,
+  and if the incumbent meets the dual bound it is returned with no search at all.
+* an incumbent spliced from the priced paths (a prefix of one, the suffix of
+  another): with identical layers the optimum is typically a run of fast, fat
+  blocks then a run of lean ones, which a splice finds, so nothing near the
+  optimum is pruned late.  The bound is the LP bound and does not see the
+  reshard a completion pays to use spare memory, so one label per switch
+  position survives (about 27k labels at 128 layers), hence:
+* a block's labels are numpy arrays, extended to every degree and filtered to
+  per-degree Pareto fronts in one pass per block.
+
+Every prune uses a valid lower bound against a feasible plan's cost, so the plan
+returned is the exact optimum (up to a float slack of 1e-9 relative).
+
+Measured by ``benchmarks/planner_solve_time.py`` against the ILP backends and the
+same search with the earlier DP's bounds (``bound="greedy"``: best uniform-per-kind
+plan, per-block cheapest nodes); the generated table is in ``benchmarks/README.md``.
+:func:`solve_dp` is held equal to brute force and to the ILP by
+``tests/unit/test_planner_dp.py``.
 """
 from __future__ import annotations
 
-import bisect
 import time
-from typing import Sequence
+from dataclasses import dataclass
 
-from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
+import numpy as np
+
+from oases_ds.planner.costs import BLOCK_KINDS, CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.objective import (
     MEMORY_REL_EPS,
     check_memory_feasible,
@@ -35,123 +58,288 @@ from oases_ds.planner.objective import (
 )
 from oases_ds.planner.plan import Plan
 
-class _Front:
-    """Pareto front of labels (memory, cost, back-pointer), memory ascending, cost strictly descending."""
+BOUNDS: tuple[str, ...] = ("lagrangian", "greedy")
+"""Pruning bounds of :func:`optimal_block_degrees`: ``lagrangian`` (default, the fast
+one) or ``greedy`` (best uniform-per-kind plan and per-block minima: the earlier DP's
+bounds, kept for the benchmark's comparison)."""
 
-    __slots__ = ("memory", "cost", "back")
+COST_SLACK = 1e-9
+"""Relative and absolute slack on every cost prune, so float re-association in the
+sums never prunes the optimum itself."""
 
-    def __init__(self) -> None:
-        self.memory: list[float] = []
-        self.cost: list[float] = []
-        self.back: list[tuple[int, int] | None] = []
-
-    def insert(self, memory: float, cost: float, back: tuple[int, int] | None) -> None:
-        """Add a label unless dominated; drop the labels it dominates."""
-        at = bisect.bisect_right(self.memory, memory)
-        if at and self.cost[at - 1] <= cost:  # a leaner-or-equal label is as cheap
-            return
-        end = at
-        while end < len(self.memory) and self.cost[end] >= cost:  # fatter and no cheaper
-            end += 1
-        self.memory[at:end] = [memory]
-        self.cost[at:end] = [cost]
-        self.back[at:end] = [back]
+MAX_MULTIPLIER_STEPS = 60
+"""Cap on Lagrangian passes; the search normally ends in under ten (each pass moves
+to a new breakpoint of a piecewise-linear function)."""
 
 
-def _suffix_minima(values: Sequence[float]) -> list[float]:
-    """``out[b]`` = sum of ``values[b:]``; ``out[len] = 0``."""
-    out = [0.0] * (len(values) + 1)
-    for block in range(len(values) - 1, -1, -1):
-        out[block] = out[block + 1] + values[block]
-    return out
+@dataclass(frozen=True)
+class _Chain:
+    """The problem as arrays over (block, degree index): one place for the costs both
+    the bounds and the label search read."""
+
+    node: np.ndarray
+    """[blocks, D]: block b's cost at degree i, the embedding / head edges folded into the ends."""
+    memory: np.ndarray
+    """[blocks, D]: bytes per device."""
+    edge: np.ndarray
+    """[blocks - 1, D, D]: block b at degree i followed by block b+1 at degree j."""
+
+    @classmethod
+    def of(cls, table: CostTable) -> _Chain:
+        # Every layer shares one profile: build one layer (attn, mlp) and repeat it, and an
+        # edge depends on its pair of kinds only, so edge_ms (the definition) runs once per pair.
+        kinds, degrees, layers = table.block_kinds(), table.degrees, table.layers
+        node = np.tile([[table.blocks[kind][t].step_ms for t in degrees] for kind in BLOCK_KINDS], (layers, 1))
+        node[0] += [first_block_ms(table, t) for t in degrees]
+        node[-1] += [last_block_ms(table, t) for t in degrees]
+        memory = np.tile([[table.blocks[kind][t].memory_bytes for t in degrees] for kind in BLOCK_KINDS], (layers, 1))
+        pairs = [[[edge_ms(table, block, a, t) for t in degrees] for a in degrees]
+                 for block in range(min(len(BLOCK_KINDS), len(kinds) - 1))]  # attn -> mlp, mlp -> attn
+        edge = np.tile(pairs, (layers, 1, 1))[: len(kinds) - 1].reshape(len(kinds) - 1, len(degrees), len(degrees))
+        return cls(node, memory, edge)
+
+    @property
+    def blocks(self) -> int:
+        return self.node.shape[0]
+
+    def priced(self, lam: float) -> tuple[np.ndarray, list[int]]:
+        """Cost-to-go with memory priced at ``lam`` per byte, and a path minimising it.
+
+        ``to_go[b, i]``: the cheapest ``cost + lam * memory`` of blocks b.. with block b
+        at degree i (block b included) -- one backward Viterbi pass."""
+        priced_node = self.node + lam * self.memory
+        to_go = np.empty_like(priced_node)
+        choice = np.zeros(priced_node.shape, dtype=np.intp)
+        to_go[-1] = priced_node[-1]
+        for block in range(self.blocks - 2, -1, -1):
+            via = self.edge[block] + to_go[block + 1]
+            choice[block] = via.argmin(axis=1)
+            to_go[block] = priced_node[block] + via[np.arange(via.shape[0]), choice[block]]
+        path = [int(to_go[0].argmin())]
+        for block in range(self.blocks - 1):
+            path.append(int(choice[block, path[-1]]))
+        return to_go, path
+
+    def cost(self, path: list[int]) -> float:
+        index = np.arange(self.blocks)
+        return float(self.node[index, path].sum() + self.edge[index[:-1], path[:-1], path[1:]].sum())
+
+    def memory_of(self, path: list[int]) -> float:
+        return float(self.memory[np.arange(self.blocks), path].sum())
 
 
-def _greedy_incumbent(table: CostTable, limit: float | None) -> float:
-    """Cost of some feasible plan, for pruning: the cheapest uniform-per-kind plan that fits,
-    else the leanest plan (which fits whenever any does)."""
-    kinds = table.block_kinds()
-    best = float("inf")
-    for attn in table.degrees:
-        for mlp in table.degrees:
-            sequence = [attn if kind == "attn" else mlp for kind in kinds]
-            if fits_memory(sequence_memory_bytes(table, sequence), limit):
-                best = min(best, sequence_step_ms(table, sequence))
-    lean = [min(table.degrees, key=lambda t: table.blocks[kind][t].memory_bytes) for kind in kinds]
-    return min(best, sequence_step_ms(table, lean))
+@dataclass
+class _Bounds:
+    """What the pruning needs: a feasible plan and lower bounds on every completion."""
+
+    incumbent: list[int]
+    incumbent_cost: float
+    lower_bound: float
+    """Best Lagrangian dual value: no plan within the limit costs less."""
+    rests: list[tuple[float, np.ndarray]]
+    """(lam, rest) with ``rest[b, i]`` the priced cost-to-go *after* block b at degree i:
+    a completion using at most M bytes costs at least ``rest[b, i] - lam * M``."""
 
 
-def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None) -> list[int]:
+def _lagrangian_bounds(chain: _Chain, limit: float) -> _Bounds:
+    """Search the memory price where the cheapest feasible and infeasible paths tie.
+
+    Starting from lam = 0 (infeasible, else the limit does not bind) and a lam large
+    enough that the priced optimum fits, each step prices memory at the slope between
+    the two current paths; the priced optimum there is either a new breakpoint
+    (replacing one side) or ties both, which is the dual optimum."""
+    evaluated: dict[float, np.ndarray] = {}
+    paths: list[list[int]] = []
+    best_dual, best_lam = float("-inf"), 0.0
+
+    def price(lam: float) -> tuple[list[int], float, float]:
+        nonlocal best_dual, best_lam
+        to_go, path = chain.priced(lam)
+        evaluated[lam] = to_go
+        paths.append(path)
+        dual = float(to_go[0].min()) - lam * limit
+        if dual > best_dual:
+            best_dual, best_lam = dual, lam
+        return path, chain.cost(path), chain.memory_of(path)
+
+    low = price(0.0)
+    high = None
+    if low[2] > limit:
+        spread_cost = float(np.ptp(chain.node, axis=1).sum() + chain.edge.max(axis=(1, 2)).sum())
+        spread_memory = max(float(np.ptp(chain.memory, axis=1).sum()), 1.0)
+        lam = max(spread_cost, 1e-12) / spread_memory
+        for _ in range(MAX_MULTIPLIER_STEPS):
+            high = price(lam)
+            if high[2] <= limit:
+                break
+            lam *= 4
+    if high is not None and high[2] <= limit:
+        for _ in range(MAX_MULTIPLIER_STEPS):
+            if low[2] <= high[2]:
+                break
+            lam = (high[1] - low[1]) / (low[2] - high[2])
+            if lam <= 0 or lam in evaluated:
+                break
+            middle = price(lam)
+            line = low[1] + lam * low[2]
+            if middle[1] + lam * middle[2] >= line - COST_SLACK * (1 + abs(line)):
+                break  # nothing below the segment joining the two paths: lam is the dual optimum
+            if middle[2] <= limit:
+                high = middle
+            else:
+                low = middle
+    lean = [int(i) for i in chain.memory.argmin(axis=1)]
+    incumbent, incumbent_cost = _best_splice(chain, limit, [lean, *paths])
+
+    def rest(lam: float) -> np.ndarray:
+        return evaluated[lam] - chain.node - lam * chain.memory
+
+    return _Bounds(incumbent, incumbent_cost, best_dual, [(lam, rest(lam)) for lam in sorted({0.0, best_lam})])
+
+
+def _best_splice(chain: _Chain, limit: float, paths: list[list[int]]) -> tuple[list[int], float]:
+    """Cheapest plan within the limit made of one path's prefix and another's suffix
+    (a path with itself: the path whole).
+
+    Why: the priced optima on either side of the dual optimum are typically uniform
+    (all lean, all fast), while the optimum runs one up to some layer and the other
+    after it, paying a single reshard; the search prunes against this cost, so the
+    closer it is to the optimum the fewer labels live.  Vectorised over the cut."""
+    index = np.arange(chain.blocks)
+    arrays = [np.array(path) for path in paths]
+    nodes = [chain.node[index, a] for a in arrays]
+    inner = [np.concatenate([[0.0], chain.edge[index[:-1], a[:-1], a[1:]]]) for a in arrays]  # edge into block k
+    prefix_cost = [np.concatenate([[0.0], np.cumsum(n + e)]) for n, e in zip(nodes, inner)]  # blocks < k
+    prefix_memory = [np.concatenate([[0.0], np.cumsum(chain.memory[index, a])]) for a in arrays]
+    best_path, best_cost = [int(i) for i in chain.memory.argmin(axis=1)], float("inf")
+    cut = index[1:]  # head takes blocks < cut, tail blocks >= cut
+    for p, head in enumerate(arrays):
+        whole_memory, whole_cost = prefix_memory[p][-1], prefix_cost[p][-1]
+        if whole_memory <= limit and whole_cost < best_cost:
+            best_path, best_cost = paths[p], float(whole_cost)
+        for q, tail in enumerate(arrays):
+            if p == q:
+                continue
+            memory = prefix_memory[p][cut] + prefix_memory[q][-1] - prefix_memory[q][cut]
+            cost = (prefix_cost[p][cut] + prefix_cost[q][-1] - prefix_cost[q][cut] - inner[q][cut]
+                    + chain.edge[cut - 1, head[cut - 1], tail[cut]])
+            cost = np.where(memory <= limit, cost, np.inf)
+            k = int(cost.argmin())
+            if cost[k] < best_cost:
+                best_path, best_cost = paths[p][:cut[k]] + paths[q][cut[k]:], float(cost[k])
+    return best_path, best_cost
+
+
+def _greedy_bounds(table: CostTable, chain: _Chain, limit: float) -> _Bounds:
+    """The earlier DP's bounds: the cheapest uniform-per-kind plan that fits (else the
+    leanest) and, for a completion, the sum of each later block's cheapest node."""
+    kinds, width = table.block_kinds(), chain.node.shape[1]
+    candidates = [[attn if kind == "attn" else mlp for kind in kinds] for attn in range(width) for mlp in range(width)]
+    candidates.append([int(i) for i in chain.memory.argmin(axis=1)])
+    path = min((p for p in candidates if fits_memory(chain.memory_of(p), limit)), key=chain.cost)
+    cheapest = chain.node.min(axis=1)
+    after = np.concatenate([np.cumsum(cheapest[::-1])[::-1][1:], [0.0]])  # sum over blocks > b
+    rest = np.repeat(after[:, None], width, axis=1)
+    return _Bounds(path, chain.cost(path), float("-inf"), [(0.0, rest)])
+
+
+@dataclass
+class _Labels:
+    """Every label kept at one block, all degrees together, grouped by degree: within a
+    group memory ascends and cost strictly descends (a Pareto front per degree).
+
+    Why one array per block, not one per (block, degree): the search is numpy calls per
+    block, and a block has few live degrees but six possible ones."""
+
+    degree: np.ndarray
+    """Degree index of the block for each label (ascending)."""
+    memory: np.ndarray
+    cost: np.ndarray
+    source: np.ndarray
+    """Index of the label this one extends in the previous block's arrays (-1: first block)."""
+
+    @classmethod
+    def pareto(cls, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray, source: np.ndarray,
+               width: int) -> _Labels:
+        """Keep, per degree, the labels no other beats in both memory and cost (ties: one).
+
+        The per-degree running minimum of cost is taken exactly, on a [degree, rank]
+        array padded with +inf, so no float offset can reorder near-ties."""
+        order = np.lexsort((cost, memory, degree))
+        degree, memory, cost, source = degree[order], memory[order], cost[order], source[order]
+        counts = np.bincount(degree, minlength=width)
+        rank = np.arange(len(degree)) - np.repeat(np.cumsum(counts) - counts, counts)
+        padded = np.full((width, int(counts.max()) + 1), np.inf)
+        padded[degree, rank + 1] = cost
+        cheaper_before = np.minimum.accumulate(padded, axis=1)[degree, rank]
+        keep = cost < cheaper_before
+        return cls(degree[keep], memory[keep], cost[keep], source[keep])
+
+
+def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bound: str = "lagrangian") -> list[int]:
     """The degree of every block (attn0, mlp0, ...) in a minimum-cost plan within the limit.
 
     Raises :class:`~oases_ds.planner.plan.PlanInfeasibleError` when no plan fits.
     """
+    if bound not in BOUNDS:
+        raise ValueError(f"bound={bound!r} unknown; choose one of {', '.join(BOUNDS)}")
     check_memory_feasible(table, memory_limit_bytes)
-    kinds = table.block_kinds()
+    chain = _Chain.of(table)
     degrees = table.degrees
-    node = [{t: table.blocks[kind][t].step_ms for t in degrees} for kind in kinds]
-    for t in degrees:  # the edges from the embedding and into the head depend on one block each
-        node[0][t] += first_block_ms(table, t)
-        node[-1][t] += last_block_ms(table, t)
-    mem = [{t: table.blocks[kind][t].memory_bytes for t in degrees} for kind in kinds]
-    edge = [{(a, t): edge_ms(table, block, a, t) for a in degrees for t in degrees} for block in range(len(kinds) - 1)]
-    lean_rest = _suffix_minima([min(m.values()) for m in mem])
-    cheap_rest = _suffix_minima([min(c.values()) for c in node])
-    limit = float("inf") if memory_limit_bytes is None else memory_limit_bytes * (1 + MEMORY_REL_EPS)
-    # Slack so that float re-association in the sums never prunes the optimum itself.
-    incumbent = _greedy_incumbent(table, memory_limit_bytes) * (1 + 1e-9) + 1e-9
+    if memory_limit_bytes is None:  # one pass of the plain shortest path is the optimum
+        return [degrees[i] for i in chain.priced(0.0)[1]]
+    limit = memory_limit_bytes * (1 + MEMORY_REL_EPS)
+    bounds = _lagrangian_bounds(chain, limit) if bound == "lagrangian" else _greedy_bounds(table, chain, limit)
+    if bounds.lower_bound >= bounds.incumbent_cost - COST_SLACK * (1 + abs(bounds.incumbent_cost)):
+        return [degrees[i] for i in bounds.incumbent]  # meets the dual bound: optimal, no search needed
+    incumbent = bounds.incumbent_cost * (1 + COST_SLACK) + COST_SLACK
+    width = len(degrees)
+    lean = chain.memory.min(axis=1)
+    lean_after = np.concatenate([np.cumsum(lean[::-1])[::-1][1:], [0.0]])  # leanest blocks > b: exact, no edges
 
-    fronts: list[dict[int, _Front]] = []
-    first: dict[int, _Front] = {}
-    for t in degrees:
-        front = _Front()
-        if mem[0][t] + lean_rest[1] <= limit and node[0][t] + cheap_rest[1] <= incumbent:
-            front.insert(mem[0][t], node[0][t], None)
-        first[t] = front
-    fronts.append(first)
-    for block in range(1, len(kinds)):
-        previous = fronts[-1]
-        current: dict[int, _Front] = {}
-        for t in degrees:
-            front = _Front()
-            memory_bound = limit - mem[block][t] - lean_rest[block + 1]
-            cost_bound = incumbent - node[block][t] - cheap_rest[block + 1]
-            for a in degrees:
-                source = previous[a]
-                step = edge[block - 1][a, t]
-                for index, (memory, cost) in enumerate(zip(source.memory, source.cost)):
-                    if memory > memory_bound:
-                        break  # memory ascending: the rest are fatter still
-                    if cost + step <= cost_bound:
-                        front.insert(memory + mem[block][t], cost + step + node[block][t], (a, index))
-            current[t] = front
-        fronts.append(current)
+    def admissible(block: int, degree: np.ndarray, memory: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """Mask of the labels at ``block`` (at ``degree``) that may still complete within
+        the limit at a cost <= the incumbent's."""
+        ok = memory + lean_after[block] <= limit
+        for lam, rest in bounds.rests:
+            ok &= cost + rest[block][degree] - lam * (limit - memory) <= incumbent
+        return ok
 
-    last = fronts[-1]
-    candidates = [(front.cost[-1], t) for t, front in last.items() if front.cost]
-    if not candidates:  # only reachable through float trouble: check_memory_feasible passed
-        raise RuntimeError(f"DP found no plan for {table.key()} although the leanest plan fits")
-    _, degree = min(candidates)
-    index = len(last[degree].cost) - 1
-    sequence = [degree]
-    for block in range(len(kinds) - 1, 0, -1):
-        back = fronts[block][degree].back[index]
-        assert back is not None
-        degree, index = back
-        sequence.append(degree)
-    sequence.reverse()
-    return sequence
+    degree = np.arange(width)
+    memory, cost = chain.memory[0], chain.node[0]
+    ok = admissible(0, degree, memory, cost)
+    labels = [_Labels(degree[ok], memory[ok], cost[ok], np.full(int(ok.sum()), -1))]
+    for block in range(1, chain.blocks):
+        previous = labels[-1]
+        # Every label into every degree of this block: [degree here, label before].
+        memory = previous.memory[None, :] + chain.memory[block][:, None]
+        cost = previous.cost[None, :] + chain.edge[block - 1][previous.degree].T + chain.node[block][:, None]
+        here = np.broadcast_to(degree[:, None], memory.shape)
+        ok = admissible(block, here, memory, cost)
+        source = np.broadcast_to(np.arange(len(previous.cost))[None, :], memory.shape)
+        labels.append(_Labels.pareto(here[ok], memory[ok], cost[ok], source[ok], width))
+        if not len(labels[-1].cost):  # the incumbent's own labels are admissible: only float trouble
+            return [degrees[i] for i in bounds.incumbent]
+
+    index = int(labels[-1].cost.argmin())
+    path = []
+    for block in range(chain.blocks - 1, -1, -1):
+        path.append(int(labels[block].degree[index]))
+        index = int(labels[block].source[index])
+    path.reverse()
+    return [degrees[i] for i in path]
 
 
-def solve_dp(table: CostTable, memory_limit_bytes: float | None) -> Plan:
+def solve_dp(table: CostTable, memory_limit_bytes: float | None, bound: str = "lagrangian") -> Plan:
     """Optimal plan by the label DP (same objective and limit as :func:`oases_ds.planner.ilp.solve`)."""
     started = time.perf_counter()
-    sequence = optimal_block_degrees(table, memory_limit_bytes)
+    sequence = optimal_block_degrees(table, memory_limit_bytes, bound)
     return Plan.from_block_degrees(
         sequence,
         table.devices,
         predicted_step_ms=sequence_step_ms(table, sequence),
         solver_ms=(time.perf_counter() - started) * 1e3,
-        solver_name="pareto-dp",
+        solver_name="pareto-dp" if bound == "lagrangian" else f"pareto-dp-{bound}",
         memory_bytes=sequence_memory_bytes(table, sequence),
         table_key=table.key(),
     )

@@ -19,21 +19,22 @@ uniform paths (say half degree 4, half degree 8) and pay no reshard at all,
 while an integer plan pays two edges per run of changed layers; with identical
 layers many plans tie, so branch and bound must close that gap by search.
 Measured by ``benchmarks/planner_solve_time.py`` (T=32, 6 degrees, binding
-limit, 2 shared cores): SCIP proved every case, 2.0-5.2 s up to 128 layers;
-CBC is fastest unbounded (0.05-0.3 s) but ran past 60 s at 96 layers; HiGHS
-and CP-SAT (8 workers) took 13 s at 128.  Hence SCIP by default; any name in
-:data:`BACKENDS` may be passed.
+limit, 2 shared cores; the generated table is in ``benchmarks/README.md``):
+SCIP proves the optimum but takes seconds unloaded (5.7 s at 128 layers) and
+ran past 120 s at 128 on the loaded machine; CBC ran past 60 s at
+96 layers; HiGHS and CP-SAT (8 workers) are slower than SCIP.  Hence SCIP when
+``planner.solver=ilp``; any name in :data:`BACKENDS` may be passed.
 
-What did not help: giving SCIP the optimum as a starting solution (``SetHint``
-with the DP plan; 1.7 s vs 2.0 s at 24 layers, 5.7 s vs 5.2 s at 128) or as an
-objective cut-off (3.9 s at 128) -- finding the optimum is not the slow part,
-proving it is.  :mod:`oases_ds.planner.dp` solves the same problem exactly in
-milliseconds and is tested equal to this ILP; ``oases-plan planner.solver=dp``
-uses it.
+What did not help: giving SCIP the DP's optimum as a starting solution
+(``hint``, measured interleaved by the benchmark as ``ilp-SCIP-hint``) or as an
+objective cut-off -- finding the optimum is not the slow part, proving it is.
+:mod:`oases_ds.planner.dp` solves the same problem exactly in a fraction of the
+time, is tested equal to this ILP and is the default solver.
 """
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from ortools.linear_solver import pywraplp
 
@@ -66,11 +67,14 @@ def solve(
     memory_limit_bytes: float | None,
     time_limit_s: float = 10,
     backend: str = DEFAULT_BACKEND,
+    hint: Sequence[int] | None = None,
 ) -> Plan:
     """Optimal plan for ``table`` within ``memory_limit_bytes`` per device (None: unbounded).
 
-    Raises :class:`PlanInfeasibleError` when no plan fits and :class:`PlanSolverError`
-    unless the solver proves optimality (zero relative gap) within ``time_limit_s``.
+    ``hint``: block degrees (attn0, mlp0, ...) of a plan the backend starts from (a warm
+    start; it still has to prove optimality).  Raises :class:`PlanInfeasibleError` when
+    no plan fits and :class:`PlanSolverError` unless the solver proves optimality (zero
+    relative gap) within ``time_limit_s``.
     """
     check_memory_feasible(table, memory_limit_bytes)
     started = time.perf_counter()
@@ -119,6 +123,12 @@ def solve(
             <= memory_limit_bytes / scale,
             "memory_limit",
         )
+
+    if hint is not None:
+        if len(hint) != len(kinds):
+            raise ValueError(f"hint has {len(hint)} block degrees, the table has {len(kinds)} blocks")
+        solver.SetHint([choose[b][t] for b in range(len(kinds)) for t in degrees],
+                       [float(hint[b] == t) for b in range(len(kinds)) for t in degrees])
 
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 0.0)

@@ -208,3 +208,18 @@ def test_bad_json_names_field(tmp_path) -> None:
 def test_plan_must_match_table() -> None:
     with pytest.raises(ValueError, match="layers=3"):
         predict_step_ms(random_table(0, layers=2), Plan.uniform(4, 3, 4))
+
+
+def test_warm_start_hint_still_proves_the_optimum() -> None:
+    """A hint is a starting point, not an answer: a poor one (the leanest plan) and the
+    optimum itself both end at the enumerated optimum; a hint of the wrong length is refused."""
+    table = random_table(5, layers=3)
+    lean, unconstrained = memory_extremes(table)
+    limit = (lean + unconstrained) / 2
+    oracle = brute_force(table, limit)
+    leanest = [min(table.degrees, key=lambda t: table.blocks[kind][t].memory_bytes) for kind in table.block_kinds()]
+    for hint in (leanest, oracle.block_degrees()):
+        plan = solve(table, limit, hint=hint)
+        assert plan.predicted_step_ms == pytest.approx(oracle.predicted_step_ms, rel=REL_TOL)
+    with pytest.raises(ValueError, match="hint has 2 block degrees, the table has 6 blocks"):
+        solve(table, limit, hint=[1, 1])
