@@ -1,6 +1,8 @@
 """Oases: overlapped and planned tensor-model parallelism for DeepSpeed, Lightning and Hydra."""
 from setuptools import find_packages, setup
 
+HF = ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.20"]
+
 setup(
     name="oases-ds",
     version="0.1.0",
@@ -28,7 +30,9 @@ setup(
     extras_require={
         # The CPU wheel of this pinned version; an unpinned torch resolves to a multi-GB CUDA build.
         "cpu": ["torch==2.13.0"],
-        "test": ["pytest>=7"],
+        # Hugging Face import/export (oases_ds.hf): configs, safetensors slices; no model code is used.
+        "hf": HF,
+        "test": ["pytest>=7", *HF],
     },
     entry_points={
         "console_scripts": [
