@@ -180,7 +180,7 @@ def hf_config(cfg: ModelConfig) -> Any:
             raise ValueError("save_hf: GPT-2 has no grouped-query attention; model.num_kv_heads must equal num_heads")
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
-            n_head=cfg.num_heads, n_inner=cfg.ffn, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+            n_head=cfg.num_heads, n_inner=cfg.ffn_size or None, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
             attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps,
             activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
             tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
