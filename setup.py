@@ -1,7 +1,9 @@
 """Oases: overlapped and planned tensor-model parallelism for DeepSpeed, Lightning and Hydra."""
 from setuptools import find_packages, setup
 
-HF = ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.20"]
+# Tested with transformers 5.24 (its rope_parameters config form; hf.py also reads the older
+# rope_theta/rope_scaling form, but the tests build their tiny models with the new one).
+HF = ["transformers>=5,<6", "safetensors>=0.4", "tokenizers>=0.20"]
 
 setup(
     name="oases-ds",

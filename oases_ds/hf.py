@@ -230,7 +230,7 @@ class _Tensors:
 
     def read(self, key: str, slices: Slices) -> torch.Tensor:
         if key not in self.keys:
-            raise KeyError(f"load_hf: tensor {key!r} missing from the checkpoint")
+            raise ValueError(f"load_hf: tensor {key!r} is missing from the checkpoint; is it a complete save of the model?")
         return self._read(key, slices)
 
 
@@ -258,13 +258,13 @@ class _SafetensorsDir:
         return _Tensors(set(self.where), lambda key, slices: self.where[key].get_slice(key)[slices])
 
 
-def _oases_view(prefix_keys: _Tensors, cfg: ModelConfig) -> Callable[[Source], str]:
+def _key_resolver(tensors: _Tensors, cfg: ModelConfig) -> Callable[[Source], str]:
     """Key of a source in this checkpoint: GPT-2 files saved from ``GPT2Model`` lack the
     ``transformer.`` prefix."""
 
     def key(src: Source) -> str:
         full = _key(cfg, src)
-        return full if full in prefix_keys.keys or src.name not in prefix_keys.keys else src.name
+        return full if full in tensors.keys or src.name not in tensors.keys else src.name
 
     return key
 
@@ -273,7 +273,7 @@ def _oases_view(prefix_keys: _Tensors, cfg: ModelConfig) -> Callable[[Source], s
 def _load_into(model: OperatorModel, tensors: _Tensors) -> None:
     """Copy this rank's slice of every parameter; only those rows are read."""
     cfg, sources = model.cfg, _sources(model.cfg)
-    key_of = _oases_view(tensors, cfg)
+    key_of = _key_resolver(tensors, cfg)
     for name, param in model.named_parameters():
         src = sources[name]
         full_shape = model.sharding.full_shape(name, param)

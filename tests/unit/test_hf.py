@@ -227,3 +227,15 @@ def test_family_defaults_match_hugging_face_and_vocab_pads_to_the_degree():
     gpt2.check_tp(4)  # a vocabulary the degree does not divide is padded, not refused
     assert [gpt2.padded_vocab(t) for t in (1, 2, 4)] == [50257, 50258, 50260]
     assert dataclasses.replace(gpt2).to_dict()["norm_eps"] == 1e-5
+
+
+def test_a_checkpoint_missing_a_tensor_names_it(tmp_path):
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "llama")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_hf(src)
+    assert "tensor 'model.layers.1.mlp.up_proj.weight' is missing from the checkpoint" in _one_line(e)
