@@ -176,13 +176,13 @@ def hf_config(cfg: ModelConfig) -> Any:
     import transformers  # the [hf] extra; only these functions need it
 
     if cfg.family == "gpt":
-        if cfg.num_kv_heads != cfg.num_heads:
+        if cfg.kv_heads != cfg.num_heads:
             raise ValueError("save_hf: GPT-2 has no grouped-query attention; model.num_kv_heads must equal num_heads")
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
             n_head=cfg.num_heads, n_inner=cfg.ffn_size or None, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps,
-            activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.eps,
+            activation_function="gelu_new" if cfg.mlp_act == "gelu_tanh" else "gelu",
             tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
         )
     if cfg.family == "llama":
@@ -197,8 +197,8 @@ def hf_config(cfg: ModelConfig) -> Any:
                         original_max_position_embeddings=cfg.rope_original_max_positions)
         kw: dict[str, Any] = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, attention_dropout=cfg.dropout,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.eps, attention_dropout=cfg.dropout,
             tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
         )
         if "rope_parameters" in transformers.LlamaConfig().to_dict():

@@ -36,11 +36,11 @@ class _Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         H, bias = cfg.hidden_size, cfg.family != "llama"
-        make_norm = (lambda: _RMSNorm(H, cfg.norm_eps)) if cfg.family == "llama" else (
-            lambda: nn.LayerNorm(H, eps=cfg.norm_eps)
+        make_norm = (lambda: _RMSNorm(H, cfg.eps)) if cfg.family == "llama" else (
+            lambda: nn.LayerNorm(H, eps=cfg.eps)
         )
         self.attn_norm, self.mlp_norm = make_norm(), make_norm()
-        kv = cfg.num_kv_heads * cfg.head_dim
+        kv = cfg.kv_heads * cfg.head_dim
         self.attn = nn.ModuleDict({n: nn.Linear(H, kv if n in "kv" else H, bias=bias) for n in ("q", "k", "v", "o")})
         if cfg.family == "llama":
             self.mlp = nn.ModuleDict(
@@ -63,14 +63,14 @@ class ReferenceModel(nn.Module):
         if cfg.type_vocab_size:
             self.embed.types = nn.Parameter(torch.zeros(cfg.type_vocab_size, H))
         if cfg.family == "bert":
-            self.embed.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+            self.embed.norm = nn.LayerNorm(H, eps=cfg.eps)
         self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
         self.head = nn.Module()
         if cfg.family == "bert":
             self.head.dense = nn.Linear(H, H)
-            self.head.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+            self.head.norm = nn.LayerNorm(H, eps=cfg.eps)
         else:
-            self.head.norm = _RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.norm_eps)
+            self.head.norm = _RMSNorm(H, cfg.eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.eps)
         if not cfg.tie_embeddings:
             self.head.decoder = nn.Linear(H, cfg.vocab_size, bias=cfg.family == "bert")
         with torch.no_grad():
@@ -119,7 +119,7 @@ class ReferenceModel(nn.Module):
         b, s, H = h.shape
         nh, d = cfg.num_heads, cfg.head_dim
         q = blk.attn["q"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
-        nkv = cfg.num_kv_heads
+        nkv = cfg.kv_heads
         k = blk.attn["k"](h).reshape(b, s, nkv, d).permute(0, 2, 1, 3)
         v = blk.attn["v"](h).reshape(b, s, nkv, d).permute(0, 2, 1, 3)
         if cfg.family == "llama":
@@ -140,7 +140,7 @@ class ReferenceModel(nn.Module):
         if self.cfg.family == "llama":
             return blk.mlp["down"](F.silu(blk.mlp["gate"](h)) * blk.mlp["up"](h))
         a = blk.mlp["fc1"](h)
-        if self.cfg.activation == "gelu_tanh":
+        if self.cfg.mlp_act == "gelu_tanh":
             a = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
         else:
             a = F.gelu(a)

@@ -26,7 +26,7 @@ from oases_ds.parallel.layers import (
 
 
 def _norm(cfg: ModelConfig, size: int) -> nn.Module:
-    return RMSNorm(size, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(size, cfg.norm_eps)
+    return RMSNorm(size, cfg.eps) if cfg.family == "llama" else LayerNorm(size, cfg.eps)
 
 
 class Embedding(nn.Module):
@@ -42,7 +42,7 @@ class Embedding(nn.Module):
         if cfg.type_vocab_size:
             self.types = mark_parallel(nn.Parameter(torch.empty(cfg.type_vocab_size, H)), None)
         if cfg.family == "bert":
-            self.norm = LayerNorm(H, cfg.norm_eps)
+            self.norm = LayerNorm(H, cfg.eps)
 
 
 class TransformerLayer(nn.Module):
@@ -81,7 +81,7 @@ class Head(nn.Module):
             self.dense = nn.Linear(H, H)
             for p in self.dense.parameters():
                 mark_parallel(p, None)
-            self.norm = LayerNorm(H, cfg.norm_eps)
+            self.norm = LayerNorm(H, cfg.eps)
         else:
             self.norm = _norm(cfg, H)
         if not cfg.tie_embeddings:

@@ -76,13 +76,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} unknown; choose one of {', '.join(FAMILIES)}")
-        # Resolve the family defaults once, so to_dict() records what actually runs.
-        if self.norm_eps is None:
-            object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
-        if not self.activation:
-            object.__setattr__(self, "activation", DEFAULT_ACTIVATION[self.family])
-        if not self.num_kv_heads:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        # The unset values (None, "", 0) stay as given and resolve in properties, so that
+        # dataclasses.replace(cfg, family="llama") takes the new family's defaults.
         self._check_options()
         for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_len"):
             if getattr(self, name) < 1:
@@ -98,17 +93,17 @@ class ModelConfig:
 
     def _check_options(self) -> None:
         """One-line errors for the options real checkpoints need (GQA, RoPE, ties, activation)."""
-        if not self.norm_eps > 0:
+        if not self.eps > 0:
             raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
             raise ValueError(
-                f"model.num_kv_heads={self.num_kv_heads} must be >= 1 and divide model.num_heads={self.num_heads}"
+                f"model.num_kv_heads={self.num_kv_heads} must be >= 1 (0: num_heads) and divide model.num_heads={self.num_heads}"
             )
-        if self.num_kv_heads != self.num_heads and self.family == "bert":
+        if self.kv_heads != self.num_heads and self.family == "bert":
             raise ValueError("model.num_kv_heads applies to gpt and llama; leave it 0 for bert")
-        if self.activation not in ACTIVATIONS:
+        if self.mlp_act not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} unknown; choose one of {', '.join(ACTIVATIONS)}")
-        if (self.family == "llama") != (self.activation == "silu"):
+        if (self.family == "llama") != (self.mlp_act == "silu"):
             want = "silu (SwiGLU)" if self.family == "llama" else "gelu or gelu_tanh"
             raise ValueError(f"model.activation={self.activation!r} does not fit family {self.family}; use {want}")
         if self.rotary not in ROTARY_MODES:
@@ -142,9 +137,24 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def eps(self) -> float:
+        """``norm_eps``, or the family's Hugging Face default when unset."""
+        return DEFAULT_NORM_EPS[self.family] if self.norm_eps is None else self.norm_eps
+
+    @property
+    def mlp_act(self) -> str:
+        """``activation``, or the family default when unset."""
+        return self.activation or DEFAULT_ACTIVATION[self.family]
+
+    @property
+    def kv_heads(self) -> int:
+        """``num_kv_heads``, or ``num_heads`` (no grouping) when unset."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
     def kv_dim(self) -> int:
-        """Width of the key (and value) projection: ``num_kv_heads * head_dim``."""
-        return self.num_kv_heads * self.head_dim
+        """Width of the key (and value) projection: ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of ``tp`` (Megatron's padded vocab): the
@@ -156,7 +166,7 @@ class ModelConfig:
         """Raise a one-line error if ``tp`` cannot shard this model evenly."""
         for name, value in (
             ("num_heads", self.num_heads),
-            ("num_kv_heads", self.num_kv_heads),
+            ("num_kv_heads", self.kv_heads),
             ("ffn_size", self.ffn),
         ):
             if value % tp:

@@ -319,7 +319,7 @@ class OperatorModel(nn.Module):
             if cfg.family == "llama":
                 inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
                 return (x, layer.mlp.down.partial(inner))
-            approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+            approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"
             return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:

@@ -68,7 +68,7 @@ def test_config_mapping_reads_every_option():
             llama.rope_original_max_positions, llama.rotary, llama.norm_eps, llama.ffn) == (
         "llama", 2, 500000.0, "llama3", 8.0, 4, "half", 1e-6, 48)
     gpt = config_from_hf(hf_workers.tiny_hf_model("gpt2").config, seq_len=4)
-    assert (gpt.family, gpt.tie_embeddings, gpt.activation, gpt.vocab_size, gpt.seq_len) == ("gpt", True, "gelu_tanh", 63, 4)
+    assert (gpt.family, gpt.tie_embeddings, gpt.mlp_act, gpt.vocab_size, gpt.seq_len) == ("gpt", True, "gelu_tanh", 63, 4)
 
 
 def test_rope_scaling_frequencies_match_transformers():
@@ -192,7 +192,8 @@ def test_save_refuses_what_is_not_a_model(tmp_path):
 
 
 @pytest.mark.parametrize("fields,words", [
-    (dict(num_kv_heads=3), "model.num_kv_heads=3 must be >= 1 and divide model.num_heads=4"),
+    (dict(num_kv_heads=3), "model.num_kv_heads=3 must be >= 1 (0: num_heads) and divide model.num_heads=4"),
+    (dict(num_kv_heads=-1), "model.num_kv_heads=-1 must be >= 1"),
     (dict(family="bert", num_kv_heads=2), "leave it 0 for bert"),
     (dict(activation="relu"), "model.activation='relu' unknown"),
     (dict(family="llama", activation="gelu"), "does not fit family llama; use silu"),
@@ -220,13 +221,15 @@ def test_kv_heads_the_tmp_degree_cannot_split_are_refused():
 
 
 def test_family_defaults_match_hugging_face_and_vocab_pads_to_the_degree():
-    assert [ModelConfig(family=f).norm_eps for f in ("gpt", "bert", "llama")] == [1e-5, 1e-12, 1e-6]
-    assert ModelConfig(family="gpt", norm_eps=1e-3).norm_eps == 1e-3
-    assert [ModelConfig(family=f).activation for f in ("gpt", "llama")] == ["gelu", "silu"]
+    assert [ModelConfig(family=f).eps for f in ("gpt", "bert", "llama")] == [1e-5, 1e-12, 1e-6]
+    assert ModelConfig(family="gpt", norm_eps=1e-3).eps == 1e-3
+    assert [ModelConfig(family=f).mlp_act for f in ("gpt", "llama")] == ["gelu", "silu"]
+    llama = dataclasses.replace(ModelConfig(family="gpt"), family="llama")  # takes llama's defaults
+    assert (llama.mlp_act, llama.eps, llama.kv_heads) == ("silu", 1e-6, 4)
     gpt2 = ModelConfig(vocab_size=50257)
     gpt2.check_tp(4)  # a vocabulary the degree does not divide is padded, not refused
     assert [gpt2.padded_vocab(t) for t in (1, 2, 4)] == [50257, 50258, 50260]
-    assert dataclasses.replace(gpt2).to_dict()["norm_eps"] == 1e-5
+    assert gpt2.to_dict()["norm_eps"] is None  # unset stays unset: the family decides
 
 
 def test_a_checkpoint_missing_a_tensor_names_it(tmp_path):
