@@ -138,7 +138,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a shorter
     ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise."""
     if isinstance(hf_config, dict):
-        hf_config = _namespace(hf_config)
+        hf_config = _ConfigJson(hf_config)
     family = SUPPORTED[_architecture(hf_config)]
     g = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
     if family == "gpt":
@@ -210,7 +210,7 @@ def hf_config(cfg: ModelConfig) -> Any:
     raise ValueError(f"save_hf: family {cfg.family!r} cannot be exported; {_SUPPORTED_LINE}")
 
 
-class _namespace:
+class _ConfigJson:
     """Attribute access to a ``config.json`` dict, so both config forms read alike."""
 
     def __init__(self, d: dict) -> None:
