@@ -1,6 +1,10 @@
 """Oases: overlapped and planned tensor-model parallelism for DeepSpeed, Lightning and Hydra."""
 from setuptools import find_packages, setup
 
+# Tested with transformers 5.24 (its rope_parameters config form; hf.py also reads the older
+# rope_theta/rope_scaling form, but the tests build their tiny models with the new one).
+HF = ["transformers>=5,<6", "safetensors>=0.4", "tokenizers>=0.20"]
+
 setup(
     name="oases-ds",
     version="0.1.0",
@@ -28,8 +32,10 @@ setup(
     extras_require={
         # The CPU wheel of this pinned version; an unpinned torch resolves to a multi-GB CUDA build.
         "cpu": ["torch==2.13.0"],
-        "test": ["pytest>=7"],
+        # Hugging Face import/export (oases_ds.hf) and tokenizers for oases-data; no model code is used.
+        "hf": HF,
         "tensorboard": ["tensorboard>=2.10"],  # oases-train metrics.tensorboard=DIR (CSV needs nothing)
+        "test": ["pytest>=7", *HF],
     },
     entry_points={
         "console_scripts": [

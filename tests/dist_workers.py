@@ -27,8 +27,21 @@ VARIANTS = [
 ]
 
 
-def tiny_config(family: str, dropout: float = 0.1) -> ModelConfig:
-    return ModelConfig(family=family, vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=8, dropout=dropout)
+def tiny_config(family: str, dropout: float = 0.1, **options) -> ModelConfig:
+    base = dict(family=family, vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=8, dropout=dropout)
+    return ModelConfig(**{**base, **options})
+
+
+# Model options real checkpoints need, each against the reference at TMP 1 and 2 (test_parity).
+OPTION_CASES: dict[str, dict] = {
+    "llama_gqa_theta_half": dict(family="llama", num_kv_heads=2, rope_theta=500000.0, rotary="half"),
+    "llama_llama3_scaling_tied": dict(family="llama", rope_scaling="llama3", rope_factor=8.0,
+                                      rope_original_max_positions=4, tie_embeddings=True),
+    "llama_linear_scaling_mqa_tp1": dict(family="llama", num_kv_heads=1, rope_scaling="linear", rope_factor=2.0),
+    "gpt_tied_tanh_odd_vocab": dict(family="gpt", tie_embeddings=True, activation="gelu_tanh", vocab_size=63),
+    "gpt_gqa_odd_vocab": dict(family="gpt", num_kv_heads=2, vocab_size=61),
+    "bert_token_types_odd_vocab": dict(family="bert", type_vocab_size=2, vocab_size=63),
+}
 
 
 def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,7 +54,11 @@ def make_batch(cfg: ModelConfig, size: int, step: int, seed: int = 0) -> dict[st
         picked = torch.arange(cfg.seq_len) % 3 == 0
         labels[:, picked] = tokens[:, picked]
         tokens = tokens.masked_fill(picked, 0)  # 0 is the [MASK] token
-        return {"tokens": tokens, "labels": labels}
+        batch = {"tokens": tokens, "labels": labels}
+        if cfg.type_vocab_size:  # sentence A then sentence B, split at a per-sample point
+            cut = torch.randint(1, cfg.seq_len, (size, 1), generator=gen)
+            batch["token_types"] = (torch.arange(cfg.seq_len) >= cut).long()
+        return batch
     seq = torch.randint(0, cfg.vocab_size, (size, cfg.seq_len + 1), generator=gen)
     return {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
 
@@ -63,9 +80,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
 
 def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05,
                   plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None, variants: list[str] | None = None,
-                  dropout: float = 0.1) -> dict:
+                  dropout: float = 0.1, options: dict[str, dict] | None = None) -> dict:
     """Train every schedule variant for ``steps`` SGD steps and compare, after every
-    step, gathered gradients and the loss with the unsharded reference."""
+    step, gathered gradients and the loss with the unsharded reference.  ``options``:
+    label -> ModelConfig fields, run instead of the plain ``families``."""
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -74,8 +92,9 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
     ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
     dp, dp_rank = ctx.dp_size, ctx.dp_rank
     results: dict = {}
-    for family in families:
-        cfg = tiny_config(family, dropout)
+    configs = {f: tiny_config(f, dropout) for f in families} if options is None else {
+        label: tiny_config(**{"dropout": dropout, **kw}) for label, kw in options.items()}
+    for family, cfg in configs.items():
         ref = ReferenceModel(cfg, seed=7)
         ref_rng = RNGTracker(seed=11)
         opt = torch.optim.SGD(ref.parameters(), lr=lr)
@@ -83,7 +102,7 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
         for step in range(steps):
             batch = make_batch(cfg, micro_batch * dp, step)
             opt.zero_grad()
-            loss = ref(batch["tokens"], batch["labels"], ref_rng)
+            loss = ref(batch["tokens"], batch["labels"], ref_rng, token_types=batch.get("token_types"))
             loss.backward()
             ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
             ref_losses.append(float(loss.detach()))

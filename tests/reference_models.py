@@ -36,11 +36,12 @@ class _Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         H, bias = cfg.hidden_size, cfg.family != "llama"
-        make_norm = (lambda: _RMSNorm(H, cfg.norm_eps)) if cfg.family == "llama" else (
-            lambda: nn.LayerNorm(H, eps=cfg.norm_eps)
+        make_norm = (lambda: _RMSNorm(H, cfg.eps)) if cfg.family == "llama" else (
+            lambda: nn.LayerNorm(H, eps=cfg.eps)
         )
         self.attn_norm, self.mlp_norm = make_norm(), make_norm()
-        self.attn = nn.ModuleDict({n: nn.Linear(H, H, bias=bias) for n in ("q", "k", "v", "o")})
+        kv = cfg.kv_heads * cfg.head_dim
+        self.attn = nn.ModuleDict({n: nn.Linear(H, kv if n in "kv" else H, bias=bias) for n in ("q", "k", "v", "o")})
         if cfg.family == "llama":
             self.mlp = nn.ModuleDict(
                 {"gate": nn.Linear(H, cfg.ffn, bias=False), "up": nn.Linear(H, cfg.ffn, bias=False),
@@ -59,19 +60,43 @@ class ReferenceModel(nn.Module):
         self.embed.word = nn.Embedding(cfg.vocab_size, H)
         if cfg.family != "llama":
             self.embed.pos = nn.Parameter(torch.zeros(cfg.seq_len, H))
+        if cfg.type_vocab_size:
+            self.embed.types = nn.Parameter(torch.zeros(cfg.type_vocab_size, H))
         if cfg.family == "bert":
-            self.embed.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+            self.embed.norm = nn.LayerNorm(H, eps=cfg.eps)
         self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
         self.head = nn.Module()
         if cfg.family == "bert":
             self.head.dense = nn.Linear(H, H)
-            self.head.norm = nn.LayerNorm(H, eps=cfg.norm_eps)
+            self.head.norm = nn.LayerNorm(H, eps=cfg.eps)
         else:
-            self.head.norm = _RMSNorm(H, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.norm_eps)
-        self.head.decoder = nn.Linear(H, cfg.vocab_size, bias=cfg.family == "bert")
+            self.head.norm = _RMSNorm(H, cfg.eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.eps)
+        if not cfg.tie_embeddings:
+            self.head.decoder = nn.Linear(H, cfg.vocab_size, bias=cfg.family == "bert")
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(init_full_parameter(name, tuple(p.shape), seed))
+
+    def _frequencies(self, d: int) -> torch.Tensor:
+        """RoPE frequencies, one at a time, straight from the scaling rules in ModelConfig's docs."""
+        cfg = self.cfg
+        out = []
+        for i in range(0, d, 2):
+            f = 1.0 / (cfg.rope_theta ** (i / d))
+            if cfg.rope_scaling == "linear":
+                f = f / cfg.rope_factor
+            elif cfg.rope_scaling == "llama3":
+                wavelength = 2 * math.pi / f
+                long_edge = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+                short_edge = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+                if wavelength > long_edge:
+                    f = f / cfg.rope_factor
+                elif wavelength >= short_edge:
+                    t = (cfg.rope_original_max_positions / wavelength - cfg.rope_low_freq_factor) / (
+                        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+                    f = t * f + (1 - t) * f / cfg.rope_factor
+            out.append(f)
+        return torch.tensor(out, dtype=torch.float32)
 
     def _drop(self, x, rng: RNGTracker, site: int, training: bool, sample_offset: int, global_batch: int):
         offsets = (sample_offset,) + (0,) * (x.dim() - 1)
@@ -80,8 +105,10 @@ class ReferenceModel(nn.Module):
 
     def _rope(self, x):  # x: (b, heads, s, d)
         d, s = x.shape[-1], x.shape[-2]
-        freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        ang = torch.arange(s, dtype=torch.float32)[:, None] * freqs[None, :]
+        ang = torch.arange(s, dtype=torch.float32)[:, None] * self._frequencies(d)[None, :]
+        if self.cfg.rotary == "half":  # pairs (i, i + d/2)
+            x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+            return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], dim=-1)
         x1, x2 = x[..., ::2], x[..., 1::2]
         rot1 = x1 * ang.cos() - x2 * ang.sin()
         rot2 = x1 * ang.sin() + x2 * ang.cos()
@@ -92,10 +119,14 @@ class ReferenceModel(nn.Module):
         b, s, H = h.shape
         nh, d = cfg.num_heads, cfg.head_dim
         q = blk.attn["q"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
-        k = blk.attn["k"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
-        v = blk.attn["v"](h).reshape(b, s, nh, d).permute(0, 2, 1, 3)
+        nkv = cfg.kv_heads
+        k = blk.attn["k"](h).reshape(b, s, nkv, d).permute(0, 2, 1, 3)
+        v = blk.attn["v"](h).reshape(b, s, nkv, d).permute(0, 2, 1, 3)
         if cfg.family == "llama":
             q, k = self._rope(q), self._rope(k)
+        # query head j reads k/v head j // (nh / nkv)
+        k = torch.stack([k[:, j // (nh // nkv)] for j in range(nh)], dim=1)
+        v = torch.stack([v[:, j // (nh // nkv)] for j in range(nh)], dim=1)
         att = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
         if cfg.family != "bert":
             causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
@@ -108,9 +139,15 @@ class ReferenceModel(nn.Module):
     def _mlp(self, blk, h):
         if self.cfg.family == "llama":
             return blk.mlp["down"](F.silu(blk.mlp["gate"](h)) * blk.mlp["up"](h))
-        return blk.mlp["fc2"](F.gelu(blk.mlp["fc1"](h)))
+        a = blk.mlp["fc1"](h)
+        if self.cfg.mlp_act == "gelu_tanh":
+            a = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
+        else:
+            a = F.gelu(a)
+        return blk.mlp["fc2"](a)
 
-    def forward(self, tokens, labels, rng: RNGTracker, training: bool = True, sample_offset: int = 0, global_batch: int | None = None):
+    def forward(self, tokens, labels, rng: RNGTracker, training: bool = True, sample_offset: int = 0,
+                global_batch: int | None = None, token_types=None):
         """Mean token loss (labels == -100 ignored)."""
         cfg = self.cfg
         gb = global_batch or tokens.shape[0]
@@ -118,6 +155,8 @@ class ReferenceModel(nn.Module):
         x = self.embed.word(tokens)
         if cfg.family != "llama":
             x = x + self.embed.pos[: tokens.shape[1]]
+        if cfg.type_vocab_size:
+            x = x + F.embedding(torch.zeros_like(tokens) if token_types is None else token_types, self.embed.types)
         if cfg.family == "bert":
             x = self.embed.norm(x)
         x = self._drop(x, rng, SITE_EMBED, training, sample_offset, gb)
@@ -132,5 +171,5 @@ class ReferenceModel(nn.Module):
             x = self.head.norm(F.gelu(self.head.dense(x)))
         else:
             x = self.head.norm(x)
-        logits = self.head.decoder(x)
+        logits = x @ self.embed.word.weight.T if cfg.tie_embeddings else self.head.decoder(x)
         return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX)

@@ -26,12 +26,12 @@ from oases_ds.parallel.layers import (
 
 
 def _norm(cfg: ModelConfig, size: int) -> nn.Module:
-    return RMSNorm(size, cfg.norm_eps) if cfg.family == "llama" else LayerNorm(size, cfg.norm_eps)
+    return RMSNorm(size, cfg.eps) if cfg.family == "llama" else LayerNorm(size, cfg.eps)
 
 
 class Embedding(nn.Module):
-    """Vocab-parallel token embedding over the full TMP group, learned positions (GPT, BERT)
-    and BERT's embedding norm."""
+    """Vocab-parallel token embedding over the full TMP group, learned positions (GPT, BERT),
+    BERT's token-type table and embedding norm."""
 
     def __init__(self, cfg: ModelConfig, group: Group) -> None:
         super().__init__()
@@ -39,8 +39,10 @@ class Embedding(nn.Module):
         self.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
         if cfg.family != "llama":
             self.pos = mark_parallel(nn.Parameter(torch.empty(cfg.seq_len, H)), None)
+        if cfg.type_vocab_size:
+            self.types = mark_parallel(nn.Parameter(torch.empty(cfg.type_vocab_size, H)), None)
         if cfg.family == "bert":
-            self.norm = LayerNorm(H, cfg.norm_eps)
+            self.norm = LayerNorm(H, cfg.eps)
 
 
 class TransformerLayer(nn.Module):
@@ -55,8 +57,8 @@ class TransformerLayer(nn.Module):
         H = cfg.hidden_size
         self.attn = nn.Module()
         self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.k = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.v = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)  # grouped-query: fewer k/v heads
+        self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
         self.attn.o = RowParallelLinear(H, H, attn_group, bias)
         self.mlp = nn.Module()
         if cfg.family == "llama":
@@ -69,7 +71,8 @@ class TransformerLayer(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm (BERT: dense + GELU + norm) and the vocab-parallel decoder over the full TMP group."""
+    """Final norm (BERT: dense + GELU + norm) and the vocab-parallel decoder over the full TMP
+    group (none with ``tie_embeddings``: the loss then reads the embedding table)."""
 
     def __init__(self, cfg: ModelConfig, group: Group) -> None:
         super().__init__()
@@ -78,10 +81,11 @@ class Head(nn.Module):
             self.dense = nn.Linear(H, H)
             for p in self.dense.parameters():
                 mark_parallel(p, None)
-            self.norm = LayerNorm(H, cfg.norm_eps)
+            self.norm = LayerNorm(H, cfg.eps)
         else:
             self.norm = _norm(cfg, H)
-        self.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert")
+        if not cfg.tie_embeddings:
+            self.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert", pad=True)
 
 
 def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:

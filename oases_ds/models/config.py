@@ -6,6 +6,13 @@ from typing import Literal
 
 Family = Literal["gpt", "bert", "llama"]
 FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "silu")
+ROTARY_MODES: tuple[str, ...] = ("interleaved", "half")
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
+# The epsilon each family's Hugging Face reference uses, so an imported checkpoint
+# normalises exactly as it was trained (GPT-2 1e-5, BERT 1e-12, LLaMA 1e-6).
+DEFAULT_NORM_EPS: dict[str, float] = {"gpt": 1e-5, "bert": 1e-12, "llama": 1e-6}
+DEFAULT_ACTIVATION: dict[str, str] = {"gpt": "gelu", "bert": "gelu", "llama": "silu"}
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,27 @@ class ModelConfig:
         ffn_size: MLP inner width (sharded over TMP ranks); 0 means 4 x hidden.
         seq_len: tokens per sample.
         dropout: probability for embedding, attention-probability and residual dropout.
-        norm_eps: epsilon of LayerNorm / RMSNorm.
+        norm_eps: epsilon of LayerNorm / RMSNorm; ``None`` takes the family's Hugging Face
+            default (:data:`DEFAULT_NORM_EPS`).
+        num_kv_heads: key/value heads (grouped-query attention); 0 means ``num_heads``.
+            Query head ``i`` reads key/value head ``i // (num_heads / num_kv_heads)`` as in
+            Hugging Face's ``repeat_kv``.  Split over TMP ranks, so the TMP degree must
+            divide it.
+        rope_theta: RoPE base (LLaMA 2: 1e4, LLaMA 3: 5e5).
+        rope_scaling: "none", "linear" (positions divided by ``rope_factor``) or "llama3"
+            (low frequencies divided by ``rope_factor``, a smooth ramp between
+            ``rope_low_freq_factor`` and ``rope_high_freq_factor`` of
+            ``rope_original_max_positions``).
+        rotary: which pairs RoPE rotates: "interleaved" (dims 2i, 2i+1; Meta's original
+            layout) or "half" (dims i, i + d/2; Hugging Face's ``rotate_half``).  The two
+            are the same model up to a permutation of the q/k rows, so a checkpoint must
+            be run in the mode it was saved for.
+        tie_embeddings: the output head reuses the vocab-parallel input embedding
+            (GPT-2); there is then no ``head.decoder.weight``.
+        activation: MLP non-linearity: "gelu" (erf), "gelu_tanh" (GPT-2's ``gelu_new``);
+            LLaMA's gated MLP is always "silu" (SwiGLU).  Empty: the family default.
+        type_vocab_size: BERT token types (segment ids, batch key ``token_types``);
+            0: none.
     """
 
     family: Family = "gpt"
@@ -33,11 +60,25 @@ class ModelConfig:
     ffn_size: int = 0
     seq_len: int = 64
     dropout: float = 0.1
-    norm_eps: float = 1e-5
+    norm_eps: float | None = None
+    num_kv_heads: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    rotary: str = "interleaved"
+    tie_embeddings: bool = False
+    activation: str = ""
+    type_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} unknown; choose one of {', '.join(FAMILIES)}")
+        # The unset values (None, "", 0) stay as given and resolve in properties, so that
+        # dataclasses.replace(cfg, family="llama") takes the new family's defaults.
+        self._check_options()
         for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -50,6 +91,43 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
+    def _check_options(self) -> None:
+        """One-line errors for the options real checkpoints need (GQA, RoPE, ties, activation)."""
+        if not self.eps > 0:
+            raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
+        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_kv_heads={self.num_kv_heads} must be >= 1 (0: num_heads) and divide model.num_heads={self.num_heads}"
+            )
+        if self.kv_heads != self.num_heads and self.family == "bert":
+            raise ValueError("model.num_kv_heads applies to gpt and llama; leave it 0 for bert")
+        if self.mlp_act not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r} unknown; choose one of {', '.join(ACTIVATIONS)}")
+        if (self.family == "llama") != (self.mlp_act == "silu"):
+            want = "silu (SwiGLU)" if self.family == "llama" else "gelu or gelu_tanh"
+            raise ValueError(f"model.activation={self.activation!r} does not fit family {self.family}; use {want}")
+        if self.rotary not in ROTARY_MODES:
+            raise ValueError(f"model.rotary={self.rotary!r} unknown; choose one of {', '.join(ROTARY_MODES)}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"model.rope_scaling={self.rope_scaling!r} unknown; choose one of {', '.join(ROPE_SCALINGS)}"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
+            raise ValueError(f"model.rope_factor must be >= 1 with rope_scaling={self.rope_scaling}, got {self.rope_factor}")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be > 0 and below "
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor}"
+            )
+        if self.rope_original_max_positions < 1:
+            raise ValueError(f"model.rope_original_max_positions must be >= 1, got {self.rope_original_max_positions}")
+        if self.type_vocab_size < 0 or (self.type_vocab_size and self.family != "bert"):
+            raise ValueError(f"model.type_vocab_size={self.type_vocab_size} applies to bert only (>= 1), else 0")
+        if self.tie_embeddings and self.family == "bert":
+            raise ValueError("model.tie_embeddings is supported for gpt and llama; BERT's head keeps its own decoder")
+
     @property
     def ffn(self) -> int:
         return self.ffn_size or 4 * self.hidden_size
@@ -58,12 +136,38 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def eps(self) -> float:
+        """``norm_eps``, or the family's Hugging Face default when unset."""
+        return DEFAULT_NORM_EPS[self.family] if self.norm_eps is None else self.norm_eps
+
+    @property
+    def mlp_act(self) -> str:
+        """``activation``, or the family default when unset."""
+        return self.activation or DEFAULT_ACTIVATION[self.family]
+
+    @property
+    def kv_heads(self) -> int:
+        """``num_kv_heads``, or ``num_heads`` (no grouping) when unset."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and value) projection: ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocabulary rounded up to a multiple of ``tp`` (Megatron's padded vocab): the
+        extra rows are zeros that never reach a softmax or a loss, so GPT-2's 50257
+        tokens shard over any TMP degree; checkpoints keep the unpadded size."""
+        return -(-self.vocab_size // tp) * tp
+
     def check_tp(self, tp: int) -> None:
         """Raise a one-line error if ``tp`` cannot shard this model evenly."""
         for name, value in (
             ("num_heads", self.num_heads),
+            ("num_kv_heads", self.kv_heads),
             ("ffn_size", self.ffn),
-            ("vocab_size", self.vocab_size),
         ):
             if value % tp:
                 raise ValueError(

@@ -48,7 +48,13 @@ from oases_ds.models.sharding import Sharding, init_full_parameter
 from oases_ds.parallel.collectives import Group, group_rank, group_size
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import BlockLayout, ParallelContext
-from oases_ds.parallel.layers import apply_rotary, attention_core, rotary_tables, vocab_parallel_cross_entropy
+from oases_ds.parallel.layers import (
+    apply_rotary,
+    attention_core,
+    rotary_inverse_frequencies,
+    rotary_tables,
+    vocab_parallel_cross_entropy,
+)
 from oases_ds.parallel.random import RNGTracker, keyed_dropout
 
 IGNORE_INDEX = -100
@@ -209,6 +215,9 @@ class OperatorModel(nn.Module):
             x = a[0]
             if cfg.family != "llama":
                 x = x + self.embed.pos[: x.shape[1]]
+            if cfg.type_vocab_size:  # segment ids; a batch without them is all segment 0
+                types = c.batch.get("token_types")
+                x = x + (self.embed.types[0] if types is None else F.embedding(types, self.embed.types))
             if cfg.family == "bert":
                 x = self.embed.norm(x)
             return (self._dropout(c, x, SITE_EMBED),)
@@ -217,7 +226,11 @@ class OperatorModel(nn.Module):
         compute("embed_out", -1, "embed", embed_out)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
-            cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu"))
+            inv_freq = rotary_inverse_frequencies(
+                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
+                cfg.rope_high_freq_factor, cfg.rope_original_max_positions,
+            )
+            cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu"), inv_freq=inv_freq)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
             cos_sin = True
@@ -237,15 +250,17 @@ class OperatorModel(nn.Module):
             return (self.head.norm(x),)
 
         def loss(c: OpContext, a: Acts) -> Acts:
-            logits = self.head.decoder.partial(a[0])
+            # Tied: the vocab-parallel embedding shard doubles as this rank's decoder rows.
+            tied = cfg.tie_embeddings
+            logits = F.linear(a[0], self.embed.word.weight) if tied else self.head.decoder.partial(a[0])
             labels = c.batch["labels"]
             group = self.group
 
             def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
                 return c.comm.all_reduce(t, group, "loss", op).wait()
 
-            vocab_start = group_rank(group) * self.head.decoder.out_local
-            per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, all_reduce)
+            vocab_start = group_rank(group) * logits.shape[-1]
+            per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, all_reduce, cfg.vocab_size)
             valid = (labels != IGNORE_INDEX).to(per_token.dtype)
             return ((per_token * valid).sum() * c.loss_scale,)
 
@@ -272,6 +287,7 @@ class OperatorModel(nn.Module):
         out: list[Op] = []
         attn_group = attn_layout.group
         nh_local = layer.attn.q.out_local // cfg.head_dim
+        kv_local = layer.attn.k.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
         def add(name: str, block: str, fn) -> None:
@@ -285,13 +301,16 @@ class OperatorModel(nn.Module):
             x, h = a
             b, s, _ = h.shape
 
-            def heads(t: torch.Tensor) -> torch.Tensor:
-                return t.view(b, s, nh_local, cfg.head_dim).transpose(1, 2)
+            def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+                return t.view(b, s, n, cfg.head_dim).transpose(1, 2)
 
-            q, k, v = heads(layer.attn.q.partial(h)), heads(layer.attn.k.partial(h)), heads(layer.attn.v.partial(h))
+            q = heads(layer.attn.q.partial(h), nh_local)
+            k, v = heads(layer.attn.k.partial(h), kv_local), heads(layer.attn.v.partial(h), kv_local)
             if cos_sin:
                 cos, sin = (t[:s].to(dtype=q.dtype) for t in (self.rope_cos, self.rope_sin))
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                q, k = apply_rotary(q, cos, sin, cfg.rotary), apply_rotary(k, cos, sin, cfg.rotary)
+            if kv_local != nh_local:  # grouped-query: each k/v head serves nh/nkv consecutive query heads
+                k, v = (t.repeat_interleave(nh_local // kv_local, dim=1) for t in (k, v))
             return (x, q, k, v)
 
         def core(c: OpContext, a: Acts) -> Acts:
@@ -323,7 +342,8 @@ class OperatorModel(nn.Module):
             if cfg.family == "llama":
                 inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
                 return (x, layer.mlp.down.partial(inner))
-            return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h))))
+            approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"
+            return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a

@@ -76,7 +76,7 @@ class Sharding:
         dim = getattr(param, "tp_dim", None)
         shape = list(param.shape)
         if dim is not None:
-            shape[dim] *= group_size(self.group_of(name))
+            shape[dim] = getattr(param, "tp_full", shape[dim] * group_size(self.group_of(name)))
         return tuple(shape)
 
     def shard_of(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,14 @@ class Sharding:
         if dim is None:
             return full
         group = self.group_of(name)
-        return full.chunk(group_size(group), dim=dim)[group_rank(group)]
+        local = param.shape[dim]
+        start = group_rank(group) * local
+        piece = full.narrow(dim, min(start, full.shape[dim]), max(0, min(local, full.shape[dim] - start)))
+        if piece.shape[dim] == local:
+            return piece
+        pad = list(piece.shape)  # vocabulary padding: zero rows past the real vocabulary
+        pad[dim] = local - piece.shape[dim]
+        return torch.cat((piece, piece.new_zeros(pad)), dim=dim)
 
     def gather_full(self, name: str, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The unsharded value of ``local`` (a shard of parameter ``name``, or of its
@@ -93,7 +100,10 @@ class Sharding:
         group; always a new tensor, never a view of ``local``."""
         dim = getattr(param, "tp_dim", None)
         local = local.detach().clone()
-        return local if dim is None else start_all_gather(local, self.group_of(name), dim).wait()
+        if dim is None:
+            return local
+        full = start_all_gather(local, self.group_of(name), dim).wait()
+        return full.narrow(dim, 0, getattr(param, "tp_full", full.shape[dim])).clone()
 
     def mark_replicated_shards(self, layers: nn.ModuleList) -> None:
         """A block at degree ``t < T`` has ``T/t`` copies of each shard.  DeepSpeed's

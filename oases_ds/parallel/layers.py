@@ -48,15 +48,31 @@ def _shard(total: int, group: Group, what: str) -> int:
     return total // size
 
 
+def _mark_padded(p: nn.Parameter, total: int) -> None:
+    """Record ``total``, the unpadded size of ``p``'s split dimension (padded up to a
+    multiple of the TMP degree), so that :mod:`oases_ds.models.sharding` pads on the
+    way in and trims on the way out: full values never carry padding."""
+    p.tp_full = total  # type: ignore[attr-defined]
+
+
+def padded_local(total: int, group: Group) -> int:
+    """``ceil(total / degree)``: this rank's rows of a vocabulary padded to the degree."""
+    return -(-total // group_size(group))
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by output rows: each rank owns ``out/t`` outputs."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True, pad: bool = False) -> None:
         super().__init__()
         self.group = group
-        self.out_local = _shard(out_features, group, "out_features")
+        self.out_local = padded_local(out_features, group) if pad else _shard(out_features, group, "out_features")
         self.weight = _param((self.out_local, in_features), 0)
         self.bias = _param((self.out_local,), 0) if bias else None
+        if pad:  # the vocabulary head: rows past out_features are padding
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    _mark_padded(p, out_features)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -94,9 +110,10 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, group: Group) -> None:
         super().__init__()
         self.group = group
-        self.vocab_local = _shard(vocab_size, group, "vocab_size")
+        self.vocab_local = padded_local(vocab_size, group)  # padded rows: no token reads them
         self.start = group_rank(group) * self.vocab_local
         self.weight = _param((self.vocab_local, dim), 0)
+        _mark_padded(self.weight, vocab_size)
 
     def partial(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start
@@ -115,12 +132,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary.
 
     Forward: three small AllReduces (max, sum of exp, target logit) over the TMP
-    group; backward is local (softmax minus one-hot on this rank's slice).
+    group; backward is local (softmax minus one-hot on this rank's slice).  Columns
+    at or past ``vocab_size`` are padding (vocabulary rounded up to the TMP degree):
+    they are set to -inf, so they get zero probability and zero gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start: int, all_reduce: AllReduceFn):  # type: ignore[override]
+    def forward(ctx, logits, labels, vocab_start: int, all_reduce: AllReduceFn, vocab_size: int | None):  # type: ignore[override]
         logits = logits.float()
+        if vocab_size is not None and vocab_start + logits.shape[-1] > vocab_size:
+            logits = logits.clone()
+            logits[..., max(vocab_size - vocab_start, 0):] = float("-inf")
         logits_max = all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         vocab_local = logits.shape[-1]
@@ -142,15 +164,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1), 1.0)
         grad -= onehot * (~outside).unsqueeze(-1).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, all_reduce: AllReduceFn
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, all_reduce: AllReduceFn,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token loss for vocab-sharded ``logits``.  ``labels`` < 0 are ignored
-    by the caller (their loss is computed on a clamped label and masked out)."""
-    return _VocabParallelCrossEntropy.apply(logits, labels.clamp(min=0), vocab_start, all_reduce)
+    by the caller (their loss is computed on a clamped label and masked out);
+    ``vocab_size``: the real vocabulary when the shards are padded past it."""
+    return _VocabParallelCrossEntropy.apply(logits, labels.clamp(min=0), vocab_start, all_reduce, vocab_size)
 
 
 class LayerNorm(nn.Module):
@@ -178,15 +202,49 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0):
+def rotary_inverse_frequencies(
+    head_dim: int,
+    theta: float = 10000.0,
+    scaling: str = "none",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_positions: int = 8192,
+) -> torch.Tensor:
+    """The head_dim/2 rotation frequencies of RoPE, with context-extension scaling.
+
+    "linear" stretches every wavelength by ``factor`` (position interpolation).
+    "llama3" stretches only the long wavelengths: those longer than
+    ``original_max_positions / low_freq_factor`` by ``factor``, those shorter than
+    ``original_max_positions / high_freq_factor`` not at all, and blends linearly in
+    between, so local word order is seen exactly as in pre-training.
+    """
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling == "linear":
+        return inv / factor
+    if scaling == "llama3":
+        wavelength = 2 * math.pi / inv
+        # 0 for short wavelengths (keep), 1 for long ones (divide by factor), a ramp between.
+        ramp = (original_max_positions / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        keep = ramp.clamp(0.0, 1.0)
+        return keep * inv + (1 - keep) * inv / factor
+    return inv
+
+
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0,
+                  inv_freq: torch.Tensor | None = None):
     """cos/sin tables of shape (seq, head_dim/2) for rotary position embeddings."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    inv = rotary_inverse_frequencies(head_dim, base) if inv_freq is None else inv_freq
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv.to(device))
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (even, odd) of the last dim of ``x`` (b, heads, seq, head_dim)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "interleaved") -> torch.Tensor:
+    """Rotate pairs of the last dim of ``x`` (b, heads, seq, head_dim): (2i, 2i+1) in
+    "interleaved" mode, (i, i + d/2) in "half" mode (Hugging Face's ``rotate_half``)."""
+    if mode == "half":
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     even, odd = x[..., 0::2], x[..., 1::2]
     out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return out.flatten(-2)

@@ -45,3 +45,32 @@ def test_dropout_free_models_match_reference_through_sdpa():
         for (family, variant), r in res.items():
             assert r["grad_err"] <= TOL, f"rank {rank} {family}/{variant}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
             assert r["loss_err"] <= TOL, f"rank {rank} {family}/{variant}: loss rel err {r['loss_err']:.2e}"
+
+
+OPTION_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 2)}
+# A case named *_tp1 has one k/v head, which 2 ranks cannot split (test_hf checks that error).
+OPTION_RUNS = [(layout, case) for layout in OPTION_LAYOUTS for case in dist_workers.OPTION_CASES
+               if layout == "tp1" or not case.endswith("_tp1")]
+_option_cache: dict = {}
+
+
+def option_results(layout: str) -> dict:
+    if layout not in _option_cache:
+        tp, world = OPTION_LAYOUTS[layout]
+        cases = {case: dist_workers.OPTION_CASES[case] for run_layout, case in OPTION_RUNS if run_layout == layout}
+        _option_cache[layout] = launch(dist_workers.parity_worker, world,
+                                       (tp, [], 3, 4, 0.05, None, ["none", "oases"], 0.1, cases), timeout_s=600)
+    return _option_cache[layout]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout,case", OPTION_RUNS)
+def test_model_options_match_reference(layout, case):
+    """GQA, rope_theta, RoPE scaling, half rotary, tied embeddings, tanh GELU, a vocabulary
+    the TMP degree does not divide and BERT token types: same tolerance as above, for
+    the plain and the Oases schedule."""
+    for rank, per_rank in enumerate(option_results(layout)):
+        for variant in ("none", "oases"):
+            r = per_rank[(case, variant)]
+            assert r["grad_err"] <= TOL, f"rank {rank} {variant}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
+            assert r["loss_err"] <= TOL, f"rank {rank} {variant}: loss rel err {r['loss_err']:.2e}"

@@ -1,0 +1,390 @@
+"""Hugging Face checkpoints in and out of an Oases model: LLaMA and GPT-2.
+
+Why a mapping and not a conversion script: an Oases model is sharded, so a rank
+that loads a 65B LLaMA must read only its own rows of each tensor, straight from
+the safetensors file (``safe_open(...).get_slice``), never the whole checkpoint.
+Each Oases parameter therefore names its Hugging Face source (:class:`Source`:
+the tensor, whether it is stored transposed -- GPT-2's ``Conv1D`` keeps
+``[in, out]`` -- and which part of a fused tensor it is -- GPT-2's ``c_attn`` is
+q, k and v side by side), and the same table, run backwards, writes the full
+tensors a ``from_pretrained`` call reads.
+
+Numbers match ``transformers`` because the model options say what the Hugging Face
+code does: LLaMA rotates halves (``rotary="half"``), GPT-2 uses tanh GELU and ties
+its head to the embedding, and the epsilon, RoPE base and scaling, and the
+number of key/value heads come from the checkpoint's config.
+
+Only ``transformers``' config classes are used (never its model code), and only
+inside these functions: the library does not need the ``[hf]`` extra otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Union
+
+import torch
+import torch.distributed as dist
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.collectives import Group, group_rank
+from oases_ds.parallel.context import ParallelContext
+from oases_ds.utils.io import fsync_directory
+
+SUPPORTED: dict[str, str] = {"GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
+"""Hugging Face architecture -> Oases family this module converts."""
+_SUPPORTED_LINE = "supported: GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_PREFIX = {"gpt": "transformer.", "llama": "model."}
+_GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an Oases parameter lives in a Hugging Face state dict.
+
+    Attributes:
+        name: the tensor's key, without the model prefix (``transformer.``/``model.``).
+        transposed: stored as ``[in, out]`` (GPT-2 ``Conv1D``) rather than ``[out, in]``.
+        part, parts: this parameter is part ``part`` of ``parts`` equal pieces along the
+            output dimension of a fused tensor (GPT-2 ``c_attn`` = q | k | v).
+        prefixed: the key carries the model prefix (``lm_head`` does not).
+    """
+
+    name: str
+    transposed: bool = False
+    part: int = 0
+    parts: int = 1
+    prefixed: bool = True
+
+
+def _sources(cfg: ModelConfig) -> dict[str, Source]:
+    """Oases parameter name -> its Hugging Face source, for every parameter of ``cfg``."""
+    out: dict[str, Source] = {}
+    if cfg.family == "gpt":
+        out["embed.word.weight"] = Source("wte.weight")
+        out["embed.pos"] = Source("wpe.weight")
+        for i in range(cfg.num_layers):
+            hf, ox = f"h.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                out[ox + f"attn_norm.{kind}"] = Source(hf + f"ln_1.{kind}")
+                out[ox + f"mlp_norm.{kind}"] = Source(hf + f"ln_2.{kind}")
+                for part, proj in enumerate("qkv"):
+                    out[ox + f"attn.{proj}.{kind}"] = Source(hf + f"attn.c_attn.{kind}", kind == "weight", part, 3)
+                out[ox + f"attn.o.{kind}"] = Source(hf + f"attn.c_proj.{kind}", kind == "weight")
+                out[ox + f"mlp.fc1.{kind}"] = Source(hf + f"mlp.c_fc.{kind}", kind == "weight")
+                out[ox + f"mlp.fc2.{kind}"] = Source(hf + f"mlp.c_proj.{kind}", kind == "weight")
+        out["head.norm.weight"], out["head.norm.bias"] = Source("ln_f.weight"), Source("ln_f.bias")
+    else:
+        out["embed.word.weight"] = Source("embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            hf, ox = f"layers.{i}.", f"layers.{i}."
+            for proj in "qkvo":
+                out[ox + f"attn.{proj}.weight"] = Source(hf + f"self_attn.{proj}_proj.weight")
+            for proj in ("gate", "up", "down"):
+                out[ox + f"mlp.{proj}.weight"] = Source(hf + f"mlp.{proj}_proj.weight")
+            out[ox + "attn_norm.weight"] = Source(hf + "input_layernorm.weight")
+            out[ox + "mlp_norm.weight"] = Source(hf + "post_attention_layernorm.weight")
+        out["head.norm.weight"] = Source("norm.weight")
+    if not cfg.tie_embeddings:
+        out["head.decoder.weight"] = Source("lm_head.weight", prefixed=False)
+    return out
+
+
+def _key(cfg: ModelConfig, src: Source) -> str:
+    return (_PREFIX[cfg.family] if src.prefixed else "") + src.name
+
+
+# -- config ------------------------------------------------------------------------
+def _rope_options(hf: Any) -> dict[str, Any]:
+    """RoPE fields from either config style: ``rope_parameters`` (transformers >= 5) or
+    ``rope_theta`` + ``rope_scaling`` (before)."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", 10000.0))}
+    if kind == "linear":
+        out.update(rope_scaling="linear", rope_factor=float(params["factor"]))
+    elif kind == "llama3":
+        out.update(
+            rope_scaling="llama3", rope_factor=float(params["factor"]),
+            rope_low_freq_factor=float(params["low_freq_factor"]),
+            rope_high_freq_factor=float(params["high_freq_factor"]),
+            rope_original_max_positions=int(params["original_max_position_embeddings"]),
+        )
+    elif kind != "default":
+        raise ValueError(f"config_from_hf: rope type {kind!r} is not supported; supported: default, linear, llama3")
+    return out
+
+
+def _architecture(hf: Any) -> str:
+    archs = list(getattr(hf, "architectures", None) or [])
+    arch = archs[0] if archs else _MODEL_TYPES.get(getattr(hf, "model_type", ""), "")
+    if arch not in SUPPORTED:
+        found = arch or getattr(hf, "model_type", type(hf).__name__)
+        raise ValueError(f"Hugging Face architecture {found!r} is not supported; {_SUPPORTED_LINE}")
+    return arch
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face config (``GPT2Config``/``LlamaConfig``
+    or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a shorter
+    ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise."""
+    if isinstance(hf_config, dict):
+        hf_config = _ConfigJson(hf_config)
+    family = SUPPORTED[_architecture(hf_config)]
+    g = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    if family == "gpt":
+        act = g("activation_function", "gelu_new")
+        if act not in _GELU:
+            raise ValueError(f"config_from_hf: GPT-2 activation_function={act!r} is not supported; use one of {sorted(_GELU)}")
+        if g("scale_attn_by_inverse_layer_idx", False) or not g("scale_attn_weights", True):
+            raise ValueError("config_from_hf: GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+        fields: dict[str, Any] = dict(
+            family="gpt", vocab_size=g("vocab_size"), hidden_size=g("n_embd"), num_heads=g("n_head"),
+            num_layers=g("n_layer"), ffn_size=g("n_inner") or 0, seq_len=g("n_positions"),
+            dropout=float(g("resid_pdrop", 0.0)), norm_eps=float(g("layer_norm_epsilon", 1e-5)),
+            activation=_GELU[act], tie_embeddings=bool(g("tie_word_embeddings", True)),
+        )
+    else:
+        if g("hidden_act", "silu") != "silu":
+            raise ValueError(f"config_from_hf: LLaMA hidden_act={g('hidden_act')!r} is not supported; only silu")
+        if g("attention_bias", False) or g("mlp_bias", False):
+            raise ValueError("config_from_hf: LLaMA with attention_bias or mlp_bias is not supported")
+        heads, hidden = g("num_attention_heads"), g("hidden_size")
+        if (g("head_dim") or hidden // heads) * heads != hidden:
+            raise ValueError(f"config_from_hf: head_dim={g('head_dim')} x heads != hidden_size={hidden} is not supported")
+        fields = dict(
+            family="llama", vocab_size=g("vocab_size"), hidden_size=hidden, num_heads=heads,
+            num_layers=g("num_hidden_layers"), ffn_size=g("intermediate_size"), seq_len=g("max_position_embeddings"),
+            dropout=float(g("attention_dropout", 0.0)), norm_eps=float(g("rms_norm_eps", 1e-6)),
+            num_kv_heads=g("num_key_value_heads") or heads, rotary="half",
+            tie_embeddings=bool(g("tie_word_embeddings", False)), **_rope_options(hf_config),
+        )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The ``transformers`` config that describes ``cfg`` (for :func:`save_hf`)."""
+    import transformers  # the [hf] extra; only these functions need it
+
+    if cfg.family == "gpt":
+        if cfg.kv_heads != cfg.num_heads:
+            raise ValueError("save_hf: GPT-2 has no grouped-query attention; model.num_kv_heads must equal num_heads")
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+            n_head=cfg.num_heads, n_inner=cfg.ffn_size or None, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.eps,
+            activation_function="gelu_new" if cfg.mlp_act == "gelu_tanh" else "gelu",
+            tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
+        )
+    if cfg.family == "llama":
+        if cfg.rotary != "half":
+            raise ValueError("save_hf: Hugging Face LLaMA rotates halves; train with model.rotary='half' to export")
+        rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+        if cfg.rope_scaling == "linear":
+            rope.update(rope_type="linear", factor=cfg.rope_factor)
+        elif cfg.rope_scaling == "llama3":
+            rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                        high_freq_factor=cfg.rope_high_freq_factor,
+                        original_max_position_embeddings=cfg.rope_original_max_positions)
+        kw: dict[str, Any] = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.eps, attention_dropout=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
+        )
+        if "rope_parameters" in transformers.LlamaConfig().to_dict():
+            kw["rope_parameters"] = rope
+        else:  # transformers < 5
+            kw["rope_theta"] = rope.pop("rope_theta")
+            kw["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        return transformers.LlamaConfig(**kw)
+    raise ValueError(f"save_hf: family {cfg.family!r} cannot be exported; {_SUPPORTED_LINE}")
+
+
+class _ConfigJson:
+    """Attribute access to a ``config.json`` dict, so both config forms read alike."""
+
+    def __init__(self, d: dict) -> None:
+        self.__dict__.update(d)
+
+
+# -- reading -----------------------------------------------------------------------
+Slices = tuple[slice, ...]
+
+
+class _Tensors:
+    """Read-only view of a checkpoint that hands out slices: safetensors files (only the
+    requested rows are read) or an in-memory state dict."""
+
+    def __init__(self, keys: set[str], read: Callable[[str, Slices], torch.Tensor]) -> None:
+        self.keys, self._read = keys, read
+
+    def read(self, key: str, slices: Slices) -> torch.Tensor:
+        if key not in self.keys:
+            raise ValueError(f"load_hf: tensor {key!r} is missing from the checkpoint; is it a complete save of the model?")
+        return self._read(key, slices)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ValueError(f"load_hf: {path} has no model.safetensors (or index); save the model with safe_serialization=True")
+
+
+class _SafetensorsDir:
+    """Open handles on every shard file of a checkpoint directory, for one load."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open  # the [hf] extra
+
+        self.handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(path)]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+
+    def tensors(self) -> _Tensors:
+        return _Tensors(set(self.where), lambda key, slices: self.where[key].get_slice(key)[slices])
+
+
+def _key_resolver(tensors: _Tensors, cfg: ModelConfig) -> Callable[[Source], str]:
+    """Key of a source in this checkpoint: GPT-2 files saved from ``GPT2Model`` lack the
+    ``transformer.`` prefix."""
+
+    def key(src: Source) -> str:
+        full = _key(cfg, src)
+        return full if full in tensors.keys or src.name not in tensors.keys else src.name
+
+    return key
+
+
+@torch.no_grad()
+def _load_into(model: OperatorModel, tensors: _Tensors) -> None:
+    """Copy this rank's slice of every parameter; only those rows are read."""
+    cfg, sources = model.cfg, _sources(model.cfg)
+    key_of = _key_resolver(tensors, cfg)
+    for name, param in model.named_parameters():
+        src = sources[name]
+        full_shape = model.sharding.full_shape(name, param)
+        ranges = [(0, n) for n in full_shape]
+        dim = getattr(param, "tp_dim", None)
+        if dim is not None:
+            start = group_rank(model.sharding.group_of(name)) * param.shape[dim]
+            ranges[dim] = (min(start, full_shape[dim]), min(start + param.shape[dim], full_shape[dim]))
+        if name == "embed.pos":  # a checkpoint may hold more positions than the model uses
+            ranges[0] = (0, cfg.seq_len)
+        offset = src.part * full_shape[0]
+        ranges[0] = (ranges[0][0] + offset, ranges[0][1] + offset)
+        if src.transposed:
+            ranges.reverse()
+        value = tensors.read(key_of(src), tuple(slice(lo, hi) for lo, hi in ranges))
+        if src.transposed:
+            value = value.t()
+        if dim is not None and value.shape[dim] < param.shape[dim]:  # vocabulary padding rows
+            pad = list(value.shape)
+            pad[dim] = param.shape[dim] - value.shape[dim]
+            value = torch.cat((value, value.new_zeros(pad)), dim=dim)
+        param.copy_(value)
+
+
+def _group_of(group_or_ctx: Union[Group, ParallelContext]) -> Group:
+    return group_or_ctx.tp_group if isinstance(group_or_ctx, ParallelContext) else group_or_ctx
+
+
+def load_hf(source: Union[str, os.PathLike, Any], group: Union[Group, ParallelContext] = None,
+            **overrides: Any) -> OperatorModel:
+    """An :class:`OperatorModel` holding this rank's shards of a Hugging Face model.
+
+    Args:
+        source: a local directory with ``config.json`` and safetensors weights (each
+            rank reads only its slices), or a ``transformers`` model object.
+        group: the TMP group, or a :class:`ParallelContext` (its TMP group); ``None``: one rank.
+        overrides: :class:`ModelConfig` fields to replace (e.g. ``dropout=0.0``).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"load_hf: {path} is not a directory with a config.json; pass a saved model directory")
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+        model = OperatorModel(cfg, _group_of(group))
+        _load_into(model, _SafetensorsDir(path).tensors())
+        return model
+    hf_cfg = getattr(source, "config", None)
+    if hf_cfg is None or type(source).__name__ not in SUPPORTED:
+        raise ValueError(f"load_hf: {type(source).__name__} is not supported; {_SUPPORTED_LINE}, or a directory")
+    cfg = config_from_hf(hf_cfg, **overrides)
+    state = source.state_dict()
+    model = OperatorModel(cfg, _group_of(group))
+    _load_into(model, _Tensors(set(state), lambda key, slices: state[key][slices]))
+    return model
+
+
+# -- writing -----------------------------------------------------------------------
+def hf_state_dict(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict (contiguous tensors) of unsharded Oases values ``full``:
+    the inverse of the :class:`Source` table (fused parts concatenated, ``Conv1D``
+    weights transposed back).  Also maps gradients, for comparisons."""
+    groups: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
+    for name, src in _sources(cfg).items():
+        value = full[name].t() if src.transposed else full[name]
+        groups.setdefault(_key(cfg, src), []).append((src.part, value, src.transposed))
+    out = {}
+    for key, pieces in groups.items():
+        pieces.sort(key=lambda p: p[0])
+        dim = 1 if pieces[0][2] else 0
+        out[key] = torch.cat([p[1] for p in pieces], dim=dim).contiguous() if len(pieces) > 1 else pieces[0][1].contiguous()
+    return out
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Replace ``final`` by the finished directory ``tmp``: a reader sees the old or the
+    new model, never a half-written one."""
+    fsync_directory(tmp)
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_directory(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_hf(model_or_engine: Any, path: Union[str, os.PathLike]) -> None:
+    """Write a directory ``transformers`` loads with ``from_pretrained``.
+
+    Collective: every rank calls it (each sharded parameter is gathered over its
+    group); global rank 0 writes ``config.json`` and ``model.safetensors`` into a
+    temporary sibling and renames it into place, then all ranks meet at a barrier,
+    so no rank reads the directory before it is complete.
+    """
+    from safetensors.torch import save_file  # the [hf] extra
+
+    model = getattr(model_or_engine, "module", model_or_engine)
+    if not isinstance(model, OperatorModel):
+        raise ValueError(f"save_hf: expected an OperatorModel or an engine holding one, got {type(model).__name__}")
+    config = hf_config(model.cfg)  # refuse an unexportable model before any collective
+    full = {name: model.sharding.gather_full(name, p, p.data) for name, p in model.named_parameters()}
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            config.save_pretrained(str(tmp))
+            save_file(hf_state_dict(model.cfg, full), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            _publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:
+        dist.barrier()

@@ -1,0 +1,100 @@
+"""Rank-process side of the Hugging Face parity tests (``tests/distributed/test_hf_parity.py``)
+and the tiny ``transformers`` models both test tiers build (nothing is downloaded).
+
+The reference is ``transformers``' own model code, loaded with ``from_pretrained``
+from the directory the test wrote; the Oases side is ``load_hf`` of the same
+directory, each rank reading only its slices.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from oases_ds.hf import hf_state_dict, load_hf, save_hf
+from oases_ds.models.operator_model import IGNORE_INDEX
+from oases_ds.parallel.collectives import start_all_reduce
+from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.runtime.executor import Executor
+from oases_ds.schedule.generators import ScheduleSpec
+
+
+def tiny_hf_model(kind: str, seed: int = 0):
+    """A small ``transformers`` model of ``kind`` with random weights:
+
+    - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
+    - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63).
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
+        cfg = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8, rms_norm_eps=1e-6, rope_parameters=rope,
+            attn_implementation="eager",
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(
+            vocab_size=63, n_positions=8, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # biases and norms start at 0/1; perturb them so every gradient path counts
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def batch_for(vocab: int, size: int, seq: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (size, seq + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    labels[0, :2] = IGNORE_INDEX  # ignored positions must not count
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": labels}
+
+
+def hf_loss_and_grads(path: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean token loss and parameter gradients of ``transformers``' model saved at ``path``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    model.eval()  # no dropout; gradients are unaffected by eval mode
+    logits = model(input_ids=batch["tokens"]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
+    """As ``dist_workers.rel_err``: ||a - ref|| / max(||ref||, floor)."""
+    return float((a - ref).norm() / max(float(ref.norm()), floor))
+
+
+def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
+    """Load ``path`` at TMP ``tp``, compare loss and gradients with ``transformers`` for the
+    plain and the Oases schedule, then export with ``save_hf`` to ``out_dir``."""
+    ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
+    model = load_hf(path, ctx)
+    cfg = model.cfg
+    batch = batch_for(cfg.vocab_size, 4, cfg.seq_len)
+    ref_loss, ref_grads = hf_loss_and_grads(path, batch)
+    floor = 1e-4 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+    results = {}
+    for schedule in ("none", "oases"):
+        model.zero_grad(set_to_none=True)
+        ex = Executor.for_schedule(model, ScheduleSpec(schedule), rng=RNGTracker(seed=1))
+        loss = float(start_all_reduce(ex.run(dict(batch)), ctx.dp_group).wait()) / ctx.dp_size
+        full = {n: model.sharding.gather_full(n, p, p.grad) for n, p in model.named_parameters()}
+        grads = hf_state_dict(cfg, full)
+        missing = sorted(set(ref_grads) ^ set(grads))
+        errs = {n: rel_err(grads[n], g, floor) for n, g in ref_grads.items() if n in grads}
+        worst = max(errs, key=errs.get)
+        results[schedule] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": errs[worst],
+                             "worst": worst, "name_mismatch": missing}
+    save_hf(model, out_dir)
+    return results

@@ -1,0 +1,244 @@
+"""Hugging Face import/export without processes or downloads (tiny models built here),
+and the one-line errors of the model options and of ``oases_ds.hf``."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import hf_workers
+from oases_ds import hf
+from oases_ds.hf import config_from_hf, hf_config, load_hf, save_hf
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.layers import rotary_inverse_frequencies
+
+KINDS = ["llama", "gpt2"]
+
+
+def _saved(tmp_path, kind: str):
+    model = hf_workers.tiny_hf_model(kind)
+    model.save_pretrained(tmp_path / "src")
+    return model, tmp_path / "src"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bit_identical(tmp_path, kind):
+    original, src = _saved(tmp_path, kind)
+    save_hf(load_hf(src), tmp_path / "out")
+    back = type(original).from_pretrained(tmp_path / "out")
+    want, got = original.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert config_from_hf(back.config) == config_from_hf(original.config)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_object_and_directory_load_the_same_weights(tmp_path, kind):
+    original, src = _saved(tmp_path, kind)
+    from_dir, from_obj = load_hf(src), load_hf(original)
+    assert from_dir.cfg == from_obj.cfg
+    for (name, a), (_, b) in zip(from_dir.named_parameters(), from_obj.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_and_gradients_match_transformers_in_process(tmp_path, kind):
+    """TMP 1 eager forward; the gloo test covers TMP 2 and 4 and the schedules."""
+    _, src = _saved(tmp_path, kind)
+    model = load_hf(src)
+    batch = hf_workers.batch_for(model.cfg.vocab_size, 2, model.cfg.seq_len)
+    ref_loss, ref_grads = hf_workers.hf_loss_and_grads(str(src), batch)
+    loss = model(batch)
+    loss.backward()
+    grads = hf.hf_state_dict(model.cfg, {n: p.grad for n, p in model.named_parameters()})
+    floor = 1e-4 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    errs = {n: hf_workers.rel_err(grads[n], g, floor) for n, g in ref_grads.items()}
+    assert max(errs.values()) <= 1e-5, max(errs, key=errs.get)
+
+
+def test_config_mapping_reads_every_option():
+    llama = config_from_hf(hf_workers.tiny_hf_model("llama").config)
+    assert (llama.family, llama.num_kv_heads, llama.rope_theta, llama.rope_scaling, llama.rope_factor,
+            llama.rope_original_max_positions, llama.rotary, llama.norm_eps, llama.ffn) == (
+        "llama", 2, 500000.0, "llama3", 8.0, 4, "half", 1e-6, 48)
+    gpt = config_from_hf(hf_workers.tiny_hf_model("gpt2").config, seq_len=4)
+    assert (gpt.family, gpt.tie_embeddings, gpt.mlp_act, gpt.vocab_size, gpt.seq_len) == ("gpt", True, "gelu_tanh", 63, 4)
+
+
+def test_rope_scaling_frequencies_match_transformers():
+    """Our llama3 and linear frequency rules against transformers' own init functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for rope, ours in (
+        ({"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}, dict(scaling="linear", factor=4.0)),
+        ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64},
+         dict(theta=5e5, scaling="llama3", factor=8.0, original_max_positions=64)),
+    ):
+        cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=rope)
+        want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+        got = rotary_inverse_frequencies(64, **{"theta": rope["rope_theta"], **ours})
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+
+
+def test_save_replaces_an_existing_export_and_leaves_no_temporaries(tmp_path):
+    _, src = _saved(tmp_path, "gpt2")
+    model = load_hf(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    save_hf(model, out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_failed_save_keeps_the_previous_export(tmp_path, monkeypatch):
+    _, src = _saved(tmp_path, "gpt2")
+    model = load_hf(src)
+    out = tmp_path / "out"
+    save_hf(model, out)
+    before = load_file(out / "model.safetensors")
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(OSError, match="No space left"):
+        save_hf(model, out)
+    after = load_file(out / "model.safetensors")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+# -- one-line errors ---------------------------------------------------------------
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unsupported_architecture_says_what_is_supported(tmp_path):
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ValueError) as e:
+        load_hf(bert)
+    assert "BertForMaskedLM is not supported; supported: GPT2LMHeadModel" in _one_line(e)
+    bert.save_pretrained(tmp_path / "bert")
+    with pytest.raises(ValueError) as e:
+        load_hf(tmp_path / "bert")
+    assert "'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel" in _one_line(e)
+
+
+def test_directory_errors(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_hf(tmp_path / "missing")
+    assert "is not a directory with a config.json" in _one_line(e)
+    model, src = _saved(tmp_path, "gpt2")
+    os.remove(src / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        load_hf(src)
+    assert "has no model.safetensors" in _one_line(e)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+    ("attention_bias", True, "attention_bias or mlp_bias is not supported"),
+])
+def test_llama_features_we_cannot_reproduce_are_refused(field, value, words):
+    cfg = hf_workers.tiny_hf_model("llama").config
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError) as e:
+        config_from_hf(cfg)
+    assert words in _one_line(e)
+
+
+def test_unknown_rope_type_and_gpt2_activation_are_refused():
+    cfg = hf_workers.tiny_hf_model("llama").config
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError) as e:
+        config_from_hf(cfg)
+    assert "rope type 'yarn' is not supported; supported: default, linear, llama3" in _one_line(e)
+    gpt = hf_workers.tiny_hf_model("gpt2").config
+    gpt.activation_function = "relu"
+    with pytest.raises(ValueError) as e:
+        config_from_hf(gpt)
+    assert "activation_function='relu' is not supported" in _one_line(e)
+
+
+@pytest.mark.parametrize("cfg,words", [
+    (ModelConfig(family="bert"), "family 'bert' cannot be exported; supported: GPT2LMHeadModel"),
+    (ModelConfig(family="llama"), "train with model.rotary='half' to export"),
+    (ModelConfig(family="gpt", num_kv_heads=2), "model.num_kv_heads must equal num_heads"),
+])
+def test_save_refuses_models_transformers_cannot_represent(tmp_path, cfg, words):
+    with pytest.raises(ValueError) as e:
+        save_hf(OperatorModel(cfg), tmp_path / "out")
+    assert words in _one_line(e)
+    assert not (tmp_path / "out").exists()
+
+
+def test_save_refuses_what_is_not_a_model(tmp_path):
+    with pytest.raises(ValueError) as e:
+        save_hf(torch.nn.Linear(2, 2), tmp_path / "out")
+    assert "expected an OperatorModel or an engine holding one, got Linear" in _one_line(e)
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(num_kv_heads=3), "model.num_kv_heads=3 must be >= 1 (0: num_heads) and divide model.num_heads=4"),
+    (dict(num_kv_heads=-1), "model.num_kv_heads=-1 must be >= 1"),
+    (dict(family="bert", num_kv_heads=2), "leave it 0 for bert"),
+    (dict(activation="relu"), "model.activation='relu' unknown"),
+    (dict(family="llama", activation="gelu"), "does not fit family llama; use silu"),
+    (dict(activation="silu"), "does not fit family gpt; use gelu or gelu_tanh"),
+    (dict(family="llama", rotary="sideways"), "model.rotary='sideways' unknown"),
+    (dict(family="llama", rope_scaling="yarn"), "model.rope_scaling='yarn' unknown"),
+    (dict(family="llama", rope_theta=0.0), "model.rope_theta must be > 0"),
+    (dict(family="llama", rope_scaling="linear", rope_factor=0.5), "model.rope_factor must be >= 1"),
+    (dict(family="llama", rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+     "must be > 0 and below model.rope_high_freq_factor"),
+    (dict(type_vocab_size=2), "model.type_vocab_size=2 applies to bert only"),
+    (dict(family="bert", tie_embeddings=True), "model.tie_embeddings is supported for gpt and llama"),
+    (dict(norm_eps=0.0), "model.norm_eps must be > 0"),
+])
+def test_model_option_errors_name_the_field(fields, words):
+    with pytest.raises(ValueError) as e:
+        ModelConfig(**fields)
+    assert words in _one_line(e)
+
+
+def test_kv_heads_the_tmp_degree_cannot_split_are_refused():
+    with pytest.raises(ValueError) as e:
+        ModelConfig(family="llama", num_kv_heads=1).check_tp(2)
+    assert "tensor_parallel_size=2 does not divide model.num_kv_heads=1" in _one_line(e)
+
+
+def test_family_defaults_match_hugging_face_and_vocab_pads_to_the_degree():
+    assert [ModelConfig(family=f).eps for f in ("gpt", "bert", "llama")] == [1e-5, 1e-12, 1e-6]
+    assert ModelConfig(family="gpt", norm_eps=1e-3).eps == 1e-3
+    assert [ModelConfig(family=f).mlp_act for f in ("gpt", "llama")] == ["gelu", "silu"]
+    llama = dataclasses.replace(ModelConfig(family="gpt"), family="llama")  # takes llama's defaults
+    assert (llama.mlp_act, llama.eps, llama.kv_heads) == ("silu", 1e-6, 4)
+    gpt2 = ModelConfig(vocab_size=50257)
+    gpt2.check_tp(4)  # a vocabulary the degree does not divide is padded, not refused
+    assert [gpt2.padded_vocab(t) for t in (1, 2, 4)] == [50257, 50258, 50260]
+    assert gpt2.to_dict()["norm_eps"] is None  # unset stays unset: the family decides
+
+
+def test_a_checkpoint_missing_a_tensor_names_it(tmp_path):
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "llama")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_hf(src)
+    assert "tensor 'model.layers.1.mlp.up_proj.weight' is missing from the checkpoint" in _one_line(e)
