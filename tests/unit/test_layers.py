@@ -11,7 +11,8 @@ Layers, low to high (a module may import from its own layer and any lower one)::
               nothing of ours)
     parallel  oases_ds/parallel/*, launcher.py (starts rank processes; imports nothing of ours,
               the planner's profiler and the CLIs use it)
-    models    oases_ds/models/*
+    models    oases_ds/models/*, hf.py (Hugging Face configs and weights in and out of an
+              OperatorModel; it reads an engine only through its ``module`` attribute)
     schedule  oases_ds/schedule/*
     runtime   oases_ds/runtime/*, data.py (token batches a training step eats; imports nothing
               of ours, so the planner may measure on real data)
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
                "planner": "planner", "bench": "bench", "cli": "cli"}
-TOP_LEVEL = {"launcher": "parallel", "data": "runtime", "config": "config", "engine": "engine",
+TOP_LEVEL = {"launcher": "parallel", "hf": "models", "data": "runtime", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
