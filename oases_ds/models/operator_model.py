@@ -9,14 +9,14 @@ serves all of them.
 Per transformer layer the sequence is (paper Section IV, the ``(F_i, C_i, F_j)``
 pattern once for attention and once for the MLP)::
 
-    attn_in   (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
+    attn_in   (x)        -> (x, h)         norm (pre-LN) or previous norm, duplicate (post-LN)
     attn_copy            fwd id / bwd AllReduce of dh
     qkv       (x, h)     -> (x, q, k, v)   column-parallel, heads local, RoPE
     core      (x, q,k,v) -> (x, ctx)       softmax(qk^T)v, attention dropout
     proj      (x, ctx)   -> (x, y_part)    row-parallel summand
     attn_reduce          fwd AllReduce / bwd id
     attn_out  (x, y)     -> (x',)          bias, dropout, residual
-    mlp_in    (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
+    mlp_in    (x)        -> (x, h)         norm (pre-LN) or attention norm, duplicate (post-LN)
     mlp_copy             fwd id / bwd AllReduce
     mlp       (x, h)     -> (x, y_part)    column- then row-parallel
     mlp_reduce           fwd AllReduce / bwd id
@@ -30,7 +30,8 @@ LayerNorm -- which saves its input -- at the start of the *next* operator that
 reads it (``mlp_in``, the next layer's ``attn_in``, ``head_in``) instead of at
 the end of ``*_out``: the math and the parameter names are unchanged, but the
 tensor crossing the block boundary is the pre-norm sum, and the norm is
-recomputed with the next segment.
+recomputed with the next segment.  Likewise ``embed_out`` (positions + dropout)
+saves nothing, and BERT's embedding norm and dropout run in layer 0's ``attn_in``.
 
 A plan may give each attention and MLP block its own TMP degree ``t`` (paper
 Section V): the block then runs ``T/t`` replicas inside the TMP group of ``T``
@@ -198,12 +199,12 @@ class OperatorModel(nn.Module):
             x = a[0]
             if cfg.family != "llama":
                 x = x + self.embed.pos[: x.shape[1]]
-            if cfg.family == "bert":
-                x = self.embed.norm(x)
+            if cfg.family == "bert":  # post-LN: norm and dropout run in L0.attn_in (see module doc)
+                return (x,)
             return (self._dropout(c, x, SITE_EMBED),)
 
         ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
-        compute("embed_out", -1, "embed", embed_out)
+        compute("embed_out", -1, "embed", embed_out, saves_nothing=True)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
             cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu"))
@@ -267,15 +268,17 @@ class OperatorModel(nn.Module):
         def add(name: str, block: str, fn, saves_nothing: bool = False) -> None:
             out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing))
 
-        # Post-LN: the previous layer's output norm runs here (see module doc).
-        entry_norm = None if pre_ln or i == 0 else self.layers[i - 1].mlp_norm
+        # Post-LN: the previous layer's output norm runs here (see module doc); before
+        # layer 0, the embedding's norm and dropout.
+        entry_norm = None if pre_ln else self.embed.norm if i == 0 else self.layers[i - 1].mlp_norm
 
         def attn_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
             if pre_ln:
                 return (x, layer.attn_norm(x))
-            if entry_norm is not None:
-                x = entry_norm(x)
+            x = entry_norm(x)
+            if i == 0:
+                x = self._dropout(c, x, SITE_EMBED, replica=attn_layout.replica)
             return (x, x)
 
         def qkv(c: OpContext, a: Acts) -> Acts:
