@@ -32,6 +32,10 @@ the end of ``*_out``: the math and the parameter names are unchanged, but the
 tensor crossing the block boundary is the pre-norm sum, and the norm is
 recomputed with the next segment.  Likewise ``embed_out`` (positions + dropout)
 saves nothing, and BERT's embedding norm and dropout run in layer 0's ``attn_in``.
+A norm is deferred only across a boundary between blocks of the same TMP degree
+(a heterogeneous plan's reshard boundary keeps it, and that block then
+checkpoints ``(x, y)`` as before): a parameter's replica gradients are summed
+by the layout of the block that owns it.
 
 A plan may give each attention and MLP block its own TMP degree ``t`` (paper
 Section V): the block then runs ``T/t`` replicas inside the TMP group of ``T``
@@ -195,16 +199,31 @@ class OperatorModel(nn.Module):
         # Embedding: vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT).
         compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
 
+        layouts, full = self.sharding.layouts, self.sharding.full_degree
+
+        def defers(src: int, dst: int) -> bool:
+            """Post-LN: whether a block's output norm runs in the next op (see module doc).  Only
+            between blocks of one degree: a parameter's replica gradients are summed by the
+            layout of the block that owns it, so it must run at that block's degree."""
+            return not pre_ln and src == dst
+
+        # degree of each block boundary's producer and consumer: embed -> L0.attn -> L0.mlp -> ... -> head
+        exits = [defers(layouts[i][1].degree, layouts[i + 1][0].degree if i + 1 < cfg.num_layers else full)
+                 for i in range(cfg.num_layers)]
+        embed_defers = defers(full, layouts[0][0].degree)
+
         def embed_out(c: OpContext, a: Acts) -> Acts:
             x = a[0]
             if cfg.family != "llama":
                 x = x + self.embed.pos[: x.shape[1]]
-            if cfg.family == "bert":  # post-LN: norm and dropout run in L0.attn_in (see module doc)
+            if embed_defers:  # post-LN: norm and dropout run in L0.attn_in (see module doc)
                 return (x,)
+            if cfg.family == "bert":
+                x = self.embed.norm(x)
             return (self._dropout(c, x, SITE_EMBED),)
 
         ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
-        compute("embed_out", -1, "embed", embed_out, saves_nothing=True)
+        compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
             cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, torch.device("cpu"))
@@ -216,14 +235,16 @@ class OperatorModel(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, mlp = self.sharding.layouts[i]
             ops.extend(self._reshard(f"L{i}.reshard_attn", i, "attn", degree, attn.degree))
-            ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin))
+            entry = embed_defers if i == 0 else exits[i - 1]
+            ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin, entry, exits[i], defers(attn.degree, mlp.degree)))
             degree = mlp.degree
         ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self.sharding.full_degree))
 
         def head_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            if cfg.family == "bert":  # post-LN: the last block's norm (see module doc)
-                x = self.layers[-1].mlp_norm(x)
+            if cfg.family == "bert":
+                if exits[-1]:  # post-LN: the last block's norm (see module doc)
+                    x = self.layers[-1].mlp_norm(x)
                 return (self.head.norm(F.gelu(self.head.dense(x))),)
             return (self.head.norm(x),)
 
@@ -258,7 +279,12 @@ class OperatorModel(nn.Module):
         return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
 
     def _layer_ops(self, i: int, layer: TransformerLayer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
-                   cos_sin: bool | None) -> list[Op]:
+                   cos_sin: bool | None, entry_norm_here: bool, mlp_norm_deferred: bool,
+                   attn_norm_deferred: bool) -> list[Op]:
+        """One layer's ops.  Post-LN: ``entry_norm_here`` -- the previous block (or the
+        embedding: norm and dropout) deferred its output norm to this ``attn_in``;
+        ``attn_norm_deferred`` / ``mlp_norm_deferred`` -- this layer's block output norms
+        run in the next op rather than at the end of ``attn_out`` / ``mlp_out``."""
         cfg = self.cfg
         out: list[Op] = []
         attn_group = attn_layout.group
@@ -276,9 +302,10 @@ class OperatorModel(nn.Module):
             x = a[0]
             if pre_ln:
                 return (x, layer.attn_norm(x))
-            x = entry_norm(x)
-            if i == 0:
-                x = self._dropout(c, x, SITE_EMBED, replica=attn_layout.replica)
+            if entry_norm_here:
+                x = entry_norm(x)
+                if i == 0:
+                    x = self._dropout(c, x, SITE_EMBED, replica=attn_layout.replica)
             return (x, x)
 
         def qkv(c: OpContext, a: Acts) -> Acts:
@@ -309,13 +336,15 @@ class OperatorModel(nn.Module):
 
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
-            return (x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica),)
+            x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica)
+            return (x,) if pre_ln or attn_norm_deferred else (layer.attn_norm(x),)
 
         def mlp_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
             if pre_ln:
                 return (x, layer.mlp_norm(x))
-            x = layer.attn_norm(x)  # post-LN: the attention block's output norm
+            if attn_norm_deferred:  # post-LN: the attention block's output norm
+                x = layer.attn_norm(x)
             return (x, x)
 
         def mlp(c: OpContext, a: Acts) -> Acts:
@@ -328,7 +357,8 @@ class OperatorModel(nn.Module):
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
             row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
-            return (x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica),)
+            x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica)
+            return (x,) if pre_ln or mlp_norm_deferred else (layer.mlp_norm(x),)
 
         add("attn_in", "attn", attn_in)
         out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
@@ -336,12 +366,12 @@ class OperatorModel(nn.Module):
         add("core", "attn", core)
         add("proj", "attn", proj)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
-        add("attn_out", "attn", attn_out, saves_nothing=True)
+        add("attn_out", "attn", attn_out, saves_nothing=pre_ln or attn_norm_deferred)
         out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
         add("mlp", "mlp", mlp)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
-        add("mlp_out", "mlp", mlp_out, saves_nothing=True)
+        add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out
