@@ -9,18 +9,33 @@ serves all of them.
 Per transformer layer the sequence is (paper Section IV, the ``(F_i, C_i, F_j)``
 pattern once for attention and once for the MLP)::
 
-    attn_in   (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
+    attn_in   (x)        -> (x, h)         norm (pre-LN) or previous norm, duplicate (post-LN)
     attn_copy            fwd id / bwd AllReduce of dh
     qkv       (x, h)     -> (x, q, k, v)   column-parallel, heads local, RoPE
     core      (x, q,k,v) -> (x, ctx)       softmax(qk^T)v, attention dropout
     proj      (x, ctx)   -> (x, y_part)    row-parallel summand
     attn_reduce          fwd AllReduce / bwd id
-    attn_out  (x, y)     -> (x',)          bias, dropout, residual (+ norm post-LN)
-    mlp_in    (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
+    attn_out  (x, y)     -> (x',)          bias, dropout, residual
+    mlp_in    (x)        -> (x, h)         norm (pre-LN) or attention norm, duplicate (post-LN)
     mlp_copy             fwd id / bwd AllReduce
     mlp       (x, h)     -> (x, y_part)    column- then row-parallel
     mlp_reduce           fwd AllReduce / bwd id
-    mlp_out   (x, y)     -> (x'',)         bias, dropout, residual (+ norm post-LN)
+    mlp_out   (x, y)     -> (x'',)         bias, dropout, residual
+
+``attn_out`` and ``mlp_out`` save no activation for backward (``saves_nothing``):
+the keyed dropout regenerates its mask, the adds need no values.  So the Oases
+schedule keeps their graphs from forward and checkpoints only their output, one
+``[b, s, h]`` tensor per block.  That is why post-LN (BERT) applies a block's
+LayerNorm -- which saves its input -- at the start of the *next* operator that
+reads it (``mlp_in``, the next layer's ``attn_in``, ``head_in``) instead of at
+the end of ``*_out``: the math and the parameter names are unchanged, but the
+tensor crossing the block boundary is the pre-norm sum, and the norm is
+recomputed with the next segment.  Likewise ``embed_out`` (positions + dropout)
+saves nothing, and BERT's embedding norm and dropout run in layer 0's ``attn_in``.
+A norm is deferred only across a boundary between blocks of the same TMP degree
+(a heterogeneous plan's reshard boundary keeps it, and that block then
+checkpoints ``(x, y)`` as before): a parameter's replica gradients are summed
+by the layout of the block that owns it.
 
 A plan may give each attention and MLP block its own TMP degree ``t`` (paper
 Section V): the block then runs ``T/t`` replicas inside the TMP group of ``T``
@@ -211,6 +226,19 @@ class OperatorModel(nn.Module):
         # Embedding: vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT).
         compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
 
+        layouts, full = self.sharding.layouts, self.sharding.full_degree
+
+        def defers(src: int, dst: int) -> bool:
+            """Post-LN: whether a block's output norm runs in the next op (see module doc).  Only
+            between blocks of one degree: a parameter's replica gradients are summed by the
+            layout of the block that owns it, so it must run at that block's degree."""
+            return not pre_ln and src == dst
+
+        # degree of each block boundary's producer and consumer: embed -> L0.attn -> L0.mlp -> ... -> head
+        exits = [defers(layouts[i][1].degree, layouts[i + 1][0].degree if i + 1 < cfg.num_layers else full)
+                 for i in range(cfg.num_layers)]
+        embed_defers = defers(full, layouts[0][0].degree)
+
         def embed_out(c: OpContext, a: Acts) -> Acts:
             x = a[0]
             if cfg.family != "llama":
@@ -218,12 +246,14 @@ class OperatorModel(nn.Module):
             if cfg.type_vocab_size:  # segment ids; a batch without them is all segment 0
                 types = c.batch.get("token_types")
                 x = x + (self.embed.types[0] if types is None else F.embedding(types, self.embed.types))
+            if embed_defers:  # post-LN: norm and dropout run in L0.attn_in (see module doc)
+                return (x,)
             if cfg.family == "bert":
                 x = self.embed.norm(x)
             return (self._dropout(c, x, SITE_EMBED),)
 
         ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
-        compute("embed_out", -1, "embed", embed_out)
+        compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
             inv_freq = rotary_inverse_frequencies(
@@ -239,13 +269,16 @@ class OperatorModel(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, mlp = self.sharding.layouts[i]
             ops.extend(self._reshard(f"L{i}.reshard_attn", i, "attn", degree, attn.degree))
-            ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin))
+            entry = embed_defers if i == 0 else exits[i - 1]
+            ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin, entry, exits[i], defers(attn.degree, mlp.degree)))
             degree = mlp.degree
         ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self.sharding.full_degree))
 
         def head_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
             if cfg.family == "bert":
+                if exits[-1]:  # post-LN: the last block's norm (see module doc)
+                    x = self.layers[-1].mlp_norm(x)
                 return (self.head.norm(F.gelu(self.head.dense(x))),)
             return (self.head.norm(x),)
 
@@ -282,7 +315,12 @@ class OperatorModel(nn.Module):
         return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
 
     def _layer_ops(self, i: int, layer: TransformerLayer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
-                   cos_sin: bool | None) -> list[Op]:
+                   cos_sin: bool | None, entry_norm_here: bool, mlp_norm_deferred: bool,
+                   attn_norm_deferred: bool) -> list[Op]:
+        """One layer's ops.  Post-LN: ``entry_norm_here`` -- the previous block (or the
+        embedding: norm and dropout) deferred its output norm to this ``attn_in``;
+        ``attn_norm_deferred`` / ``mlp_norm_deferred`` -- this layer's block output norms
+        run in the next op rather than at the end of ``attn_out`` / ``mlp_out``."""
         cfg = self.cfg
         out: list[Op] = []
         attn_group = attn_layout.group
@@ -290,12 +328,22 @@ class OperatorModel(nn.Module):
         kv_local = layer.attn.k.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
-        def add(name: str, block: str, fn) -> None:
-            out.append(ComputeOp(f"L{i}.{name}", i, block, fn))
+        def add(name: str, block: str, fn, saves_nothing: bool = False) -> None:
+            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing))
+
+        # Post-LN: the previous layer's output norm runs here (see module doc); before
+        # layer 0, the embedding's norm and dropout.
+        entry_norm = None if pre_ln else self.embed.norm if i == 0 else self.layers[i - 1].mlp_norm
 
         def attn_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            return (x, layer.attn_norm(x)) if pre_ln else (x, x)
+            if pre_ln:
+                return (x, layer.attn_norm(x))
+            if entry_norm_here:
+                x = entry_norm(x)
+                if i == 0:
+                    x = self._dropout(c, x, SITE_EMBED, replica=attn_layout.replica)
+            return (x, x)
 
         def qkv(c: OpContext, a: Acts) -> Acts:
             x, h = a
@@ -331,11 +379,15 @@ class OperatorModel(nn.Module):
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
             x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica)
-            return (x,) if pre_ln else (layer.attn_norm(x),)
+            return (x,) if pre_ln or attn_norm_deferred else (layer.attn_norm(x),)
 
         def mlp_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            return (x, layer.mlp_norm(x)) if pre_ln else (x, x)
+            if pre_ln:
+                return (x, layer.mlp_norm(x))
+            if attn_norm_deferred:  # post-LN: the attention block's output norm
+                x = layer.attn_norm(x)
+            return (x, x)
 
         def mlp(c: OpContext, a: Acts) -> Acts:
             x, h = a
@@ -349,7 +401,7 @@ class OperatorModel(nn.Module):
             x, y = a
             row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
             x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica)
-            return (x,) if pre_ln else (layer.mlp_norm(x),)
+            return (x,) if pre_ln or mlp_norm_deferred else (layer.mlp_norm(x),)
 
         add("attn_in", "attn", attn_in)
         out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
@@ -357,12 +409,12 @@ class OperatorModel(nn.Module):
         add("core", "attn", core)
         add("proj", "attn", proj)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
-        add("attn_out", "attn", attn_out)
+        add("attn_out", "attn", attn_out, saves_nothing=pre_ln or attn_norm_deferred)
         out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
         add("mlp", "mlp", mlp)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
-        add("mlp_out", "mlp", mlp_out)
+        add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out
