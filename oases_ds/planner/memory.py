@@ -1,0 +1,271 @@
+"""Per-rank peak memory in bytes: what the planner bounds and what a step really holds.
+
+Why a replay and not ``params x 16 + held inputs``: the old estimate counted each
+held operator's input tuple and nothing else, so it missed what autograd saves
+*inside* a kept operator (attention probabilities ``b heads s s``, the MLP's
+``F``-wide intermediates, dropout masks), the working set of the block being
+recomputed and backpropagated, the head's vocab-parallel softmax and the
+collectives in flight.  Here the schedule's own instruction list
+(:func:`~oases_ds.schedule.generators.build_schedule`, cut by
+:func:`~oases_ds.schedule.generators.schedule_segments`) is replayed over the
+operator sequence with sizes instead of tensors: buffers appear when an
+instruction writes them and die where :func:`~oases_ds.schedule.dataflow.last_reads`
+says -- the rule the executor frees by -- so the model follows any change to the
+segment structure (what is checkpointed, which op keeps its graph) without
+being edited.  What an operator adds is one table, :func:`op_memory`.
+
+The peak is the largest sum over the replay of:
+
+* **model states**: parameters this rank holds x
+  :data:`~oases_ds.planner.costs.STATE_BYTES_PER_PARAM` (weight, gradient, Adam
+  moments; constant over the step);
+* **checkpoints**: the input tuple of each recomputed segment, held from its
+  forward until its Recompute (for a kept op, its inputs are part of its graph);
+* **kept graphs**: every operator run with ``keep_graph`` holds its outputs and
+  what autograd saved (:func:`op_memory`), embedding and head included;
+* **transient**: the graph of the segment being recomputed, the gradients in
+  flight between backward instructions, activations between two operators;
+* **logits**: the head's vocab-parallel softmax (``V/t`` per token, fp32: the
+  cross-entropy Function computes in fp32 whatever the activation dtype);
+* **comm in flight**: each started, not yet synced collective's out-of-place
+  payload (a clone for AllReduce, ``k`` parts for AllGather) -- the executor's
+  buffers do not show it (it lives in the handle), so it is reported apart from
+  :attr:`MemoryEstimate.activation_bytes`.
+
+Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
+op saves is read off its code, checked against
+:class:`~oases_ds.bench.measure.ActivationProbe` in tests); activations in one
+dtype of ``dtype_bytes``; norm statistics (mean, rstd) in fp32; the causal mask
+one ``s x s`` bool per attention call; the rotary tables (model buffers, shared)
+not counted; the autograd engine's scratch inside one backward instruction not
+counted (it is freed before the next instruction, where the probe samples).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.ops import CommOp, Op
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
+from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
+from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
+
+NORM_STAT_BYTES = 4
+"""Mean / inverse-RMS of a norm are kept in fp32 per token, whatever the activation dtype."""
+
+LOSS_BYTES = 4
+"""The vocab-parallel cross-entropy computes its softmax in fp32 (``logits.float()``)."""
+
+TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
+"""Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    """What one compute operator adds, per token of its sub-batch share.
+
+    Attributes:
+        outputs: one entry per output tuple element: an ``int`` is the index of the
+            input element handed on unchanged (same storage), a ``float`` a new
+            tensor of that many bytes per token.
+        saved: bytes per token of tensors autograd saves that are neither an
+            input nor an output (intermediates such as softmax probabilities).
+        fixed: bytes per call independent of the token count (the causal mask).
+    """
+
+    outputs: tuple[int | float, ...]
+    saved: float = 0.0
+    fixed: float = 0.0
+
+
+def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int) -> OpMemory:
+    """The per-op table: outputs and autograd-saved bytes of each compute operator of
+    :mod:`oases_ds.models.operator_model` at TMP ``degree`` (``short``: its name
+    without the ``L3.`` prefix).
+
+    Why each entry is what it is (``e`` = ``dtype_bytes``, ``a`` heads, ``t`` degree):
+    LayerNorm saves its fp32 mean and rstd, RMSNorm its normalised ``x`` and the
+    inverse RMS; keyed dropout saves its mask (a tensor the size of its input),
+    nothing when ``dropout == 0``; the attention core saves the softmax output,
+    the dropout mask and the dropped probabilities (``a s / t`` each per token),
+    ``v`` as a contiguous copy and, when ``q``/``k`` arrive transposed (no RoPE),
+    their copies too; the GeLU MLP saves fc1's output and the GeLU output, the
+    SwiGLU MLP gate, SiLU, up and their product (``F/t`` each).
+    """
+    H, F, a, s, t, e = cfg.hidden_size, cfg.ffn, cfg.num_heads, cfg.seq_len, degree, dtype_bytes
+    drop = cfg.dropout > 0
+    fam = cfg.family
+    mask = H * e if drop else 0.0
+
+    # a norm saves, besides its input: LayerNorm its fp32 mean and rstd; RMSNorm x/rms and 1/rms
+    norm = H * e + e if fam == "llama" else 2 * NORM_STAT_BYTES
+    tail = mask + (H * e + norm if fam == "bert" else 0.0)  # post-LN BERT normalises the residual sum
+    if short == "embed":
+        return OpMemory((float(H * e),), saved=8 + 1)  # int64 local token ids + bool out-of-range mask
+    if short == "embed_out":
+        passthrough = fam == "llama" and not drop  # no positions, no dropout: x itself
+        bert = H * e + 2 * NORM_STAT_BYTES if fam == "bert" else 0.0
+        return OpMemory((0,) if passthrough else (float(H * e),), saved=mask + bert)
+    if short in ("attn_in", "mlp_in"):
+        return OpMemory((0, 0)) if fam == "bert" else OpMemory((0, float(H * e)), saved=norm)
+    if short == "qkv":
+        return OpMemory((0, H / t * e, H / t * e, H / t * e))
+    if short == "core":
+        probs = a / t * s * e
+        qk_copies = 0.0 if fam == "llama" else 2 * H / t * e  # RoPE hands q, k on contiguous
+        saved = probs * (3 if drop else 1) + H / t * e + qk_copies
+        return OpMemory((0, H / t * e), saved=saved, fixed=0.0 if fam == "bert" else float(s * s))
+    if short == "proj":
+        return OpMemory((0, float(H * e)))
+    if short in ("attn_out", "mlp_out"):
+        return OpMemory((float(H * e),), saved=tail)
+    if short == "mlp":
+        return OpMemory((0, float(H * e)), saved=(4 if fam == "llama" else 2) * F / t * e)
+    if short == "head_in":
+        if fam == "bert":  # dense -> GeLU -> LayerNorm: dense and GeLU outputs saved
+            return OpMemory((float(H * e),), saved=2 * H * e + 2 * NORM_STAT_BYTES)
+        return OpMemory((float(H * e),), saved=norm)
+    if short == "loss":
+        # fp32 softmax over this rank's V/t, int64 local label, bool outside mask, fp32 per-token loss
+        return OpMemory((0.0,), saved=cfg.vocab_size / t * LOSS_BYTES + 8 + 1 + 4)
+    raise ValueError(f"the memory model has no entry for operator {short!r} ({fam}); "
+                     f"add it to oases_ds.planner.memory.op_memory")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank peak memory of one training step of one micro-batch, in bytes.
+
+    Attributes:
+        state_bytes: model states (parameters x STATE_BYTES_PER_PARAM).
+        activation_bytes: peak of what the executor's buffers and autograd hold
+            (checkpoints, kept graphs, transient, logits): what
+            :class:`~oases_ds.bench.measure.ActivationProbe` measures.
+        peak_bytes: largest ``state + activations + comm in flight`` over the step.
+        terms: the activation terms (:data:`TERMS`) at the instruction where
+            ``peak_bytes`` is reached; they sum to ``peak_bytes - state_bytes``.
+        peak_at: that instruction, in the schedule's text form.
+    """
+
+    state_bytes: float
+    activation_bytes: float
+    peak_bytes: float
+    terms: dict[str, float]
+    peak_at: str
+
+    def to_dict(self) -> dict:
+        return {"state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
+                "peak_bytes": self.peak_bytes, "terms": dict(self.terms), "peak_at": self.peak_at}
+
+
+def _short(op: Op) -> str:
+    return op.name.split(".", 1)[-1]
+
+
+def activation_replay(
+    cfg: ModelConfig,
+    ops: Sequence[Op],
+    op_degrees: Sequence[int],
+    devices: int,
+    micro_batch: int,
+    spec: ScheduleSpec,
+    dtype_bytes: int,
+) -> list[tuple[str, dict[str, float]]]:
+    """Live activation bytes by term after every instruction of ``spec``'s schedule.
+
+    ``op_degrees[i]``: TMP degree of op ``i``'s block (for a reshard, the degree it
+    reshards *to*); a degree-t op runs ``micro_batch * t / devices`` samples of each
+    sub-batch, as a replica of a reduced-degree block does.  ``micro_batch``: samples
+    of one micro-batch at the full degree ``devices``.
+    """
+    if len(op_degrees) != len(ops):
+        raise ValueError(f"op_degrees has {len(op_degrees)} entries for {len(ops)} operators")
+    subs = spec.effective_sub_batches
+    if micro_batch < 1 or micro_batch % subs:
+        raise ValueError(f"micro_batch={micro_batch} must be a positive multiple of the schedule's {subs} sub-batches")
+    schedule = build_schedule(spec, ops)
+    frees = last_reads(schedule.instructions, ops)
+    tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
+    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes)
+             for i, op in enumerate(ops) if not isinstance(op, CommOp)}
+    checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
+
+    ids = itertools.count()
+    size: dict[int, float] = {}
+    tag: dict[int, str] = {}  # tensors whose term is theirs whoever holds them (logits, comm)
+    buffers: dict[tuple, tuple[int, ...]] = {buf: () for buf in initial_buffers(subs)}
+    kind: dict[tuple, str] = {}
+    graph_inputs: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def new(nbytes: float, term: str | None = None) -> int:
+        tid = next(ids)
+        size[tid] = nbytes
+        if term:
+            tag[tid] = term
+        return tid
+
+    out: list[tuple[str, dict[str, float]]] = []
+    for idx, ins in enumerate(schedule.instructions):
+        i, sub = ins.op, ins.sub
+        op = ops[i]
+        if isinstance(ins, (Forward, Recompute)):
+            inputs = buffers[("act", i, sub)]
+            if isinstance(op, CommOp):
+                buffers[("act", i + 1, sub)] = inputs
+            else:
+                mem = table[i]
+                outputs = tuple(inputs[o] if isinstance(o, int) else new(o * tokens[i]) for o in mem.outputs)
+                buffers[("act", i + 1, sub)] = outputs
+                if isinstance(ins, Recompute) or ins.keep_graph:
+                    saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
+                    buffers[("graph", i, sub)] = (*inputs, *outputs, saved)
+                    graph_inputs[(i, sub)] = inputs
+                    kind[("graph", i, sub)] = "kept" if isinstance(ins, Forward) else "transient"
+            if isinstance(ins, Forward) and i in checkpoint_ops:
+                kind[("act", i, sub)] = "checkpoint"
+        elif isinstance(ins, Backward):
+            if isinstance(op, CommOp):
+                buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
+            else:
+                buffers[("grad", i, sub)] = tuple(new(size[t]) for t in graph_inputs[(i, sub)])
+        elif isinstance(ins, StartAsync):
+            src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
+            held = buffers[src]
+            payload = size[held[op.index]]
+            collective = op.backward if ins.phase == "backward" else op.forward
+            ratio = max(op_degrees[i], op_degrees[i - 1]) // min(op_degrees[i], op_degrees[i - 1])
+            flight = payload * (ratio if collective == "all_gather" else 1)
+            buffers[("comm", i, sub, ins.phase)] = (*held, new(flight if collective != "split" else 0.0, "comm"))
+        elif isinstance(ins, Sync):
+            *held, flight = buffers[("comm", i, sub, ins.phase)]
+            collective = op.backward if ins.phase == "backward" else op.forward
+            result = held[op.index] if collective == "split" else new(size[flight])  # split: a view
+            dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
+            buffers[dst] = tuple(held[: op.index]) + (result,) + tuple(held[op.index + 1:])
+        out.append((str(ins), _terms(buffers, kind, size, tag)))
+        for buf in frees[idx]:
+            buffers.pop(buf, None)
+            kind.pop(buf, None)
+    return out
+
+
+_PRIORITY = ("checkpoint", "kept", "transient")
+
+
+def _terms(buffers: dict, kind: dict, size: dict, tag: dict) -> dict[str, float]:
+    """Bytes of every live tensor, each once, by term: a tagged tensor (logits, comm)
+    by its tag, else by the most lasting buffer that holds it."""
+    term_of: dict[int, str] = {}
+    for buf, held in buffers.items():
+        term = kind.get(buf, "transient")
+        for tid in held:
+            old = term_of.get(tid)
+            if old is None or _PRIORITY.index(term) < _PRIORITY.index(old):
+                term_of[tid] = term
+    totals = dict.fromkeys(TERMS, 0.0)
+    for tid, term in term_of.items():
+        totals[tag.get(tid, term)] += size[tid]
+    return totals
