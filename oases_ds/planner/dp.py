@@ -28,6 +28,7 @@ from typing import Sequence
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.objective import (
     MEMORY_REL_EPS,
+    block_memory_limit,
     check_memory_feasible,
     fits_memory,
     sequence_memory_bytes,
@@ -96,7 +97,8 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None) ->
     edge = [{(a, t): edge_ms(table, block, a, t) for a in degrees for t in degrees} for block in range(len(kinds) - 1)]
     lean_rest = _suffix_minima([min(m.values()) for m in mem])
     cheap_rest = _suffix_minima([min(c.values()) for c in node])
-    limit = float("inf") if memory_limit_bytes is None else memory_limit_bytes * (1 + MEMORY_REL_EPS)
+    limit = (float("inf") if memory_limit_bytes is None
+             else block_memory_limit(table, memory_limit_bytes * (1 + MEMORY_REL_EPS)))
     # Slack so that float re-association in the sums never prunes the optimum itself.
     incumbent = _greedy_incumbent(table, memory_limit_bytes) * (1 + 1e-9) + 1e-9
 

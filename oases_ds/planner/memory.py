@@ -42,12 +42,16 @@ counted (it is freed before the next instruction, where the probe samples).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
+from oases_ds.models.blocks import embed_head_parameter_count, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.ops import CommOp, Op
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.ops import CommOp, ComputeOp, Op
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
 from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
@@ -245,7 +249,7 @@ def activation_replay(
             result = held[op.index] if collective == "split" else new(size[flight])  # split: a view
             dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
             buffers[dst] = tuple(held[: op.index]) + (result,) + tuple(held[op.index + 1:])
-        out.append((str(ins), _terms(buffers, kind, size, tag)))
+        out.append((str(ins), _terms(buffers, kind, size, tag, ops)))
         for buf in frees[idx]:
             buffers.pop(buf, None)
             kind.pop(buf, None)
@@ -255,17 +259,178 @@ def activation_replay(
 _PRIORITY = ("checkpoint", "kept", "transient")
 
 
-def _terms(buffers: dict, kind: dict, size: dict, tag: dict) -> dict[str, float]:
+def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) -> dict[str, float]:
     """Bytes of every live tensor, each once, by term: a tagged tensor (logits, comm)
-    by its tag, else by the most lasting buffer that holds it."""
-    term_of: dict[int, str] = {}
+    by its tag, else by the most lasting buffer that holds it.  Besides the terms,
+    ``"held:<layer>.<block>"`` sums the checkpoint and kept bytes held by a block's
+    buffers (its checkpoints, its kept graphs), which :func:`memory_rows` reads."""
+    term_of: dict[int, tuple[str, int]] = {}  # tensor -> (term, op of the buffer that holds it)
     for buf, held in buffers.items():
         term = kind.get(buf, "transient")
         for tid in held:
             old = term_of.get(tid)
-            if old is None or _PRIORITY.index(term) < _PRIORITY.index(old):
-                term_of[tid] = term
+            if old is None or _PRIORITY.index(term) < _PRIORITY.index(old[0]):
+                term_of[tid] = (term, buf[1])
     totals = dict.fromkeys(TERMS, 0.0)
-    for tid, term in term_of.items():
-        totals[tag.get(tid, term)] += size[tid]
+    for tid, (term, holder) in term_of.items():
+        term = tag.get(tid, term)
+        totals[term] += size[tid]
+        op = ops[holder]
+        if term in ("checkpoint", "kept") and op.block in ("attn", "mlp"):
+            key = f"held:{op.layer}.{op.block}"
+            totals[key] = totals.get(key, 0.0) + size[tid]
     return totals
+
+
+# -- the operator sequence of a plan, without building the model -------------------------------
+@functools.lru_cache(maxsize=None)
+def one_layer_ops(family: str) -> tuple[Op, ...]:
+    """The operator sequence of a one-layer model of ``family``.
+
+    The sequence (names, blocks, collectives) depends on the family only, not on
+    the sizes, so it is read off a tiny stand-in: the cost and memory models follow
+    the real operator list and fail loudly if an operator they cannot price appears.
+    """
+    stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
+    return tuple(OperatorModel(stand_in).ops)
+
+
+def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int],
+             devices: int) -> tuple[list[Op], list[int]]:
+    """The operator sequence a plan builds, and each op's TMP degree (a reshard's: the
+    degree it reshards to), with no process group: the one-layer sequence repeated,
+    and a reshard -- ``split`` towards a lower degree, ``all_gather`` towards a higher
+    one -- wherever the degree changes, where :class:`OperatorModel` puts its own.
+    A paper-size plan is modelled without building the paper-size model."""
+    if len(attn_degrees) != len(mlp_degrees):
+        raise ValueError(f"plan has {len(attn_degrees)} attention and {len(mlp_degrees)} MLP degrees")
+    base = one_layer_ops(family)
+    embed = [op for op in base if op.block == "embed"]
+    layer = [op for op in base if op.block in ("attn", "mlp")]
+    head = [op for op in base if op.block == "head"]
+    ops: list[Op] = list(embed)
+    degrees = [devices] * len(embed)
+    current = devices
+
+    def reshard(name: str, index: int, block: str, target: int) -> None:
+        nonlocal current
+        if target != current:
+            collective = "split" if target < current else "all_gather"
+            partner = "all_gather" if collective == "split" else "split"
+            ops.append(CommOp(name, index, block, 0, collective, partner, None))
+            degrees.append(target)
+            current = target
+
+    for index, (attn, mlp) in enumerate(zip(attn_degrees, mlp_degrees)):
+        for kind, degree in (("attn", attn), ("mlp", mlp)):
+            reshard(f"L{index}.reshard_{kind}", index, kind, degree)
+            for op in layer:
+                if op.block == kind:
+                    ops.append(dataclasses.replace(op, name=f"L{index}.{_short(op)}", layer=index))
+                    degrees.append(degree)
+    reshard("head_reshard", len(attn_degrees), "head", devices)
+    ops.extend(dataclasses.replace(op, layer=len(attn_degrees)) for op in head)
+    degrees.extend([devices] * len(head))
+    return ops, degrees
+
+
+def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int) -> float:
+    """Model states one rank holds: embedding, head and every block's shard, x STATE_BYTES_PER_PARAM."""
+    params = embed_head_parameter_count(cfg, devices)
+    params += sum(layer_parameter_counts(cfg, a)["attn"] + layer_parameter_counts(cfg, m)["mlp"]
+                  for a, m in zip(attn_degrees, mlp_degrees))
+    return float(params * STATE_BYTES_PER_PARAM)
+
+
+def estimate_memory(
+    cfg: ModelConfig,
+    attn_degrees: Sequence[int],
+    mlp_degrees: Sequence[int],
+    devices: int,
+    micro_batch: int,
+    spec: ScheduleSpec,
+    dtype_bytes: int,
+) -> MemoryEstimate:
+    """Per-rank peak of one step of ``micro_batch`` samples (the whole TMP group's, as
+    the planner counts them) under ``spec``, for a plan's per-block degrees; see the
+    module doc for the terms and their assumptions."""
+    if len(attn_degrees) != cfg.num_layers:
+        raise ValueError(f"plan has {len(attn_degrees)} layers but model.num_layers={cfg.num_layers}")
+    ops, degrees = plan_ops(cfg.family, attn_degrees, mlp_degrees, devices)
+    states = state_bytes(cfg, attn_degrees, mlp_degrees, devices)
+    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes)
+    at, terms = max(replay, key=lambda step: _total(step[1]))
+    activations = max(_total(t) - t["comm"] for _, t in replay)
+    return MemoryEstimate(states, activations, states + _total(terms), {k: terms[k] for k in TERMS}, at)
+
+
+def _total(terms: dict[str, float]) -> float:
+    return sum(terms[k] for k in TERMS)
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """The planner's memory rows: a sum over blocks plus one constant.
+
+    Attributes:
+        act_bytes: block kind -> degree -> activation bytes one block holds across
+            the step (its checkpoints and kept graphs, every sub-batch): what a
+            block's degree adds to the peak.
+        fixed_bytes: what no block choice changes, or changes only through a
+            maximum: embedding and head states at the full degree, and at the peak
+            the embedding's and head's activations, the logits, the working set of
+            the block being recomputed and backpropagated and the collectives in
+            flight -- the largest over the degrees, so a mixed plan is not under-counted.
+        evidence: per degree, the replayed peak and its terms (for the table's measurements).
+    """
+
+    act_bytes: dict[str, dict[int, float]]
+    fixed_bytes: float
+    evidence: dict[str, dict]
+
+
+PROBE_LAYERS = 3
+"""Layers of the uniform model replayed per degree: the middle one holds what any inner
+layer holds at the peak; the first and last differ, and that difference goes to the constant."""
+
+
+def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch: int,
+                degrees: Sequence[int], dtype_bytes: int) -> MemoryRows:
+    """Per-block activation bytes and the constant, from replays of uniform plans.
+
+    For each degree ``t``, a :data:`PROBE_LAYERS`-layer model at ``t`` is replayed.
+    A block's row is the most its middle-layer instance holds at once (checkpoints
+    and kept graphs, at the end of the forward pass); the constant is the most the
+    replay holds *besides* every block's held bytes at once (embedding, head,
+    logits, the block in recompute + backward, collectives in flight), the largest
+    over the degrees, plus the embedding's and head's states.  Since at every
+    instruction the live bytes are the blocks' held bytes plus the rest, ``states +
+    sum of rows + constant`` bounds the replayed peak of any plan of these
+    degrees; it is tight when the peak falls where every block holds its all,
+    as it does once blocks outweigh embedding and head (tests measure the gap).
+    """
+    probe = dataclasses.replace(cfg, num_layers=PROBE_LAYERS)
+    rows: dict[str, dict[int, float]] = {"attn": {}, "mlp": {}}
+    fixed = 0.0
+    evidence: dict[str, dict] = {}
+    middle = PROBE_LAYERS // 2
+    for t in degrees:
+        ops, op_degrees = plan_ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices)
+        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes)
+        for kind in rows:
+            rows[kind][t] = max(terms.get(f"held:{middle}.{kind}", 0.0) for _, terms in replay)
+        other = max(_total(terms) - sum(v for k, v in terms.items() if k.startswith("held:")) for _, terms in replay)
+        fixed = max(fixed, other)
+        at, terms = max(replay, key=lambda step: _total(step[1]))
+        evidence[str(t)] = {"peak_at": at, "activation_peak_bytes": _total(terms), "non_block_bytes": other,
+                            **{f"{k}_bytes": terms[k] for k in TERMS}}
+    states = embed_head_parameter_count(cfg, devices) * STATE_BYTES_PER_PARAM
+    return MemoryRows(rows, fixed + states, evidence)
+
+
+def memory_lines(estimate: MemoryEstimate) -> list[str]:
+    """The per-rank peak as ``oases-plan`` prints it: total, then each term."""
+    mib = 2**20
+    terms = " + ".join(f"{name} {estimate.terms[name] / mib:.1f}" for name in TERMS)
+    return [f"per-rank peak {estimate.peak_bytes / mib:.1f} MiB = states {estimate.state_bytes / mib:.1f} + {terms} "
+            f"(MiB, at {estimate.peak_at})"]
