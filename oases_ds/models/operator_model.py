@@ -15,12 +15,22 @@ pattern once for attention and once for the MLP)::
     core      (x, q,k,v) -> (x, ctx)       softmax(qk^T)v, attention dropout
     proj      (x, ctx)   -> (x, y_part)    row-parallel summand
     attn_reduce          fwd AllReduce / bwd id
-    attn_out  (x, y)     -> (x',)          bias, dropout, residual (+ norm post-LN)
+    attn_out  (x, y)     -> (x',)          bias, dropout, residual
     mlp_in    (x)        -> (x, h)         norm (pre-LN) or duplicate (post-LN)
     mlp_copy             fwd id / bwd AllReduce
     mlp       (x, h)     -> (x, y_part)    column- then row-parallel
     mlp_reduce           fwd AllReduce / bwd id
-    mlp_out   (x, y)     -> (x'',)         bias, dropout, residual (+ norm post-LN)
+    mlp_out   (x, y)     -> (x'',)         bias, dropout, residual
+
+``attn_out`` and ``mlp_out`` save no activation for backward (``saves_nothing``):
+the keyed dropout regenerates its mask, the adds need no values.  So the Oases
+schedule keeps their graphs from forward and checkpoints only their output, one
+``[b, s, h]`` tensor per block.  That is why post-LN (BERT) applies a block's
+LayerNorm -- which saves its input -- at the start of the *next* operator that
+reads it (``mlp_in``, the next layer's ``attn_in``, ``head_in``) instead of at
+the end of ``*_out``: the math and the parameter names are unchanged, but the
+tensor crossing the block boundary is the pre-norm sum, and the norm is
+recomputed with the next segment.
 
 A plan may give each attention and MLP block its own TMP degree ``t`` (paper
 Section V): the block then runs ``T/t`` replicas inside the TMP group of ``T``
@@ -211,7 +221,8 @@ class OperatorModel(nn.Module):
 
         def head_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            if cfg.family == "bert":
+            if cfg.family == "bert":  # post-LN: the last block's norm (see module doc)
+                x = self.layers[-1].mlp_norm(x)
                 return (self.head.norm(F.gelu(self.head.dense(x))),)
             return (self.head.norm(x),)
 
@@ -253,12 +264,19 @@ class OperatorModel(nn.Module):
         nh_local = layer.attn.q.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
-        def add(name: str, block: str, fn) -> None:
-            out.append(ComputeOp(f"L{i}.{name}", i, block, fn))
+        def add(name: str, block: str, fn, saves_nothing: bool = False) -> None:
+            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing))
+
+        # Post-LN: the previous layer's output norm runs here (see module doc).
+        entry_norm = None if pre_ln or i == 0 else self.layers[i - 1].mlp_norm
 
         def attn_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            return (x, layer.attn_norm(x)) if pre_ln else (x, x)
+            if pre_ln:
+                return (x, layer.attn_norm(x))
+            if entry_norm is not None:
+                x = entry_norm(x)
+            return (x, x)
 
         def qkv(c: OpContext, a: Acts) -> Acts:
             x, h = a
@@ -288,12 +306,14 @@ class OperatorModel(nn.Module):
 
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
-            x = x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica)
-            return (x,) if pre_ln else (layer.attn_norm(x),)
+            return (x + self._dropout(c, layer.attn.o.add_bias(y), dropout_site(i, "attn_out"), replica=attn_layout.replica),)
 
         def mlp_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]
-            return (x, layer.mlp_norm(x)) if pre_ln else (x, x)
+            if pre_ln:
+                return (x, layer.mlp_norm(x))
+            x = layer.attn_norm(x)  # post-LN: the attention block's output norm
+            return (x, x)
 
         def mlp(c: OpContext, a: Acts) -> Acts:
             x, h = a
@@ -305,8 +325,7 @@ class OperatorModel(nn.Module):
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
             row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
-            x = x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica)
-            return (x,) if pre_ln else (layer.mlp_norm(x),)
+            return (x + self._dropout(c, row.add_bias(y), dropout_site(i, "mlp_out"), replica=mlp_layout.replica),)
 
         add("attn_in", "attn", attn_in)
         out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
@@ -314,12 +333,12 @@ class OperatorModel(nn.Module):
         add("core", "attn", core)
         add("proj", "attn", proj)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
-        add("attn_out", "attn", attn_out)
+        add("attn_out", "attn", attn_out, saves_nothing=True)
         out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
         add("mlp", "mlp", mlp)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
-        add("mlp_out", "mlp", mlp_out)
+        add("mlp_out", "mlp", mlp_out, saves_nothing=True)
         return out

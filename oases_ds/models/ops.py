@@ -129,6 +129,10 @@ class ComputeOp:
         block: "embed", "attn", "mlp" or "head" (the planner's unit).
         fn: the computation; must be deterministic given ``ctx`` and inputs.
         is_loss: the last operator; its single output is the scalar loss.
+        saves_nothing: its backward needs no activation value (e.g. bias add,
+            keyed dropout, residual add), so autograd saves nothing for it.  The
+            Oases schedule then keeps its graph from forward instead of cutting a
+            checkpoint before it (see ``fine_grained_segments``).
     """
 
     name: str
@@ -136,6 +140,7 @@ class ComputeOp:
     block: str
     fn: Callable[[OpContext, Acts], Acts]
     is_loss: bool = False
+    saves_nothing: bool = False
     kind: str = field(default="compute", init=False)
 
 

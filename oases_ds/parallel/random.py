@@ -71,6 +71,29 @@ def keep_mask(
     return hashed >= int(p * (_M31 + 1))
 
 
+class _KeyedDropout(torch.autograd.Function):
+    """Forward: ``x * mask / (1 - p)``; backward: ``grad * mask / (1 - p)``, the mask
+    regenerated from its key.
+
+    Why a Function: plain ``x * mask`` makes autograd save the mask as a tensor of
+    ``x``'s size and dtype.  Here only the key, the coordinates and ``p`` are saved,
+    so an operator ending in dropout (bias-dropout-add after a forward AllReduce)
+    can keep its graph from forward at no activation memory -- what lets the Oases
+    schedule hold one tensor per block.  Backward pays one more :func:`keep_mask`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float, key: int, offsets: tuple[int, ...], full_shape: tuple[int, ...]):
+        ctx.p, ctx.key, ctx.offsets, ctx.full_shape = p, key, offsets, full_shape
+        mask = keep_mask(key, x.shape, offsets, full_shape, p, x.device)
+        return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mask = keep_mask(ctx.key, grad.shape, ctx.offsets, ctx.full_shape, ctx.p, grad.device)
+        return grad * mask.to(grad.dtype) * (1.0 / (1.0 - ctx.p)), None, None, None, None
+
+
 def keyed_dropout(
     x: torch.Tensor,
     p: float,
@@ -79,11 +102,11 @@ def keyed_dropout(
     full_shape: Sequence[int],
     training: bool = True,
 ) -> torch.Tensor:
-    """Inverted dropout of ``x`` with a mask from :func:`keep_mask`."""
+    """Inverted dropout of ``x`` with a mask from :func:`keep_mask`; autograd saves no
+    tensor for it (see :class:`_KeyedDropout`)."""
     if not training or p == 0.0:
         return x
-    mask = keep_mask(key, x.shape, offsets, full_shape, p, x.device)
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return _KeyedDropout.apply(x, p, key, tuple(offsets), tuple(full_shape))
 
 
 @dataclass

@@ -7,8 +7,9 @@ thread; collectives are started asynchronously and waited for at Sync, so they
 progress on the process group's own thread (gloo) or stream (NCCL) while the
 other sub-batch computes.
 
-Every operator runs under its own small autograd graph: its inputs are detached
-leaves, its outputs are handed on detached.  Backward of an operator is
+Every operator runs under its own small autograd graph: its inputs enter through
+grad taps (:class:`_GradTap`: the gradient arrives in a slot, no input is kept
+alive that autograd did not save), its outputs are handed on detached.  Backward of an operator is
 ``autograd.backward(outputs, output_grads)`` and yields the input gradients,
 which is what lets the schedule put a collective -- or another sub-batch's work --
 between any two operators.  A buffer is freed right after its last read
@@ -55,8 +56,36 @@ _COMPUTE_PHASE = {Forward: "fwd", Recompute: "rec", Backward: "bwd"}
 _COMM_PHASE = {"forward": "fwd", "recompute": "rec", "backward": "bwd"}
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(t.is_floating_point())
+class _GradTap(torch.autograd.Function):
+    """Forward: a view of ``x`` (cut from its history); backward: stores the incoming
+    gradient in ``slot`` and stops.
+
+    Why not a detached leaf: a leaf is referenced by its gradient accumulator, so
+    an operator's graph kept from forward to backward would keep every input's
+    storage alive, whether or not backward needs its values (``attn_out`` needs
+    none of ``y``).  Behind a tap the graph holds exactly what autograd saves.
+    ``anchor`` is a shared empty tensor that requires grad, so that autograd
+    records this Function although ``x`` does not require grad.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, slot: list):
+        ctx.slot = slot
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.slot[0] = grad
+        return None, None, None
+
+
+def _tapped(inputs: Acts, anchor: torch.Tensor) -> tuple[Acts, list[list]]:
+    """The op's inputs behind grad taps (floating-point ones) and one gradient slot per input."""
+    slots: list[list] = [[None] for _ in inputs]
+    taps = tuple(
+        _GradTap.apply(t.detach(), anchor, slot) if t.is_floating_point() else t for t, slot in zip(inputs, slots)
+    )
+    return taps, slots
 
 
 class Executor:
@@ -101,6 +130,7 @@ class Executor:
         self._ctx: list[OpContext] = []
         self._rng_states: dict[tuple[int, int], tuple[int, int]] = {}
         self._losses: list[torch.Tensor] = []
+        self._anchor = torch.empty(0, requires_grad=True)  # see _GradTap
 
     @classmethod
     def for_schedule(
@@ -234,10 +264,11 @@ class Executor:
             saved = self.rng.capture()
             self.rng.restore(self._rng_states[key])
         if keep_graph:
-            leaves = tuple(_leaf(t) for t in inputs)
             with torch.enable_grad():
-                outputs = op.fn(ctx, leaves)
-            self._buffers[("graph", ins.op, ins.sub)] = (leaves, outputs)
+                taps, slots = _tapped(inputs, self._anchor)
+                outputs = op.fn(ctx, taps)
+            del taps  # the graph alone decides which input values stay alive
+            self._buffers[("graph", ins.op, ins.sub)] = (slots, outputs)
             passed = tuple(t.detach() for t in outputs)
         else:
             with torch.no_grad():
@@ -262,7 +293,7 @@ class Executor:
         if isinstance(op, CommOp):
             self._buffers[("grad", ins.op, ins.sub)] = self._buffers[("grad", ins.op + 1, ins.sub)]
             return
-        leaves, outputs = self._buffers[("graph", ins.op, ins.sub)]
+        slots, outputs = self._buffers[("graph", ins.op, ins.sub)]
         if op.is_loss:
             torch.autograd.backward(outputs[0])
         else:
@@ -270,7 +301,7 @@ class Executor:
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self._buffers[("grad", ins.op, ins.sub)] = tuple(l.grad if l.requires_grad else None for l in leaves)
+        self._buffers[("grad", ins.op, ins.sub)] = tuple(slot[0] for slot in slots)
 
     def _start(self, ins: StartAsync) -> None:
         op = self.ops[ins.op]

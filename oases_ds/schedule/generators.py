@@ -8,7 +8,15 @@ a speed difference is a scheduling difference and nothing else:
    segment's input is saved, Recompute runs it again just before Backward).
    Megatron cuts at transformer-layer boundaries, so a recomputation re-runs the
    layer's forward AllReduces; Oases' fine-grained cut is right *after* each
-   forward AllReduce, so a recomputation never contains a collective.
+   block's output op (bias, dropout, residual), which follows the block's forward
+   AllReduce: the recomputation stops before the AllReduce and never contains a
+   collective, the output op keeps its graph from forward (it saves nothing), and
+   the checkpoint is the block's output -- one tensor per block::
+
+     segment  [attn_in .. proj | attn_reduce | attn_out ]  [mlp_in .. mlp | mlp_reduce | mlp_out ]
+     forward   f  ..  f          S/W           F(kept)     f  ..  f        S/W          F(kept)
+     backward  R  ..  R B .. B   (no rerun)    B           R  ..  R B .. B (no rerun)   B
+     holds     x (checkpoint)                                x' = attn_out's output
 2. **Per-sub-batch streams.**  For one sub-batch, the forward and the backward of
    each segment (Recompute then Backward, last segment first) are a list of
    compute instructions and communication points.
@@ -46,12 +54,30 @@ from oases_ds.schedule.instructions import (
 
 @dataclass(frozen=True)
 class Segment:
-    """Ops ``[start, end)``; if ``recompute``, ops ``[start, recompute_end)`` are recomputed."""
+    """Ops ``[start, end)``, run forward once, then backward last op first.
+
+    If ``recompute``: forward keeps only the segment's input (the checkpoint), and
+    ops ``[start, recompute_end)`` are run again just before their backward.  A
+    forward collective at ``recompute_end`` (fine-grained cut) is not re-run: its
+    output's gradient is its input's (paper eq. 1).  Ops ``[tail_start, end)``,
+    the *kept tail*, keep the graph their forward built and are never recomputed;
+    the fine-grained cut puts there the op right after the collective when it
+    saves nothing for backward (``ComputeOp.saves_nothing``: bias, dropout,
+    residual), so the checkpoint is that op's output -- one tensor -- rather than
+    its inputs ``(x, y)``.  ``tail_start`` defaults to ``end`` (no tail).
+    """
 
     start: int
     end: int
     recompute: bool
     recompute_end: int
+    tail_start: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tail_start is None:
+            object.__setattr__(self, "tail_start", self.end)
+        if not self.start <= self.recompute_end <= self.tail_start <= self.end:
+            raise ValueError(f"segment bounds must satisfy start <= recompute_end <= tail_start <= end, got {self}")
 
 
 @dataclass(frozen=True)
@@ -133,8 +159,9 @@ class ScheduleSpec:
             (split_overlap, oases) use it, the others run the micro-batch whole and
             ignore it (so one Hydra ``sub_batches`` serves every schedule).
         cross_pass: oases only; merge recompute and backward across passes (off: barriers).
-        fine_grained_recompute: oases only; checkpoint right after forward AllReduces
-            (off: per-layer recomputation re-running them).  Like ``cross_pass`` it is
+        fine_grained_recompute: oases only; checkpoint each block's output, right after
+            its forward AllReduce and output op, so the recompute never re-runs
+            a collective (off: per-layer recomputation re-running them).  Like ``cross_pass`` it is
             ignored by the schedules that have no such switch.
     """
 
@@ -188,8 +215,11 @@ def _cut(ops: Sequence[Op], starts: list[int], recompute: Callable[[int, int], b
     segs = []
     for a, b in zip(bounds, bounds[1:]):
         rec = recompute(a, b)
-        rec_end = b - 1 if fine and rec and forward_collective(ops[b - 1]) else b
-        segs.append(Segment(a, b, rec, rec_end))
+        tail = b
+        if fine and rec and b - a >= 2 and forward_collective(ops[b - 2]) and getattr(ops[b - 1], "saves_nothing", False):
+            tail = b - 1
+        rec_end = tail - 1 if fine and rec and forward_collective(ops[tail - 1]) else tail
+        segs.append(Segment(a, b, rec, rec_end, tail))
     return segs
 
 
@@ -204,10 +234,18 @@ def layer_segments(ops: Sequence[Op]) -> list[Segment]:
 
 
 def fine_grained_segments(ops: Sequence[Op]) -> list[Segment]:
-    """Oases: a segment ends with each forward collective, whose output is saved, so
-    recomputation starts right after it and never re-runs it.  The last segment
-    (through the loss) is kept."""
-    starts = [i + 1 for i, op in enumerate(ops) if forward_collective(op)]
+    """Oases: a segment ends with each forward collective, whose output is not
+    recomputed, so recomputation never re-runs a collective.  When the op right
+    after the collective saves nothing for backward (``attn_out``/``mlp_out``:
+    bias, keyed dropout, residual), the segment ends after it instead, with that
+    op as a kept tail: the checkpoint is then the block's output ``(x',)``, not
+    the pair ``(x, y)`` (residual and reduced output) the collective leaves.
+    The last segment (through the loss) is kept."""
+    starts = []
+    for i, op in enumerate(ops):
+        if forward_collective(op):
+            after = ops[i + 1] if i + 1 < len(ops) else None
+            starts.append(i + 2 if getattr(after, "saves_nothing", False) else i + 1)
     last = max(starts)
     return _cut(ops, starts, lambda a, b: a < last, fine=True)
 
@@ -230,16 +268,19 @@ def held_inputs(ops: Sequence[Op], segs: Sequence[Segment]) -> list[int]:
     """Ops whose input tuple stays alive from forward to backward, increasing.
 
     A recomputed segment keeps only its first op's input (the checkpoint Recompute
-    restarts from); a kept segment's compute ops keep theirs in the autograd graph.
-    The transient working set of a recompute is not counted: it lives for one
-    segment, not the whole step.
+    restarts from); a segment with nothing to recompute (a lone forward collective)
+    keeps none.  A kept segment's compute ops keep theirs in the autograd graph,
+    except a kept tail's: its ops save nothing (``ComputeOp.saves_nothing``), and
+    its output is the next segment's checkpoint.  The transient working set of a
+    recompute is not counted: it lives for one segment, not the whole step.
     """
     covered: set[int] = set()
     held = []
     for seg in segs:
         if seg.recompute:
-            covered.update(range(seg.start, seg.recompute_end))
-            held.append(seg.start)
+            covered.update(range(seg.start, seg.end))
+            if seg.recompute_end > seg.start:
+                held.append(seg.start)
     held += [i for i, op in enumerate(ops) if i not in covered and not isinstance(op, CommOp)]
     return sorted(held)
 
@@ -252,7 +293,7 @@ def _forward_stream(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_I
             if forward_collective(ops[i]):
                 out.append(_Comm(i, sub, "forward"))
             else:
-                keep = not seg.recompute and not isinstance(ops[i], CommOp)
+                keep = (not seg.recompute or i >= seg.tail_start) and not isinstance(ops[i], CommOp)
                 out.append(Forward(i, sub, keep_graph=keep))
     return out
 

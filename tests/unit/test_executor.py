@@ -21,8 +21,12 @@ def test_recomputing_schedules_hold_fewer_graphs():
     compute_ops = sum(1 for op in ops if op.kind == "compute")
     assert peaks["none"]["graph"] == compute_ops  # everything kept until backward
     assert peaks["megatron"]["graph"] < peaks["megatron_selective"]["graph"] < peaks["none"]["graph"]
-    # Oases holds the graphs of two sub-batches' current segments, still far below no recompute
-    assert peaks["oases"]["graph"] < peaks["none"]["graph"] // 2
+    # Oases holds the graphs of two sub-batches' current segments, still far below no recompute,
+    # plus the graphs of its kept tails (attn_out/mlp_out), which save no tensor (bytes:
+    # tests/unit/test_held_checkpoints.py)
+    tails = sum(1 for op in ops if getattr(op, "saves_nothing", False))
+    assert tails == 2 * CFG.num_layers
+    assert peaks["oases"]["graph"] - 2 * tails < peaks["none"]["graph"] // 2
 
 
 def test_executor_frees_every_buffer_and_records_a_trace(tmp_path):

@@ -31,3 +31,16 @@ def test_tracker_keys_change_per_step_and_restore():
     assert rng.key(3) != k0 and rng.key(4) != rng.key(3)
     rng.restore(state)
     assert rng.key(3) == k0
+
+
+def test_dropout_backward_regenerates_the_mask_and_saves_no_tensor():
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = keyed_dropout(x, 0.3, 9, (2, 0, 0), (8, 8, 16))
+    assert saved == []  # nothing of x's size kept alive between forward and backward
+    g = torch.randn_like(y)
+    y.backward(g)
+    mask = keep_mask(9, (4, 8, 16), (2, 0, 0), (8, 8, 16), 0.3, torch.device("cpu"))
+    assert torch.equal(x.grad, g * mask.float() * (1.0 / 0.7))
+    assert torch.equal(y, x.detach() * mask.float() * (1.0 / 0.7))

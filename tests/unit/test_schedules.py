@@ -190,3 +190,33 @@ def test_a_registered_schedule_is_built_and_a_name_registers_once(monkeypatch):
     assert spec.effective_sub_batches == 1
     assert str(build_schedule(spec, block_ops())) == EXPECTED["megatron"]
     assert "megatron_twice" in registered_schedules()
+
+
+def test_fine_grained_segments_checkpoint_one_tensor_per_block_on_a_real_model():
+    """1-layer GPT, ops by hand: 0 embed, 1 embed_reduce, 2 embed_out, 3 attn_in, 4 attn_copy,
+    5 qkv, 6 core, 7 proj, 8 attn_reduce, 9 attn_out, 10 mlp_in, 11 mlp_copy, 12 mlp,
+    13 mlp_reduce, 14 mlp_out, 15 head_in, 16 head_copy, 17 loss."""
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.operator_model import OperatorModel
+
+    ops = OperatorModel(ModelConfig(family="gpt", hidden_size=16, num_heads=2, num_layers=1, seq_len=8,
+                                    vocab_size=32)).ops
+    assert [ops[i].name for i in (8, 9, 13, 14)] == ["L0.attn_reduce", "L0.attn_out", "L0.mlp_reduce", "L0.mlp_out"]
+    segs = schedule_segments(ScheduleSpec("oases"), ops)
+    assert [(s.start, s.end, s.recompute, s.recompute_end, s.tail_start) for s in segs] == [
+        (0, 2, True, 1, 2),     # embedding; its AllReduce is not recomputed
+        (2, 10, True, 8, 9),    # embed_out + attention; attn_out is the kept tail
+        (10, 15, True, 13, 14),  # MLP; mlp_out is the kept tail
+        (15, 18, False, 18, 18),  # head, kept
+    ]
+    # checkpoints: () of the embedding, x before attention, x' before the MLP; the head's graph
+    assert generators.held_inputs(ops, segs) == [0, 2, 10, 15, 17]
+    text = str(build_schedule(ScheduleSpec("oases", sub_batches=1), ops)).split()
+    assert "F9.0" in text and "F14.0" in text  # tails keep their graph from forward ...
+    assert "R9.0" not in text and "R14.0" not in text  # ... and are never recomputed
+
+
+def test_segment_bounds_are_validated():
+    with pytest.raises(ValueError, match=r"^segment bounds must satisfy start <= recompute_end <= tail_start <= end"):
+        generators.Segment(0, 5, True, 4, 3)
+    assert generators.Segment(0, 5, True, 4).tail_start == 5
