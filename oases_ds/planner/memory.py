@@ -3,7 +3,7 @@
 Why a replay and not ``params x 16 + held inputs``: the old estimate counted each
 held operator's input tuple and nothing else, so it missed what autograd saves
 *inside* a kept operator (attention probabilities ``b heads s s``, the MLP's
-``F``-wide intermediates, dropout masks), the working set of the block being
+``F``-wide intermediates, the norms' inputs), the working set of the block being
 recomputed and backpropagated, the head's vocab-parallel softmax and the
 collectives in flight.  Here the schedule's own instruction list
 (:func:`~oases_ds.schedule.generators.build_schedule`, cut by
@@ -20,9 +20,11 @@ The peak is the largest sum over the replay of:
   :data:`~oases_ds.planner.costs.STATE_BYTES_PER_PARAM` (weight, gradient, Adam
   moments; constant over the step);
 * **checkpoints**: the input tuple of each recomputed segment, held from its
-  forward until its Recompute (for a kept op, its inputs are part of its graph);
+  forward until its Recompute (for Oases one ``[b,s,h]`` tensor per block: the
+  output of the block's kept tail op);
 * **kept graphs**: every operator run with ``keep_graph`` holds its outputs and
-  what autograd saved (:func:`op_memory`), embedding and head included;
+  what autograd saved, inputs included only where saved (:func:`op_memory`; the
+  executor's grad taps keep nothing else alive), embedding and head included;
 * **transient**: the graph of the segment being recomputed, the gradients in
   flight between backward instructions, activations between two operators;
 * **logits**: the head's vocab-parallel softmax (``V/t`` per token, fp32: the
@@ -63,6 +65,9 @@ NORM_STAT_BYTES = 4
 LOSS_BYTES = 4
 """The vocab-parallel cross-entropy computes its softmax in fp32 (``logits.float()``)."""
 
+SAME_AS_PREVIOUS = -1
+"""An :attr:`OpMemory.outputs` entry: the same tensor as the output before it (BERT's ``(x, x)``)."""
+
 TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
 """Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
 
@@ -73,68 +78,77 @@ class OpMemory:
 
     Attributes:
         outputs: one entry per output tuple element: an ``int`` is the index of the
-            input element handed on unchanged (same storage), a ``float`` a new
-            tensor of that many bytes per token.
+            input element handed on unchanged (same storage), :data:`SAME_AS_PREVIOUS`
+            the previous output again, a ``float`` a new tensor of that many bytes per token.
+        saved_inputs: indices of the inputs autograd saves (their storage stays
+            alive with the op's graph; the executor's grad taps hold nothing else).
         saved: bytes per token of tensors autograd saves that are neither an
             input nor an output (intermediates such as softmax probabilities).
         fixed: bytes per call independent of the token count (the causal mask).
     """
 
     outputs: tuple[int | float, ...]
+    saved_inputs: tuple[int, ...] = ()
     saved: float = 0.0
     fixed: float = 0.0
 
 
-def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int) -> OpMemory:
-    """The per-op table: outputs and autograd-saved bytes of each compute operator of
+def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer: int = 0) -> OpMemory:
+    """The per-op table: outputs and autograd-saved tensors of each compute operator of
     :mod:`oases_ds.models.operator_model` at TMP ``degree`` (``short``: its name
-    without the ``L3.`` prefix).
+    without the ``L3.`` prefix; ``layer``: its layer, for BERT's first-layer entry).
 
     Why each entry is what it is (``e`` = ``dtype_bytes``, ``a`` heads, ``t`` degree):
-    LayerNorm saves its fp32 mean and rstd, RMSNorm its normalised ``x`` and the
-    inverse RMS; keyed dropout saves its mask (a tensor the size of its input),
-    nothing when ``dropout == 0``; the attention core saves the softmax output,
-    the dropout mask and the dropped probabilities (``a s / t`` each per token),
-    ``v`` as a contiguous copy and, when ``q``/``k`` arrive transposed (no RoPE),
-    their copies too; the GeLU MLP saves fc1's output and the GeLU output, the
-    SwiGLU MLP gate, SiLU, up and their product (``F/t`` each).
+    a linear layer saves its input; LayerNorm saves its input and fp32 mean and
+    rstd, RMSNorm its input, ``x/rms`` and ``1/rms``; keyed dropout and the
+    bias-dropout-residual output ops save nothing (the mask is regenerated from
+    its key); the attention core saves the softmax output and the dropped
+    probabilities (``a s / t`` each per token; one tensor without dropout), ``v``
+    as a contiguous copy and, when ``q``/``k`` arrive transposed (no RoPE), copies
+    of them, else ``q`` and ``k`` themselves; the GeLU MLP saves fc1's output and
+    the GeLU output, the SwiGLU MLP gate, SiLU, up and their product (``F/t``
+    each); post-LN BERT normalises a block's output at the start of the next op.
     """
     H, F, a, s, t, e = cfg.hidden_size, cfg.ffn, cfg.num_heads, cfg.seq_len, degree, dtype_bytes
     drop = cfg.dropout > 0
     fam = cfg.family
-    mask = H * e if drop else 0.0
-
-    # a norm saves, besides its input: LayerNorm its fp32 mean and rstd; RMSNorm x/rms and 1/rms
-    norm = H * e + e if fam == "llama" else 2 * NORM_STAT_BYTES
-    tail = mask + (H * e + norm if fam == "bert" else 0.0)  # post-LN BERT normalises the residual sum
+    stats = 2 * NORM_STAT_BYTES  # LayerNorm's fp32 mean and rstd
+    # what a pre-LN norm saves besides its input: LayerNorm its statistics; RMSNorm x/rms and 1/rms
+    norm = H * e + e if fam == "llama" else stats
     if short == "embed":
         return OpMemory((float(H * e),), saved=8 + 1)  # int64 local token ids + bool out-of-range mask
     if short == "embed_out":
-        passthrough = fam == "llama" and not drop  # no positions, no dropout: x itself
-        bert = H * e + 2 * NORM_STAT_BYTES if fam == "bert" else 0.0
-        return OpMemory((0,) if passthrough else (float(H * e),), saved=mask + bert)
+        if fam == "llama":  # no positions: dropout's output, or x itself without dropout
+            return OpMemory((float(H * e),) if drop else (0,))
+        bert = H * e + stats if fam == "bert" else 0.0  # BERT's embedding norm saves x + pos
+        return OpMemory((float(H * e),), saved=bert)
+    if short == "attn_in" and fam == "bert":  # post-LN: the previous layer's output norm, if any
+        return OpMemory((0, 0)) if layer == 0 else OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
+    if short == "mlp_in" and fam == "bert":  # post-LN: the attention block's output norm
+        return OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
     if short in ("attn_in", "mlp_in"):
-        return OpMemory((0, 0)) if fam == "bert" else OpMemory((0, float(H * e)), saved=norm)
-    if short == "qkv":
-        return OpMemory((0, H / t * e, H / t * e, H / t * e))
+        return OpMemory((0, float(H * e)), (0,), norm)
+    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway
+        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,))
     if short == "core":
-        probs = a / t * s * e
-        qk_copies = 0.0 if fam == "llama" else 2 * H / t * e  # RoPE hands q, k on contiguous
-        saved = probs * (3 if drop else 1) + H / t * e + qk_copies
-        return OpMemory((0, H / t * e), saved=saved, fixed=0.0 if fam == "bert" else float(s * s))
+        probs = a / t * s * e * (2 if drop else 1)  # softmax output, dropped probabilities
+        if fam == "llama":  # RoPE hands q, k on contiguous: saved as they are
+            return OpMemory((0, H / t * e), (1, 2), probs + H / t * e, float(s * s))
+        causal = 0.0 if fam == "bert" else float(s * s)  # one bool s x s mask per call
+        return OpMemory((0, H / t * e), (), probs + 3 * H / t * e, causal)
     if short == "proj":
-        return OpMemory((0, float(H * e)))
+        return OpMemory((0, float(H * e)), (1,))
     if short in ("attn_out", "mlp_out"):
-        return OpMemory((float(H * e),), saved=tail)
+        return OpMemory((float(H * e),))
     if short == "mlp":
-        return OpMemory((0, float(H * e)), saved=(4 if fam == "llama" else 2) * F / t * e)
+        return OpMemory((0, float(H * e)), (1,), (4 if fam == "llama" else 2) * F / t * e)
     if short == "head_in":
-        if fam == "bert":  # dense -> GeLU -> LayerNorm: dense and GeLU outputs saved
-            return OpMemory((float(H * e),), saved=2 * H * e + 2 * NORM_STAT_BYTES)
-        return OpMemory((float(H * e),), saved=norm)
+        if fam == "bert":  # last block's norm, dense, GeLU, head norm: 3 tensors saved besides the input
+            return OpMemory((float(H * e),), (0,), 3 * H * e + 2 * stats)
+        return OpMemory((float(H * e),), (0,), norm)
     if short == "loss":
         # fp32 softmax over this rank's V/t, int64 local label, bool outside mask, fp32 per-token loss
-        return OpMemory((0.0,), saved=cfg.vocab_size / t * LOSS_BYTES + 8 + 1 + 4)
+        return OpMemory((0.0,), (0,), cfg.vocab_size / t * LOSS_BYTES + 8 + 1 + 4)
     raise ValueError(f"the memory model has no entry for operator {short!r} ({fam}); "
                      f"add it to oases_ds.planner.memory.op_memory")
 
@@ -193,7 +207,7 @@ def activation_replay(
     schedule = build_schedule(spec, ops)
     frees = last_reads(schedule.instructions, ops)
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
-    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes)
+    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer)
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
     checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
 
@@ -221,11 +235,16 @@ def activation_replay(
                 buffers[("act", i + 1, sub)] = inputs
             else:
                 mem = table[i]
-                outputs = tuple(inputs[o] if isinstance(o, int) else new(o * tokens[i]) for o in mem.outputs)
+                outputs: tuple[int, ...] = ()
+                for o in mem.outputs:
+                    if isinstance(o, float):
+                        outputs += (new(o * tokens[i]),)
+                    else:
+                        outputs += (outputs[-1] if o == SAME_AS_PREVIOUS else inputs[o],)
                 buffers[("act", i + 1, sub)] = outputs
                 if isinstance(ins, Recompute) or ins.keep_graph:
                     saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
-                    buffers[("graph", i, sub)] = (*inputs, *outputs, saved)
+                    buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *outputs, saved)
                     graph_inputs[(i, sub)] = inputs
                     kind[("graph", i, sub)] = "kept" if isinstance(ins, Forward) else "transient"
             if isinstance(ins, Forward) and i in checkpoint_ops:
