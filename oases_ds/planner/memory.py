@@ -418,8 +418,8 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     """Per-block activation bytes and the constant, from replays of uniform plans.
 
     For each degree ``t``, a :data:`PROBE_LAYERS`-layer model at ``t`` is replayed.
-    A block's row is the most its middle-layer instance holds at once (checkpoints
-    and kept graphs, at the end of the forward pass); the constant is the most the
+    A block's row is what its middle-layer instance holds (checkpoints and kept
+    graphs) at the instant the middle layer holds most; the constant is the most the
     replay holds *besides* every block's held bytes at once (embedding, head,
     logits, the block in recompute + backward, collectives in flight), the largest
     over the degrees, plus the embedding's and head's states.  Since at every
@@ -436,8 +436,11 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     for t in degrees:
         ops, op_degrees = plan_ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices)
         replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes)
+        # one instant, the one where the middle layer holds most: attribution between its two
+        # blocks shifts during backward (a kept tail's output outlives the next block's checkpoint)
+        _, most = max(replay, key=lambda step: sum(step[1].get(f"held:{middle}.{k}", 0.0) for k in rows))
         for kind in rows:
-            rows[kind][t] = max(terms.get(f"held:{middle}.{kind}", 0.0) for _, terms in replay)
+            rows[kind][t] = most.get(f"held:{middle}.{kind}", 0.0)
         other = max(_total(terms) - sum(v for k, v in terms.items() if k.startswith("held:")) for _, terms in replay)
         fixed = max(fixed, other)
         at, terms = max(replay, key=lambda step: _total(step[1]))
