@@ -240,7 +240,8 @@ def run(cfg: dict) -> None:
     print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")
     print("\n".join(f"  {row}" for row in plan.as_table().splitlines()))
     print(f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device ({limit_text})")
-    print("\n".join(memory_lines(_plan_memory(cfg, table, plan))))
+    if not cfg["table"]:  # a table= file's model is not the config's: only its bound is known
+        print("\n".join(memory_lines(_plan_memory(cfg, table, plan))))
     uniform = best_uniform(table, limit)
     if uniform is None:
         print("best uniform: none fits the memory limit")
