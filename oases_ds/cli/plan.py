@@ -32,13 +32,14 @@ from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
-from oases_ds.planner.analytic import DeviceModel, analytic_table
+from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
-from oases_ds.planner.profile import ProfileSpec, cache_path, profile, profile_rows
+from oases_ds.planner.memory import estimate_memory, memory_lines
+from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile, profile_rows
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
 
@@ -250,6 +251,8 @@ def run(cfg: dict) -> None:
     print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")
     print("\n".join(f"  {row}" for row in plan.as_table().splitlines()))
     print(f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device ({limit_text})")
+    if not cfg["table"]:  # a table= file's model is not the config's: only its bound is known
+        print("\n".join(memory_lines(_plan_memory(cfg, table, plan))))
     uniform = best_uniform(table, limit)
     if uniform is None:
         print("best uniform: none fits the memory limit")
@@ -261,6 +264,15 @@ def run(cfg: dict) -> None:
         return
     plan.to_json(cfg["out"])
     print(f"wrote {cfg['out']}")
+
+
+def _plan_memory(cfg: dict, table: Any, plan: Any) -> Any:
+    """The chosen plan's per-rank peak, replayed over its own operator sequence (the
+    table's rows bound it; this is the number to compare with a device's memory)."""
+    model = ModelConfig(**{**cfg["model"], "num_layers": table.layers})
+    dtype = ACTIVATION_BYTES if cfg["cost"] == "analytic" else PROFILE_DTYPE_BYTES
+    return estimate_memory(model, plan.attn_degrees, plan.mlp_degrees, plan.devices, cfg["micro_batch"],
+                           ScheduleSpec.from_mapping(cfg["schedule"]), dtype)
 
 
 def _describe(degrees: list[int]) -> str:

@@ -103,5 +103,20 @@ def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
     counts = {"attn": 0, "mlp": 0}
     for name, param in layer.named_parameters():
         kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
-        counts[kind] += param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()
+        counts[kind] += _per_device(param, degree)
     return counts
+
+
+def embed_head_parameter_count(cfg: ModelConfig, degree: int) -> int:
+    """Parameters one device holds of the embedding and the head, both sharded over the
+    full TMP group of ``degree`` ranks; counted on the meta device, as
+    :func:`layer_parameter_counts` (the memory model's model states)."""
+    cfg.check_tp(degree)
+    with torch.device("meta"):
+        modules = (Embedding(cfg, None), Head(cfg, None))
+    return sum(_per_device(param, degree) for module in modules for param in module.parameters())
+
+
+def _per_device(param: nn.Parameter, degree: int) -> int:
+    """A parameter split over TMP ranks (``tp_dim`` set) is held ``1/degree`` per device, a replicated one whole."""
+    return param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()

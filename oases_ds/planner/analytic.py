@@ -37,9 +37,10 @@ hidden size ``H``, MLP width ``F``, sequence ``s``, micro-batch ``B`` split into
 * **Gradient sync**: a ring AllReduce of the block's per-device gradients (fp16)
   over its ``T/t`` replicas, on the same link.
 * **Memory**: parameters per device (:func:`~oases_ds.models.blocks.layer_parameter_counts`)
-  x 16 bytes, plus the fp16 activations the schedule holds for backward
-  (:func:`~oases_ds.schedule.generators.held_inputs`): each held op's input
-  tuple, ``n`` tokens wide.
+  x 16 bytes, plus the fp16 activations the block holds across the step, and the
+  table's constant (embedding, head, logits, working set, collectives in flight),
+  both from :func:`~oases_ds.planner.memory.memory_rows` -- the same model the
+  profiler's table and ``oases-plan``'s per-rank peak use.
 * **Reshard edge**: the table stores one sub-batch's block-boundary activation
   in fp16 and the link; :func:`~oases_ds.planner.costs.reshard_ms` prices it.
 
@@ -66,7 +67,6 @@ Assumptions (stated, not measured):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -76,8 +76,9 @@ from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.ops import CommOp, Op
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable
+from oases_ds.planner.memory import memory_rows, one_layer_ops
 from oases_ds.planner.profile import ProfileSpec
-from oases_ds.schedule.generators import held_inputs, schedule_segments
+from oases_ds.schedule.generators import schedule_segments
 
 ACTIVATION_BYTES = 2
 """fp16 activations: checkpoints, TMP AllReduce payloads, resharded tensors."""
@@ -123,11 +124,9 @@ class OpShape:
 
     Attributes:
         flops: forward FLOPs of its matrix products.
-        input_elements: elements of the input tuple it receives (what holding it costs).
     """
 
     flops: float
-    input_elements: float
 
 
 def op_shapes(cfg: ModelConfig, degree: int) -> dict[str, OpShape]:
@@ -139,27 +138,15 @@ def op_shapes(cfg: ModelConfig, degree: int) -> dict[str, OpShape]:
     H, F, s, t = cfg.hidden_size, cfg.ffn, cfg.seq_len, degree
     mlp_matrices = 3 if cfg.family == "llama" else 2
     return {
-        "attn_in": OpShape(0.0, H),
-        "qkv": OpShape(2 * H * 3 * H / t, 2 * H),
-        "core": OpShape(2 * 2 * s * H / t, H + 3 * H / t),
-        "proj": OpShape(2 * H * H / t, H + H / t),
-        "attn_out": OpShape(0.0, 2 * H),
-        "mlp_in": OpShape(0.0, H),
-        "mlp": OpShape(2 * H * F * mlp_matrices / t, 2 * H),
-        "mlp_out": OpShape(0.0, 2 * H),
+        "attn_in": OpShape(0.0),
+        "qkv": OpShape(2 * H * 3 * H / t),
+        "core": OpShape(2 * 2 * s * H / t),
+        "proj": OpShape(2 * H * H / t),
+        "attn_out": OpShape(0.0),
+        "mlp_in": OpShape(0.0),
+        "mlp": OpShape(2 * H * F * mlp_matrices / t),
+        "mlp_out": OpShape(0.0),
     }
-
-
-@functools.lru_cache(maxsize=None)
-def one_layer_ops(family: str) -> tuple[Op, ...]:
-    """The operator sequence of a one-layer model of ``family``.
-
-    The sequence (names, blocks, collectives) depends on the family only, not on
-    the sizes, so it is read off a tiny stand-in: the analytic model follows the
-    real operator list and fails loudly if an operator it cannot price appears.
-    """
-    stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
-    return tuple(OperatorModel(stand_in).ops)
 
 
 def block_forward_flops(cfg: ModelConfig, kind: str, degree: int, tokens: float) -> float:
@@ -197,7 +184,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
     ops = one_layer_ops(cfg.family)
     segments = schedule_segments(spec.schedule, ops)
     recomputed = {i for seg in segments if seg.recompute for i in range(seg.start, seg.recompute_end)}
-    held = set(held_inputs(ops, segments))
+    memory = memory_rows(cfg, spec.schedule, T, spec.micro_batch, spec.degrees(), ACTIVATION_BYTES)
     collectives = {
         kind: (sum(isinstance(op, CommOp) and op.block == kind and op.forward is not None for op in ops),
                sum(isinstance(op, CommOp) and op.block == kind and op.backward is not None for op in ops))
@@ -237,14 +224,13 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                 comm_bwd_ms=n_bwd * sub * allreduce_ms,
             )
             exposed = pipelined_comm_ms(timing, spec.schedule)
-            held_elements = sum(shape.input_elements for i, shape in mine.items() if i in held)
             blocks[kind][degree] = BlockCost(
                 fwd_ms=timing.fwd_ms,
                 bwd_ms=timing.recompute_ms + timing.bwd_ms,
                 comm_fwd_ms=exposed[0],
                 comm_bwd_ms=exposed[1],
                 state_bytes=float(params[kind] * STATE_BYTES_PER_PARAM),
-                act_bytes=held_elements * tokens * ACTIVATION_BYTES,
+                act_bytes=memory.act_bytes[kind][degree],
                 grad_sync_ms=link.seconds("all_reduce", params[kind] * GRADIENT_BYTES, T // degree) * 1e3,
                 comm_fwd_last_ms=exposed[2],
                 comm_bwd_last_ms=exposed[3],
@@ -267,7 +253,9 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
         bandwidth_gbps=link.bandwidth_gbps,
         latency_us=link.latency_us,
         sub_batches=sub,
+        fixed_bytes=memory.fixed_bytes,
         measurements={
+            "memory": memory.evidence,
             "source": "analytic (oases_ds.planner.analytic): FLOPs / device throughput, LinkModel collectives",
             "device": dataclasses.asdict(device),
             "assumptions": {

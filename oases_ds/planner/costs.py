@@ -21,10 +21,12 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-COST_MODEL_VERSION = 2
+COST_MODEL_VERSION = 3
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
-2: last sub-batch's collective moved from the node to the edge cost; boundary edges."""
+2: last sub-batch's collective moved from the node to the edge cost; boundary edges.
+3: memory from :mod:`oases_ds.planner.memory` (autograd-saved tensors, logits,
+working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``."""
 
 SLICE_MS = 0.005
 """Cost of taking a local slice of a tensor: no communication, only a copy."""
@@ -64,7 +66,9 @@ class BlockCost:
     state_bytes: float
     """Parameters + gradients + optimizer state held by one device (shrinks with t)."""
     act_bytes: float
-    """Activations saved for the backward pass (checkpointed block inputs)."""
+    """Activations the block holds across the step, every sub-batch: its checkpoints
+    and the outputs and autograd-saved tensors of the ops it keeps
+    (:func:`~oases_ds.planner.memory.memory_rows`)."""
     grad_sync_ms: float
     """All-reduce of this block's gradients across its ``T/t`` replicas; a lower
     degree means more replicas of larger shards, which is the price of less TMP traffic."""
@@ -115,6 +119,12 @@ class CostTable:
     """Link bandwidth for resharding collectives, in gigabits per second."""
     latency_us: float
     """Per-collective link latency, in microseconds."""
+    fixed_bytes: float = 0.0
+    """Per-device bytes no block's degree adds to linearly: embedding and head states,
+    and at the peak the embedding's and head's activations, the logits, the working
+    set of the block in recompute + backward and the collectives in flight
+    (:func:`~oases_ds.planner.memory.memory_rows`).  A plan's memory is this plus
+    its blocks' :attr:`BlockCost.memory_bytes`."""
     measurements: dict[str, Any] = field(default_factory=dict)
     """Free-form evidence behind the numbers (raw comm, measured exposed comm,
     per-op times, how grad sync was obtained), written by the profiler; the
@@ -147,6 +157,8 @@ class CostTable:
                 )
         if self.bandwidth_gbps <= 0:
             raise ValueError(f"CostTable.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if not 0 <= self.fixed_bytes < math.inf:
+            raise ValueError(f"CostTable.fixed_bytes must be a finite number >= 0, got {self.fixed_bytes!r}")
         if self.reshard_bytes < 0 or self.latency_us < 0:
             raise ValueError(
                 f"CostTable.reshard_bytes and latency_us must be >= 0, got {self.reshard_bytes}, {self.latency_us}"
@@ -176,6 +188,8 @@ class CostTable:
 
 
 def _table_from_dict(data: dict[str, Any]) -> CostTable:
+    if "fixed_bytes" not in data:
+        raise ValueError(f"a cost table of an older cost model (no fixed_bytes); profile again (version {COST_MODEL_VERSION})")
     blocks: dict[str, dict[int, BlockCost]] = {}
     for kind, by_degree in data["blocks"].items():
         if not isinstance(by_degree, dict):

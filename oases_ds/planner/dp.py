@@ -51,6 +51,7 @@ import numpy as np
 from oases_ds.planner.costs import BLOCK_KINDS, CostTable, edge_ms, first_block_ms, last_block_ms
 from oases_ds.planner.objective import (
     MEMORY_REL_EPS,
+    block_memory_limit,
     check_memory_feasible,
     fits_memory,
     sequence_memory_bytes,
@@ -288,7 +289,7 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bo
     degrees = table.degrees
     if memory_limit_bytes is None:  # one pass of the plain shortest path is the optimum
         return [degrees[i] for i in chain.priced(0.0)[1]]
-    limit = memory_limit_bytes * (1 + MEMORY_REL_EPS)
+    limit = block_memory_limit(table, memory_limit_bytes * (1 + MEMORY_REL_EPS))  # the rows' share: the table's constant is off
     bounds = _lagrangian_bounds(chain, limit) if bound == "lagrangian" else _greedy_bounds(table, chain, limit)
     if bounds.lower_bound >= bounds.incumbent_cost - COST_SLACK * (1 + abs(bounds.incumbent_cost)):
         return [degrees[i] for i in bounds.incumbent]  # meets the dual bound: optimal, no search needed

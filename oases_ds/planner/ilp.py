@@ -39,7 +39,7 @@ from typing import Sequence
 from ortools.linear_solver import pywraplp
 
 from oases_ds.planner.costs import CostTable, edge_ms, first_block_ms, last_block_ms
-from oases_ds.planner.objective import check_memory_feasible, sequence_memory_bytes
+from oases_ds.planner.objective import block_memory_limit, check_memory_feasible, sequence_memory_bytes
 from oases_ds.planner.plan import Plan
 
 BACKENDS: dict[str, str] = {"SCIP": "", "CBC": "", "HIGHS": "", "CP_SAT": "num_workers: 8"}
@@ -120,7 +120,7 @@ def solve(
                 for block, kind in enumerate(kinds)
                 for t in degrees
             )
-            <= memory_limit_bytes / scale,
+            <= block_memory_limit(table, memory_limit_bytes) / scale,
             "memory_limit",
         )
 

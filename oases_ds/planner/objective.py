@@ -35,7 +35,8 @@ def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
 
 
 def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> float:
-    return sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
+    """Per-device memory of a block-degree sequence: the table's constant plus each block's row."""
+    return table.fixed_bytes + sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
 
 
 def _check_plan_fits_table(table: CostTable, plan: Plan) -> None:
@@ -59,6 +60,12 @@ def predict_memory_bytes(table: CostTable, plan: Plan) -> float:
     return sequence_memory_bytes(table, plan.block_degrees())
 
 
+def block_memory_limit(table: CostTable, memory_limit_bytes: float) -> float:
+    """What the blocks' rows may sum to under ``memory_limit_bytes``: the limit less the
+    table's constant (:attr:`CostTable.fixed_bytes`), for solvers that sum the rows only."""
+    return memory_limit_bytes - table.fixed_bytes
+
+
 def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) -> None:
     """Raise :class:`PlanInfeasibleError` when even the leanest plan exceeds the limit.
 
@@ -68,7 +75,7 @@ def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) ->
     """
     if memory_limit_bytes is None:
         return
-    minimum = sum(min(cost.memory_bytes for cost in table.blocks[kind].values()) for kind in table.block_kinds())
+    minimum = table.fixed_bytes + sum(min(cost.memory_bytes for cost in table.blocks[kind].values()) for kind in table.block_kinds())
     if minimum > memory_limit_bytes:
         raise PlanInfeasibleError(
             f"no plan fits: the minimum memory any plan needs is {minimum:.6g} bytes per device, "

@@ -25,10 +25,12 @@ What is measured and what is derived, per block and degree:
   takes the Sync waits from the timeline.  Both are kept in ``measurements``;
 * gradient sync: an AllReduce of the block's gradient bytes on the *replica
   group* (same index in each of the T/t replicas), measured, not modelled;
-* memory, from shapes: parameters + gradients + Adam moments (16 bytes per fp32
-  parameter) of the block's shards, and the activations the schedule checkpoints
-  at the block's segment inputs (the transient recompute working set is not
-  counted).
+* memory, from shapes, not measured: parameters + gradients + Adam moments (16
+  bytes per fp32 parameter) of the block's shards, and the fp32 activations of
+  :func:`~oases_ds.planner.memory.memory_rows` (checkpoints and autograd-saved
+  tensors per block; embedding, head, logits, working set and collectives in
+  flight in the table's constant) -- the model the tests hold to the executor's
+  measured peak.
 """
 from __future__ import annotations
 
@@ -47,16 +49,20 @@ from oases_ds.launcher import launch
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, OpContext
+from oases_ds.models.ops import CommOp
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
-from oases_ds.runtime.executor import Executor, split_batch
+from oases_ds.planner.memory import memory_rows
+from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
-from oases_ds.schedule.generators import ScheduleSpec, build_schedule, held_inputs, schedule_segments
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule
+
+PROFILE_DTYPE_BYTES = 4
+"""The profiler runs fp32 (CPU); its memory rows count 4-byte activations."""
 
 _COMPUTE_EVENT = re.compile(r"^([FfRB])(\d+)\.(\d+)$")
 _WAIT_EVENT = re.compile(r"^W([rb]?)(\d+)\.(\d+)$")
@@ -194,30 +200,6 @@ def _timed_collective(comm: Any, tensor: torch.Tensor, group: Any, repeats: int,
     return _median([(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)])
 
 
-def _checkpoint_bytes(spec: ProfileSpec, model: Any, sub_batch: dict, group: Any) -> dict[str, float]:
-    """Bytes the schedule saves per block for one sub-batch: the input tuple of each
-    recomputed segment starting in the block, or every op input of a kept segment."""
-    comm = Communicator()
-    ctx = OpContext(sub_batch, 0, sub_batch["tokens"].shape[0], 1.0, RNGTracker(spec.seed), comm, training=False)
-    input_bytes: list[int] = []
-    acts: tuple = ()
-    with torch.no_grad():
-        for op in model.ops:
-            input_bytes.append(sum(t.numel() * t.element_size() for t in acts))
-            if isinstance(op, CommOp):
-                if op.forward is not None:
-                    reduced = op.start(comm, acts[op.index], "forward", "forward").wait()
-                    acts = acts[: op.index] + (reduced,) + acts[op.index + 1 :]
-            else:
-                acts = op.fn(ctx, acts)
-    ops = model.ops
-    saved = {kind: 0.0 for kind in BLOCK_KINDS}
-    for index in held_inputs(ops, schedule_segments(spec.schedule, ops)):
-        if ops[index].block in saved:
-            saved[ops[index].block] += input_bytes[index]
-    return saved
-
-
 def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     """Profile every degree on this rank; returns per-degree measurements."""
     T = spec.devices
@@ -295,11 +277,9 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
 
         # Memory and gradient sync from parameter shapes.
         numel = layer_parameter_counts(cfg, degree)
-        saved = _checkpoint_bytes(spec, model, split_batch(batch, sub)[0], group)
         for kind in BLOCK_KINDS:
             result[f"{kind}.params"] = numel[kind]
             result[f"{kind}.state_bytes"] = float(numel[kind] * STATE_BYTES_PER_PARAM)
-            result[f"{kind}.act_bytes"] = float(saved[kind] * sub)
             grads = torch.zeros(numel[kind], device=device)
             replicas = replica_group[degree]
             result[f"{kind}.grad_sync_ms"] = (
@@ -321,6 +301,7 @@ def table_from_measurements(
 ) -> CostTable:
     """Cost table from every rank's measurements; times are the slowest rank's."""
     sub = spec.sub_batches
+    memory = memory_rows(spec.model, spec.schedule, spec.devices, spec.micro_batch, spec.degrees(), PROFILE_DTYPE_BYTES)
     blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
     evidence: dict[str, Any] = {}
     for degree in spec.degrees():
@@ -348,7 +329,7 @@ def table_from_measurements(
                 comm_fwd_ms=exposed[0],
                 comm_bwd_ms=exposed[1],
                 state_bytes=rank0[f"{kind}.state_bytes"],
-                act_bytes=rank0[f"{kind}.act_bytes"],
+                act_bytes=memory.act_bytes[kind][degree],
                 grad_sync_ms=get("grad_sync_ms"),
                 comm_fwd_last_ms=exposed[2],
                 comm_bwd_last_ms=exposed[3],
@@ -381,11 +362,13 @@ def table_from_measurements(
         degrees=spec.degrees(),
         blocks=blocks,
         layers=layers,
-        reshard_bytes=float(spec.micro_batch // sub * m.seq_len * m.hidden_size * 4),
+        reshard_bytes=float(spec.micro_batch // sub * m.seq_len * m.hidden_size * PROFILE_DTYPE_BYTES),
         bandwidth_gbps=bandwidth,
         latency_us=latency,
         sub_batches=sub,
+        fixed_bytes=memory.fixed_bytes,
         measurements={
+            "memory": memory.evidence,
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "profile_wall_s": wall_s,
             "warmup": spec.warmup,

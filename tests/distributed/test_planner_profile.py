@@ -24,6 +24,7 @@ def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
         assert costs[2].state_bytes < costs[1].state_bytes  # shards shrink with the degree
         assert costs[1].grad_sync_ms > 0 and costs[2].grad_sync_ms == 0  # 2 replicas vs 1
         assert costs[2].act_bytes == 2 * costs[1].act_bytes  # the degree-2 replica runs twice the samples
+    assert table.fixed_bytes > 0  # embedding, head, logits, working set: the memory no block row holds
     evidence = table.measurements["degrees"]
     assert evidence["2"]["allreduce_ms"] > 0 and evidence["1"]["allreduce_ms"] == 0
     assert evidence["2"]["blocks"]["attn"]["comm_fwd_ms"] > 0  # one forward AllReduce per sub-batch

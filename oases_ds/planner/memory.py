@@ -1,0 +1,458 @@
+"""Per-rank peak memory in bytes: what the planner bounds and what a step really holds.
+
+Why a replay and not ``params x 16 + held inputs``: the old estimate counted each
+held operator's input tuple and nothing else, so it missed what autograd saves
+*inside* a kept operator (attention probabilities ``b heads s s``, the MLP's
+``F``-wide intermediates, the norms' inputs), the working set of the block being
+recomputed and backpropagated, the head's vocab-parallel softmax and the
+collectives in flight.  Here the schedule's own instruction list
+(:func:`~oases_ds.schedule.generators.build_schedule`, cut by
+:func:`~oases_ds.schedule.generators.schedule_segments`) is replayed over the
+operator sequence with sizes instead of tensors: buffers appear when an
+instruction writes them and die where :func:`~oases_ds.schedule.dataflow.last_reads`
+says -- the rule the executor frees by -- so the model follows any change to the
+segment structure (what is checkpointed, which op keeps its graph) without
+being edited.  What an operator adds is one table, :func:`op_memory`.
+
+The peak is the largest sum over the replay of:
+
+* **model states**: parameters this rank holds x
+  :data:`~oases_ds.planner.costs.STATE_BYTES_PER_PARAM` (weight, gradient, Adam
+  moments; constant over the step);
+* **checkpoints**: the input tuple of each recomputed segment, held from its
+  forward until its Recompute (for Oases one ``[b,s,h]`` tensor per block: the
+  output of the block's kept tail op);
+* **kept graphs**: every operator run with ``keep_graph`` holds its outputs and
+  what autograd saved, inputs included only where saved (:func:`op_memory`; the
+  executor's grad taps keep nothing else alive), embedding and head included;
+* **transient**: the graph of the segment being recomputed, the gradients in
+  flight between backward instructions, activations between two operators;
+* **logits**: the head's vocab-parallel softmax (``V/t`` per token, fp32: the
+  cross-entropy Function computes in fp32 whatever the activation dtype);
+* **comm in flight**: each started, not yet synced collective's out-of-place
+  payload (a clone for AllReduce, ``k`` parts for AllGather) -- the executor's
+  buffers do not show it (it lives in the handle), so it is reported apart from
+  :attr:`MemoryEstimate.activation_bytes`.
+
+Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
+op saves is read off its code, checked against
+:class:`~oases_ds.bench.measure.ActivationProbe` in tests); activations in one
+dtype of ``dtype_bytes``; norm statistics (mean, rstd) in fp32; the causal mask
+one ``s x s`` bool per attention call; the rotary tables (model buffers, shared)
+not counted; the autograd engine's scratch inside one backward instruction not
+counted (it is freed before the next instruction, where the probe samples).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from oases_ds.models.blocks import embed_head_parameter_count, layer_parameter_counts
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.ops import CommOp, ComputeOp, Op
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
+from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads
+from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
+from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
+
+NORM_STAT_BYTES = 4
+"""Mean / inverse-RMS of a norm are kept in fp32 per token, whatever the activation dtype."""
+
+LOSS_BYTES = 4
+"""The vocab-parallel cross-entropy computes its softmax in fp32 (``logits.float()``)."""
+
+SAME_AS_PREVIOUS = -1
+"""An :attr:`OpMemory.outputs` entry: the same tensor as the output before it (BERT's ``(x, x)``)."""
+
+TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
+"""Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    """What one compute operator adds, per token of its sub-batch share.
+
+    Attributes:
+        outputs: one entry per output tuple element: an ``int`` is the index of the
+            input element handed on unchanged (same storage), :data:`SAME_AS_PREVIOUS`
+            the previous output again, a ``float`` a new tensor of that many bytes per token.
+        saved_inputs: indices of the inputs autograd saves (their storage stays
+            alive with the op's graph; the executor's grad taps hold nothing else).
+        saved: bytes per token of tensors autograd saves that are neither an
+            input nor an output (intermediates such as softmax probabilities).
+        fixed: bytes per call independent of the token count (the causal mask).
+    """
+
+    outputs: tuple[int | float, ...]
+    saved_inputs: tuple[int, ...] = ()
+    saved: float = 0.0
+    fixed: float = 0.0
+
+
+def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer: int = 0) -> OpMemory:
+    """The per-op table: outputs and autograd-saved tensors of each compute operator of
+    :mod:`oases_ds.models.operator_model` at TMP ``degree`` (``short``: its name
+    without the ``L3.`` prefix; ``layer``: its layer, for BERT's first-layer entry).
+
+    Why each entry is what it is (``e`` = ``dtype_bytes``, ``a`` heads, ``t`` degree):
+    a linear layer saves its input; LayerNorm saves its input and fp32 mean and
+    rstd, RMSNorm its input, ``x/rms`` and ``1/rms``; keyed dropout and the
+    bias-dropout-residual output ops save nothing (the mask is regenerated from
+    its key); the attention core saves the softmax output and the dropped
+    probabilities (``a s / t`` each per token; one tensor without dropout), ``v``
+    as a contiguous copy and, when ``q``/``k`` arrive transposed (no RoPE), copies
+    of them, else ``q`` and ``k`` themselves; the GeLU MLP saves fc1's output and
+    the GeLU output, the SwiGLU MLP gate, SiLU, up and their product (``F/t``
+    each); post-LN BERT normalises a block's output at the start of the next op.
+    """
+    H, F, a, s, t, e = cfg.hidden_size, cfg.ffn, cfg.num_heads, cfg.seq_len, degree, dtype_bytes
+    drop = cfg.dropout > 0
+    fam = cfg.family
+    stats = 2 * NORM_STAT_BYTES  # LayerNorm's fp32 mean and rstd
+    # what a pre-LN norm saves besides its input: LayerNorm its statistics; RMSNorm x/rms and 1/rms
+    norm = H * e + e if fam == "llama" else stats
+    if short == "embed":
+        return OpMemory((float(H * e),), saved=8 + 1)  # int64 local token ids + bool out-of-range mask
+    if short == "embed_out":
+        if fam == "llama":  # no positions: dropout's output, or x itself without dropout
+            return OpMemory((float(H * e),) if drop else (0,))
+        bert = H * e + stats if fam == "bert" else 0.0  # BERT's embedding norm saves x + pos
+        return OpMemory((float(H * e),), saved=bert)
+    if short == "attn_in" and fam == "bert":  # post-LN: the previous layer's output norm, if any
+        return OpMemory((0, 0)) if layer == 0 else OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
+    if short == "mlp_in" and fam == "bert":  # post-LN: the attention block's output norm
+        return OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
+    if short in ("attn_in", "mlp_in"):
+        return OpMemory((0, float(H * e)), (0,), norm)
+    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway
+        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,))
+    if short == "core":
+        probs = a / t * s * e * (2 if drop else 1)  # softmax output, dropped probabilities
+        if fam == "llama":  # RoPE hands q, k on contiguous: saved as they are
+            return OpMemory((0, H / t * e), (1, 2), probs + H / t * e, float(s * s))
+        causal = 0.0 if fam == "bert" else float(s * s)  # one bool s x s mask per call
+        return OpMemory((0, H / t * e), (), probs + 3 * H / t * e, causal)
+    if short == "proj":
+        return OpMemory((0, float(H * e)), (1,))
+    if short in ("attn_out", "mlp_out"):
+        return OpMemory((float(H * e),))
+    if short == "mlp":
+        return OpMemory((0, float(H * e)), (1,), (4 if fam == "llama" else 2) * F / t * e)
+    if short == "head_in":
+        if fam == "bert":  # last block's norm, dense, GeLU, head norm: 3 tensors saved besides the input
+            return OpMemory((float(H * e),), (0,), 3 * H * e + 2 * stats)
+        return OpMemory((float(H * e),), (0,), norm)
+    if short == "loss":
+        # fp32 softmax over this rank's V/t, int64 local label, bool outside mask, fp32 per-token loss
+        return OpMemory((0.0,), (0,), cfg.vocab_size / t * LOSS_BYTES + 8 + 1 + 4)
+    raise ValueError(f"the memory model has no entry for operator {short!r} ({fam}); "
+                     f"add it to oases_ds.planner.memory.op_memory")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank peak memory of one training step of one micro-batch, in bytes.
+
+    Attributes:
+        state_bytes: model states (parameters x STATE_BYTES_PER_PARAM).
+        activation_bytes: peak of what the executor's buffers and autograd hold
+            (checkpoints, kept graphs, transient, logits): what
+            :class:`~oases_ds.bench.measure.ActivationProbe` measures.
+        peak_bytes: largest ``state + activations + comm in flight`` over the step.
+        terms: the activation terms (:data:`TERMS`) at the instruction where
+            ``peak_bytes`` is reached; they sum to ``peak_bytes - state_bytes``.
+        peak_at: that instruction, in the schedule's text form.
+    """
+
+    state_bytes: float
+    activation_bytes: float
+    peak_bytes: float
+    terms: dict[str, float]
+    peak_at: str
+
+    def to_dict(self) -> dict:
+        return {"state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
+                "peak_bytes": self.peak_bytes, "terms": dict(self.terms), "peak_at": self.peak_at}
+
+
+def _short(op: Op) -> str:
+    return op.name.split(".", 1)[-1]
+
+
+def activation_replay(
+    cfg: ModelConfig,
+    ops: Sequence[Op],
+    op_degrees: Sequence[int],
+    devices: int,
+    micro_batch: int,
+    spec: ScheduleSpec,
+    dtype_bytes: int,
+) -> list[tuple[str, dict[str, float]]]:
+    """Live activation bytes by term after every instruction of ``spec``'s schedule.
+
+    ``op_degrees[i]``: TMP degree of op ``i``'s block (for a reshard, the degree it
+    reshards *to*); a degree-t op runs ``micro_batch * t / devices`` samples of each
+    sub-batch, as a replica of a reduced-degree block does.  ``micro_batch``: samples
+    of one micro-batch at the full degree ``devices``.
+    """
+    if len(op_degrees) != len(ops):
+        raise ValueError(f"op_degrees has {len(op_degrees)} entries for {len(ops)} operators")
+    subs = spec.effective_sub_batches
+    if micro_batch < 1 or micro_batch % subs:
+        raise ValueError(f"micro_batch={micro_batch} must be a positive multiple of the schedule's {subs} sub-batches")
+    schedule = build_schedule(spec, ops)
+    frees = last_reads(schedule.instructions, ops)
+    tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
+    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer)
+             for i, op in enumerate(ops) if not isinstance(op, CommOp)}
+    checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
+
+    ids = itertools.count()
+    size: dict[int, float] = {}
+    tag: dict[int, str] = {}  # tensors whose term is theirs whoever holds them (logits, comm)
+    buffers: dict[tuple, tuple[int, ...]] = {buf: () for buf in initial_buffers(subs)}
+    kind: dict[tuple, str] = {}
+    graph_inputs: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def new(nbytes: float, term: str | None = None) -> int:
+        tid = next(ids)
+        size[tid] = nbytes
+        if term:
+            tag[tid] = term
+        return tid
+
+    out: list[tuple[str, dict[str, float]]] = []
+    for idx, ins in enumerate(schedule.instructions):
+        i, sub = ins.op, ins.sub
+        op = ops[i]
+        if isinstance(ins, (Forward, Recompute)):
+            inputs = buffers[("act", i, sub)]
+            if isinstance(op, CommOp):
+                buffers[("act", i + 1, sub)] = inputs
+            else:
+                mem = table[i]
+                outputs: tuple[int, ...] = ()
+                for o in mem.outputs:
+                    if isinstance(o, float):
+                        outputs += (new(o * tokens[i]),)
+                    else:
+                        outputs += (outputs[-1] if o == SAME_AS_PREVIOUS else inputs[o],)
+                buffers[("act", i + 1, sub)] = outputs
+                if isinstance(ins, Recompute) or ins.keep_graph:
+                    saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
+                    buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *outputs, saved)
+                    graph_inputs[(i, sub)] = inputs
+                    kind[("graph", i, sub)] = "kept" if isinstance(ins, Forward) else "transient"
+            if isinstance(ins, Forward) and i in checkpoint_ops:
+                kind[("act", i, sub)] = "checkpoint"
+        elif isinstance(ins, Backward):
+            if isinstance(op, CommOp):
+                buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
+            else:
+                buffers[("grad", i, sub)] = tuple(new(size[t]) for t in graph_inputs[(i, sub)])
+        elif isinstance(ins, StartAsync):
+            src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
+            held = buffers[src]
+            payload = size[held[op.index]]
+            collective = op.backward if ins.phase == "backward" else op.forward
+            ratio = max(op_degrees[i], op_degrees[i - 1]) // min(op_degrees[i], op_degrees[i - 1])
+            flight = payload * (ratio if collective == "all_gather" else 1)
+            buffers[("comm", i, sub, ins.phase)] = (*held, new(flight if collective != "split" else 0.0, "comm"))
+        elif isinstance(ins, Sync):
+            *held, flight = buffers[("comm", i, sub, ins.phase)]
+            collective = op.backward if ins.phase == "backward" else op.forward
+            result = held[op.index] if collective == "split" else new(size[flight])  # split: a view
+            dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
+            buffers[dst] = tuple(held[: op.index]) + (result,) + tuple(held[op.index + 1:])
+        out.append((str(ins), _terms(buffers, kind, size, tag, ops)))
+        for buf in frees[idx]:
+            buffers.pop(buf, None)
+            kind.pop(buf, None)
+    return out
+
+
+_PRIORITY = ("checkpoint", "kept", "transient")
+
+
+def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) -> dict[str, float]:
+    """Bytes of every live tensor, each once, by term: a tagged tensor (logits, comm)
+    by its tag, else by the most lasting buffer that holds it.  Besides the terms,
+    ``"held:<layer>.<block>"`` sums the checkpoint and kept bytes held by a block's
+    buffers (its checkpoints, its kept graphs), which :func:`memory_rows` reads."""
+    term_of: dict[int, tuple[str, int]] = {}  # tensor -> (term, op of the buffer that holds it)
+    for buf, held in buffers.items():
+        term = kind.get(buf, "transient")
+        for tid in held:
+            old = term_of.get(tid)
+            if old is None or _PRIORITY.index(term) < _PRIORITY.index(old[0]):
+                term_of[tid] = (term, buf[1])
+    totals = dict.fromkeys(TERMS, 0.0)
+    for tid, (term, holder) in term_of.items():
+        term = tag.get(tid, term)
+        totals[term] += size[tid]
+        op = ops[holder]
+        if term in ("checkpoint", "kept") and op.block in ("attn", "mlp"):
+            key = f"held:{op.layer}.{op.block}"
+            totals[key] = totals.get(key, 0.0) + size[tid]
+    return totals
+
+
+# -- the operator sequence of a plan, without building the model -------------------------------
+@functools.lru_cache(maxsize=None)
+def one_layer_ops(family: str) -> tuple[Op, ...]:
+    """The operator sequence of a one-layer model of ``family``.
+
+    The sequence (names, blocks, collectives) depends on the family only, not on
+    the sizes, so it is read off a tiny stand-in: the cost and memory models follow
+    the real operator list and fail loudly if an operator they cannot price appears.
+    """
+    stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
+    return tuple(OperatorModel(stand_in).ops)
+
+
+def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int],
+             devices: int) -> tuple[list[Op], list[int]]:
+    """The operator sequence a plan builds, and each op's TMP degree (a reshard's: the
+    degree it reshards to), with no process group: the one-layer sequence repeated,
+    and a reshard -- ``split`` towards a lower degree, ``all_gather`` towards a higher
+    one -- wherever the degree changes, where :class:`OperatorModel` puts its own.
+    A paper-size plan is modelled without building the paper-size model."""
+    if len(attn_degrees) != len(mlp_degrees):
+        raise ValueError(f"plan has {len(attn_degrees)} attention and {len(mlp_degrees)} MLP degrees")
+    base = one_layer_ops(family)
+    embed = [op for op in base if op.block == "embed"]
+    layer = [op for op in base if op.block in ("attn", "mlp")]
+    head = [op for op in base if op.block == "head"]
+    ops: list[Op] = list(embed)
+    degrees = [devices] * len(embed)
+    current = devices
+
+    def reshard(name: str, index: int, block: str, target: int) -> None:
+        nonlocal current
+        if target != current:
+            collective = "split" if target < current else "all_gather"
+            partner = "all_gather" if collective == "split" else "split"
+            ops.append(CommOp(name, index, block, 0, collective, partner, None))
+            degrees.append(target)
+            current = target
+
+    for index, (attn, mlp) in enumerate(zip(attn_degrees, mlp_degrees)):
+        for kind, degree in (("attn", attn), ("mlp", mlp)):
+            reshard(f"L{index}.reshard_{kind}", index, kind, degree)
+            for op in layer:
+                if op.block == kind:
+                    ops.append(dataclasses.replace(op, name=f"L{index}.{_short(op)}", layer=index))
+                    degrees.append(degree)
+    reshard("head_reshard", len(attn_degrees), "head", devices)
+    ops.extend(dataclasses.replace(op, layer=len(attn_degrees)) for op in head)
+    degrees.extend([devices] * len(head))
+    return ops, degrees
+
+
+def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int) -> float:
+    """Model states one rank holds: embedding, head and every block's shard, x STATE_BYTES_PER_PARAM."""
+    params = embed_head_parameter_count(cfg, devices)
+    params += sum(layer_parameter_counts(cfg, a)["attn"] + layer_parameter_counts(cfg, m)["mlp"]
+                  for a, m in zip(attn_degrees, mlp_degrees))
+    return float(params * STATE_BYTES_PER_PARAM)
+
+
+def estimate_memory(
+    cfg: ModelConfig,
+    attn_degrees: Sequence[int],
+    mlp_degrees: Sequence[int],
+    devices: int,
+    micro_batch: int,
+    spec: ScheduleSpec,
+    dtype_bytes: int,
+) -> MemoryEstimate:
+    """Per-rank peak of one step of ``micro_batch`` samples (the whole TMP group's, as
+    the planner counts them) under ``spec``, for a plan's per-block degrees; see the
+    module doc for the terms and their assumptions."""
+    if len(attn_degrees) != cfg.num_layers:
+        raise ValueError(f"plan has {len(attn_degrees)} layers but model.num_layers={cfg.num_layers}")
+    ops, degrees = plan_ops(cfg.family, attn_degrees, mlp_degrees, devices)
+    states = state_bytes(cfg, attn_degrees, mlp_degrees, devices)
+    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes)
+    at, terms = max(replay, key=lambda step: _total(step[1]))
+    activations = max(_total(t) - t["comm"] for _, t in replay)
+    return MemoryEstimate(states, activations, states + _total(terms), {k: terms[k] for k in TERMS}, at)
+
+
+def _total(terms: dict[str, float]) -> float:
+    return sum(terms[k] for k in TERMS)
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """The planner's memory rows: a sum over blocks plus one constant.
+
+    Attributes:
+        act_bytes: block kind -> degree -> activation bytes one block holds across
+            the step (its checkpoints and kept graphs, every sub-batch): what a
+            block's degree adds to the peak.
+        fixed_bytes: what no block choice changes, or changes only through a
+            maximum: embedding and head states at the full degree, and at the peak
+            the embedding's and head's activations, the logits, the working set of
+            the block being recomputed and backpropagated and the collectives in
+            flight -- the largest over the degrees, so a mixed plan is not under-counted.
+        evidence: per degree, the replayed peak and its terms (for the table's measurements).
+    """
+
+    act_bytes: dict[str, dict[int, float]]
+    fixed_bytes: float
+    evidence: dict[str, dict]
+
+
+PROBE_LAYERS = 3
+"""Layers of the uniform model replayed per degree: the middle one holds what any inner
+layer holds at the peak; the first and last differ, and that difference goes to the constant."""
+
+
+def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch: int,
+                degrees: Sequence[int], dtype_bytes: int) -> MemoryRows:
+    """Per-block activation bytes and the constant, from replays of uniform plans.
+
+    For each degree ``t``, a :data:`PROBE_LAYERS`-layer model at ``t`` is replayed.
+    A block's row is what its middle-layer instance holds (checkpoints and kept
+    graphs) at the instant the middle layer holds most; the constant is the most the
+    replay holds *besides* every block's held bytes at once (embedding, head,
+    logits, the block in recompute + backward, collectives in flight), the largest
+    over the degrees, plus the embedding's and head's states.  Since at every
+    instruction the live bytes are the blocks' held bytes plus the rest, ``states +
+    sum of rows + constant`` bounds the replayed peak of any plan of these
+    degrees; it is tight when the peak falls where every block holds its all,
+    as it does once blocks outweigh embedding and head (tests measure the gap).
+    """
+    probe = dataclasses.replace(cfg, num_layers=PROBE_LAYERS)
+    rows: dict[str, dict[int, float]] = {"attn": {}, "mlp": {}}
+    fixed = 0.0
+    evidence: dict[str, dict] = {}
+    middle = PROBE_LAYERS // 2
+    for t in degrees:
+        ops, op_degrees = plan_ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices)
+        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes)
+        # one instant, the one where the middle layer holds most: attribution between its two
+        # blocks shifts during backward (a kept tail's output outlives the next block's checkpoint)
+        _, most = max(replay, key=lambda step: sum(step[1].get(f"held:{middle}.{k}", 0.0) for k in rows))
+        for kind in rows:
+            rows[kind][t] = most.get(f"held:{middle}.{kind}", 0.0)
+        other = max(_total(terms) - sum(v for k, v in terms.items() if k.startswith("held:")) for _, terms in replay)
+        fixed = max(fixed, other)
+        at, terms = max(replay, key=lambda step: _total(step[1]))
+        evidence[str(t)] = {"peak_at": at, "activation_peak_bytes": _total(terms), "non_block_bytes": other,
+                            **{f"{k}_bytes": terms[k] for k in TERMS}}
+    states = embed_head_parameter_count(cfg, devices) * STATE_BYTES_PER_PARAM
+    return MemoryRows(rows, fixed + states, evidence)
+
+
+def memory_lines(estimate: MemoryEstimate) -> list[str]:
+    """The per-rank peak as ``oases-plan`` prints it: total, then each term."""
+    mib = 2**20
+    terms = " + ".join(f"{name} {estimate.terms[name] / mib:.1f}" for name in TERMS)
+    return [f"per-rank peak {estimate.peak_bytes / mib:.1f} MiB = states {estimate.state_bytes / mib:.1f} + {terms} "
+            f"(MiB, at {estimate.peak_at})"]
