@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "links": [{"name": link, "rate_mbit": e2e.LINKS[link], "emulated": emulate} for link in opts.links],
         "autotp": autotp, "git_commit": git_commit(), "machine": machine(),
         "command": "python benchmarks/e2e_shaped.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()[0],
     }
     previous = signal.signal(signal.SIGTERM, _raise_exit)  # unwind (and remove the namespaces) on kill
     started = time.perf_counter()

@@ -153,6 +153,11 @@ def _seconds(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g} s" if x < 10 else f"{x:.1f} s"
 
 
+def _load(result: dict) -> str:
+    load = result.get("load_average")
+    return "?" if load is None else f"{load:.1f}"
+
+
 def render(result: dict) -> str:
     """The README section: setup line, the table, the target checks; every number from ``result``."""
     rows = summarize(result)
@@ -163,18 +168,23 @@ def render(result: dict) -> str:
     lines = [README_BEGIN, "",
              f"### End-to-end on a shaped link (issue 13){' -- QUICK, tiny dims: not the measurement' if result.get('quick') else ''}",
              "",
-             f"{result.get('time', '?')}, commit `{result.get('git_commit', '?')}`, {result.get('machine', {}).get('cpu_count', '?')} CPUs; "
+             f"{result.get('time', '?')}, commit `{str(result.get('git_commit', '?'))[:10]}`, {result.get('machine', {}).get('cpu_count', '?')} CPUs, "
+             f"load average {_load(result)} at start; "
              f"LLaMA h{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads, FFN {m['ffn_size']}, vocab "
              f"{m['vocab_size']}, seq {m['seq_len']}, micro-batch {result['micro_batch']}, fp32, TMP 2, two ranks, {kind}. "
              f"{result['rounds']} rounds, links and variant groups in rotating order, each pair {result['warmup']} warm-up + "
              f"{result['repeats']} timed steps per variant; medians over all timed steps (slowest rank). "
-             f"Step = forward + backward, no optimizer. Run: `{result.get('command', '?')}` ({result.get('wall_s', 0) / 60:.1f} min).",
+             f"Step = forward + backward, no optimizer step. Run: `{result.get('command', '?')}` ({result.get('wall_s', 0) / 60:.1f} min).",
              "",
              "| link | DeepSpeed AutoTP + checkpointing | oases `none` | oases `megatron` | oases `oases` | oases / AutoTP | exposed comm (`oases`) |",
              "|---|---|---|---|---|---|---|"]
     for link in result["links"]:
         row = rows[link["name"]]
-        title = LINK_TITLES[link["name"]] + (" (EMULATED)" if row["emulated"] and link["rate_mbit"] else "")
+        title = LINK_TITLES[link["name"]]
+        if link["rate_mbit"] is None and result["mode"] == "netns":
+            title += " (unshaped veth)"
+        elif row["emulated"] and link["rate_mbit"]:
+            title += " (EMULATED)"
         speed = "-" if row["speedup_vs_autotp"] is None else f"{row['speedup_vs_autotp']:.2f}x"
         exposed = "-" if row["exposed_comm_frac"] is None else f"{row['exposed_comm_frac']:.1%}"
         lines.append(f"| {title} | {_seconds(row[AUTOTP])} | {_seconds(row['none'])} | {_seconds(row['megatron'])} | "
