@@ -20,9 +20,19 @@ Every namespace and qdisc is removed on every exit path (``with VethPair``; SIGT
 is turned into SystemExit so it unwinds too), and namespaces left by a killed run
 (``oasesvl<dead pid>``) are removed at start.
 
-    python benchmarks/e2e_shaped.py --quick            # h128, seq 64, 1 round: the path end to end in ~1-2 min
-    python benchmarks/e2e_shaped.py                    # issue 13's dims, 2 rounds (quiet machine, ~10-12 min)
+    python benchmarks/e2e_shaped.py --quick            # h128, seq 64, 1 round: the path end to end in ~2 min
+    python benchmarks/e2e_shaped.py                    # issue 13's dims: 1 round, 1 warm-up + 2 timed steps
     python benchmarks/e2e_shaped.py --report-only      # README table again from the JSON
+
+RUN TIME.  Each rank pair costs its start-up (~15 s executor, ~25 s AutoTP with
+DeepSpeed's initialisation) plus (warmup + repeats) steps of each of its variants.
+With the issue's step times (loopback/1G/200M: executor none+megatron+oases 31, 32,
+40 s per step each; AutoTP 11.6, 12.7, 22.3 s) one round costs
+3 x 15 + 3 x 25 + (1 + repeats) x (103 + 47) s: 9.5 min at the defaults
+(repeats 2), 14 min at --rounds 2 --repeats 1 (a second round re-pays start-up and
+warm-up), so the default keeps the run under 12 minutes with 1 round and 2 timed
+steps per cell; the variants of a pair still alternate step by step, starting
+variant rotating.  Under load (average ~6 on 2 cores) steps were 1.4-2x slower.
 """
 from __future__ import annotations
 
@@ -168,9 +178,9 @@ def write_report(result: dict, readme: str) -> None:
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, e2e.E2EOptions]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny dims (h128, seq 64), 1 round: checks the path, measures nothing")
-    parser.add_argument("--rounds", type=int, default=None, help="passes over all links (default 2; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over all links, order rotating (see RUN TIME)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant per rank pair")
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps per variant per rank pair")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per variant per rank pair (default 2; 1 with --quick)")
     parser.add_argument("--links", default=",".join(e2e.LINKS), help=f"comma-separated from {','.join(e2e.LINKS)}")
     parser.add_argument("--mtu", type=int, default=9000)
     parser.add_argument("--burst-bytes", type=int, default=0, help="tbf bucket; 0: two frames")
@@ -184,10 +194,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, e2e.E2EOpt
     args = parser.parse_args(argv)
     if args.rank_worker:
         return args, e2e.E2EOptions()
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     links = tuple(name.strip() for name in args.links.split(",") if name.strip())
     try:
-        opts = e2e.E2EOptions(rounds=rounds, warmup=args.warmup, repeats=args.repeats, links=links, mtu=args.mtu,
+        opts = e2e.E2EOptions(rounds=args.rounds, warmup=args.warmup, repeats=repeats, links=links, mtu=args.mtu,
                               burst_bytes=args.burst_bytes, timeout_s=args.timeout_s)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")

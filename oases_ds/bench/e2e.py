@@ -68,9 +68,9 @@ class E2EOptions:
         timeout_s: limit for one rank-process pair.
     """
 
-    rounds: int = 2
+    rounds: int = 1
     warmup: int = 1
-    repeats: int = 1
+    repeats: int = 2
     links: tuple[str, ...] = tuple(LINKS)
     mtu: int = 9000
     burst_bytes: int = 0
@@ -163,8 +163,8 @@ def render(result: dict) -> str:
     rows = summarize(result)
     m = result["model"]
     kind = ("real `tc tbf`-shaped veth link between two network namespaces" if result["mode"] == "netns"
-            else f"EMULATED links (`LinkModel(sharing=\"ring\")`, in-process; namespaces unavailable: "
-                 f"{result.get('emulation_reason', '?')})")
+            else f"EMULATED links (`LinkModel(sharing=\"ring\")`, in-process, at the tbf rates' payload rate; "
+                 f"why: {result.get('emulation_reason', '?')})")
     lines = [README_BEGIN, "",
              f"### End-to-end on a shaped link (issue 13){' -- QUICK, tiny dims: not the measurement' if result.get('quick') else ''}",
              "",
@@ -172,7 +172,7 @@ def render(result: dict) -> str:
              f"load average {_load(result)} at start; "
              f"LLaMA h{m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads, FFN {m['ffn_size']}, vocab "
              f"{m['vocab_size']}, seq {m['seq_len']}, micro-batch {result['micro_batch']}, fp32, TMP 2, two ranks, {kind}. "
-             f"{result['rounds']} rounds, links and variant groups in rotating order, each pair {result['warmup']} warm-up + "
+             f"{result['rounds']} round(s), links and variant groups in rotating order, each pair {result['warmup']} warm-up + "
              f"{result['repeats']} timed steps per variant; medians over all timed steps (slowest rank). "
              f"Step = forward + backward, no optimizer step. Run: `{result.get('command', '?')}` ({result.get('wall_s', 0) / 60:.1f} min).",
              "",
