@@ -137,11 +137,16 @@ def measure(opts: e2e.E2EOptions, model: dict, emulate: bool, want_autotp: bool,
                 for group in e2e.order(groups, rnd):
                     t0 = time.perf_counter()
                     spec = specs[link] if group == "executor" else autotp_spec(model, opts)
-                    if emulate:
-                        fn = measure_rank if group == "executor" else autotp_rank_reporting
-                        ranks = launch(fn, 2, (spec,), timeout_s=opts.timeout_s, threads_per_rank=1)
-                    else:
-                        ranks = run_ranks(pair, __file__, spec, opts.timeout_s, ROOT)
+                    try:
+                        if emulate:
+                            fn = measure_rank if group == "executor" else autotp_rank_reporting
+                            ranks = launch(fn, 2, (spec,), timeout_s=opts.timeout_s, threads_per_rank=1)
+                        else:
+                            ranks = run_ranks(pair, __file__, spec, opts.timeout_s, ROOT)
+                    except RuntimeError as err:  # a rank died or the pair timed out (LaunchError is one too)
+                        if group == "executor":
+                            raise RuntimeError(f"round {rnd}, {link}, executor pair: {err}") from err
+                        ranks = [{"error": f"AutoTP rank pair: {err}".splitlines()[0]}]
                     error = autotp_failed(ranks) if group == "autotp" else None
                     if error:
                         result["autotp"] = {"status": "failed", "detail": error}
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         measure(opts, model, emulate, want_autotp, result)
+    except RuntimeError as err:  # namespaces are gone by now (VethPair's exit); nothing half-written
+        print(f"error: {str(err).splitlines()[0]} (a slow machine: raise --timeout-s; nothing was written)", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     result["wall_s"] = time.perf_counter() - started
