@@ -52,92 +52,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from oases_ds.bench.netns import Unavailable, VethPair, payload_fraction, run_ranks  # noqa: E402,F401
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
-
-
-def payload_fraction(mtu: int) -> float:
-    """TCP payload bytes per Ethernet frame byte (IP + TCP headers with timestamps, 14-byte Ethernet header)."""
-    return (mtu - 20 - 20 - 12) / (mtu + 14)
-
-
-class Unavailable(RuntimeError):
-    """Namespaces, veth or tc cannot be used here."""
-
-
-def sh(*cmd: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    if proc.returncode:
-        raise Unavailable(f"`{' '.join(cmd)}` failed: {(proc.stderr or proc.stdout).strip()}")
-    return proc.stdout
-
-
-class VethPair:
-    """Two namespaces joined by a veth pair; ``shape(rate)`` / ``unshape()`` on both ends."""
-
-    def __init__(self, mtu: int = 1500) -> None:
-        self.mtu = mtu
-        tag = f"oasesvl{os.getpid()}"
-        self.ns = (f"{tag}a", f"{tag}b")
-        self.dev = (f"ovl{os.getpid()}a", f"ovl{os.getpid()}b")
-        self.addr = ("10.231.0.1", "10.231.0.2")
-        self.created: list[str] = []
-
-    def __enter__(self) -> "VethPair":
-        if os.geteuid() != 0:
-            raise Unavailable("needs root to create network namespaces and qdiscs")
-        for tool in ("ip", "tc"):
-            if not shutil.which(tool):
-                raise Unavailable(f"`{tool}` is not installed")
-        try:
-            for ns in self.ns:
-                sh("ip", "netns", "add", ns)
-                self.created.append(ns)
-            sh("ip", "link", "add", self.dev[0], "mtu", str(self.mtu), "type", "veth", "peer", "name", self.dev[1],
-               "mtu", str(self.mtu))
-            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
-                sh("ip", "link", "set", dev, "netns", ns)
-                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                sh("ip", "-n", ns, "link", "set", dev, "up")
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def shape(self, rate_mbit: float, burst_bytes: int) -> None:
-        for ns, dev in zip(self.ns, self.dev):
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-               "burst", str(burst_bytes), "latency", "200ms")
-
-    def sent(self) -> dict[str, int]:
-        """Bytes and packets both tbf qdiscs have sent since shaping.  The kernel counts a GSO
-        packet as its segments, and both directions (acknowledgements too) are summed, so the
-        ratio is the mean *frame* on the wire, not the size of what tbf released at once."""
-        total = {"bytes": 0, "packets": 0}
-        for ns, dev in zip(self.ns, self.dev):
-            for q in json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev, "root")):
-                total["bytes"] += int(q.get("bytes", 0))
-                total["packets"] += int(q.get("packets", 0))
-        return total
-
-    def unshape(self) -> None:
-        for ns, dev in zip(self.ns, self.dev):
-            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
-
-    def __exit__(self, *exc) -> None:
-        for ns in reversed(self.created):  # deleting a namespace deletes its veth end, and the pair with it
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.created.clear()
 
 
 PROBE_SIZES = (64 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024, 2048 * 1024)
@@ -215,38 +138,7 @@ def rank_worker(spec_path: str, out_path: str) -> None:
 
 
 def run_pair(pair: VethPair, spec: dict, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="oases-vl-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        write_json_atomic(spec_path, spec)
-        port = 29500 + os.getpid() % 1000
-        procs, outs = [], []
-        for rank, (ns, dev) in enumerate(zip(pair.ns, pair.dev)):
-            out = os.path.join(tmp, f"rank{rank}.json")
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR=pair.addr[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=dev,
-                       PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
-                                           "--rank-worker", spec_path, out], env=env))
-            outs.append(out)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while any(not os.path.exists(o) for o in outs):
-                for p, o in zip(procs, outs):
-                    if p.poll() is not None and not os.path.exists(o):
-                        raise RuntimeError(f"a rank exited with {p.returncode} without a result")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"timed out after {timeout_s}s")
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        results = []
-        for o in outs:
-            with open(o) as f:
-                results.append(json.load(f))
+    results = run_ranks(pair, __file__, spec, timeout_s, ROOT)
     if spec.get("probe"):  # the rank that paid more host CPU speaks for the pair
         return {"probe_s": results[0]["probe_s"],
                 "host_cost": max((r["host_cost"] for r in results), key=lambda h: h["compute_slowdown_beside_allreduce"])}
