@@ -98,3 +98,26 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
                              "worst": worst, "name_mismatch": missing}
     save_hf(model, out_dir)
     return results
+
+
+def initialize_from_transformers_worker(kind: str) -> dict:
+    """``oases_ds.initialize(model=<transformers model>)`` at TMP 2: the engine's eval loss
+    against ``transformers``' own, and the line an unsupported ``nn.Module`` gets."""
+    import oases_ds
+    from engine_workers import ds_config
+
+    hf_model = tiny_hf_model(kind)  # same seed on every rank: the same weights
+    oases = {"enabled": True, "tensor_parallel_size": 2, "process_group_timeout_s": 120}
+    cfg = dict(ds_config(4, 1, oases=oases), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    engine, *_ = oases_ds.initialize(model=hf_model, config=cfg)
+    batch = batch_for(hf_model.config.vocab_size, 4, engine.module.cfg.seq_len)
+    hf_model.eval()
+    logits = hf_model(input_ids=batch["tokens"]).logits
+    ref = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
+    loss = float(engine.eval_batch(batch))
+    try:
+        oases_ds.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    return {"loss_err": abs(loss - ref) / abs(ref), "refused": refused}

@@ -47,8 +47,9 @@ from oases_ds.utils.metrics import MetricsLog, check_csv, check_tensorboard
 
 # -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
 TrainModelSchema = unset_schema_of(ModelConfig, "TrainModelSchema", [("path", Optional[str], None)])
-"""``ModelConfig``'s fields, unset unless given (unset: the library's default, or with ``path``
-the checkpoint's value), plus ``path``: a local Hugging Face model directory (``model=hf``)."""
+"""``ModelConfig``'s fields, unset unless given (unset: the library's default, or with ``model=hf``
+the checkpoint's value), plus ``path``: the local Hugging Face model directory of ``model=hf``
+(``family: hf``; the family itself comes from the checkpoint)."""
 
 
 @dataclass
@@ -98,9 +99,16 @@ RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "steps": 1, 
 def model_source(model: dict[str, Any]) -> ModelConfig | HFCheckpoint:
     """What ``model.*`` describes: a :class:`ModelConfig` of the given keys, or with
     ``model.path`` a Hugging Face checkpoint whose config the given keys override."""
-    given = {key: value for key, value in model.items() if value is not None and key != "path"}
+    given = {key: value for key, value in model.items() if value is not None and key not in ("path", "family")}
+    family = model.get("family")
+    if family != "hf":
+        if model.get("path"):
+            raise ValueError(f"model.path is set but model.family={family}; start from a Hugging Face directory "
+                             f"with model=hf model.path=DIR")
+        return ModelConfig(**({"family": family} if family else {}), **given)
     if not model.get("path"):
-        return ModelConfig(**given)
+        raise ValueError("model.path is not set; model=hf needs a local Hugging Face model directory "
+                         "(config.json + safetensors), e.g. model.path=runs/tiny_llama")
     try:
         return HFCheckpoint(model["path"], given)
     except ValueError as err:
