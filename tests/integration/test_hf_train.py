@@ -17,6 +17,7 @@ import transformers
 from safetensors.torch import load_file
 
 import hf_workers
+import lightning_workers
 from oases_ds.data import DataConfig, TokenBatches
 from oases_ds.launcher import launch
 from oases_ds.models.operator_model import IGNORE_INDEX
@@ -112,3 +113,21 @@ def test_initialize_refuses_an_unsupported_transformers_model_in_one_line():
         oases_ds.initialize(model=bert, config=cfg)
     assert str(e.value) == ("model: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) and "
                             "LlamaForCausalLM (llama)")
+
+
+@pytest.mark.distributed
+def test_lightning_module_takes_a_transformers_model():
+    per_rank = launch(lightning_workers.hf_validate_run, 2, ("llama",), timeout_s=600, threads_per_rank=1)
+    for rank, r in enumerate(per_rank):
+        assert abs(r["val_loss"] - r["ref"]) <= 1e-5 * abs(r["ref"]), f"rank {rank}: {r}"
+
+
+def test_lightning_module_refuses_an_unsupported_transformers_model_in_one_line():
+    from lightning_strategy import OasesLightningModule
+
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(TypeError) as e:
+        OasesLightningModule(bert)
+    assert str(e.value) == ("OasesLightningModule: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) "
+                            "and LlamaForCausalLM (llama)")
