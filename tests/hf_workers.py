@@ -23,17 +23,18 @@ def tiny_hf_model(kind: str, seed: int = 0):
     """A small ``transformers`` model of ``kind`` with random weights:
 
     - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
+    - "llama_kv1": the same with one k/v head (replicated over TMP ranks above 1);
     - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63).
     """
     import transformers
 
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind in ("llama", "llama_kv1"):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
         cfg = transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=8, rms_norm_eps=1e-6, rope_parameters=rope,
+            num_key_value_heads=1 if kind == "llama_kv1" else 2, max_position_embeddings=8, rms_norm_eps=1e-6, rope_parameters=rope,
             attn_implementation="eager",
         )
         model = transformers.LlamaForCausalLM(cfg)

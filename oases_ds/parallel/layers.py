@@ -81,6 +81,41 @@ class ColumnParallelLinear(nn.Module):
         return self.partial(copy_to_tensor_parallel(x, self.group))
 
 
+class ReplicatedHeadLinear(nn.Module):
+    """Key/value projection when there are fewer k/v heads than TMP ranks (Megatron's
+    replicated k/v): every rank holds the whole ``[heads * head_dim, in]`` weight and
+    computes only the head its query heads read, head ``rank * heads // t``.
+
+    Why the whole weight and an AllReduce of its gradient, not a copy of one head: the
+    ``t / heads`` ranks sharing a head each produce part of its gradient; summing the
+    (zero elsewhere) full-size gradients over the TMP group gives every rank the full
+    gradient, so the replicas stay identical like a norm's weight, and a Hugging Face
+    checkpoint's tensor is read and written whole.  Forward: a row slice of the weight;
+    backward: AllReduce of the weight (and bias) gradient over the TMP group.
+    """
+
+    def __init__(self, in_features: int, heads: int, head_dim: int, group: Group, bias: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        degree = group_size(group)
+        if degree % heads:
+            raise ValueError(f"{heads} k/v heads cannot be replicated over {degree} TMP ranks; "
+                             f"the TMP degree must be a multiple of model.num_kv_heads")
+        head = group_rank(group) * heads // degree
+        self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.out_local = head_dim
+        self.weight = _param((heads * head_dim, in_features), None)
+        self.bias = _param((heads * head_dim,), None) if bias else None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tensor_parallel(self.weight, self.group)[self.rows]
+        bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.group)[self.rows]
+        return F.linear(x, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.partial(copy_to_tensor_parallel(x, self.group))
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by input columns; ``partial`` returns this
     rank's summand (bias excluded), which an AllReduce completes.  The bias is
