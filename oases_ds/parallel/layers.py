@@ -286,7 +286,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: st
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                   dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over (b, heads, seq, d); returns (b, seq, heads*d).
 
     Without ``dropout`` (eval, or attention dropout 0 as LLaMA trains) this is one
@@ -297,13 +298,33 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     probabilities are materialised -- leanly: the scale goes on q (b,h,s,d) instead of
     the scores (b,h,s,s), and the causal fill is in place on the fresh matmul output.
     benchmarks/micro_attention.py measures both routes against the plain one.
+
+    ``key_mask`` (b, seq) bool, True = attend: BERT's padding mask, so no query reads a
+    padding key.  SDPA takes it as a boolean ``attn_mask`` broadcast over heads and
+    queries; the dropout route fills the masked scores with -inf before the softmax.
+    A query whose keys are all masked (causal with left padding) gets zeros, with finite
+    gradients, rather than the NaNs a softmax over no keys gives.
     """
+    keep, has_key = None, None
+    if key_mask is not None:
+        keep = key_mask[:, None, None, :].to(torch.bool)
+        if causal:
+            keep = keep & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        has_key = keep.any(dim=-1, keepdim=True)  # (b, 1 or h, s_q, 1)
+        keep = keep | ~has_key  # an all-masked row attends everywhere (finite), then is zeroed below
     if dropout is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if keep is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     else:
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2)
-        if causal:
+        if keep is not None:
+            scores.masked_fill_(~keep, float("-inf"))
+        elif causal:
             s_q, s_k = scores.shape[-2], scores.shape[-1]
             scores.masked_fill_(torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         out = dropout(scores.softmax(dim=-1)) @ v
+    if has_key is not None:
+        out = out * has_key
     return out.transpose(1, 2).flatten(2)
