@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from oases_ds.hf import HFCheckpoint, is_hf_model
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 
@@ -24,7 +25,10 @@ class OasesLightningModule(pl.LightningModule):
     """A transformer described by a ``ModelConfig``, trained by ``OasesStrategy``.
 
     Args:
-        model_config: the model; the strategy builds this rank's TMP shard of it
+        model_config: the model: a ``ModelConfig``, or a Hugging Face start -- an
+            :class:`~oases_ds.HFCheckpoint` (a local directory, config overrides) or a
+            ``transformers`` model of a supported class -- whose config is used and whose
+            weights the strategy loads into this rank's shard.  The strategy builds the shard
             (``self.model``, an :class:`~oases_ds.OperatorModel`) before
             ``configure_optimizers`` runs, so ``self.parameters()`` there are the
             shard's parameters.
@@ -39,10 +43,19 @@ class OasesLightningModule(pl.LightningModule):
     optimizer step when ``train_batch`` returns.
     """
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig | HFCheckpoint | Any) -> None:
         super().__init__()
+        self.hf_checkpoint: HFCheckpoint | None = None
+        if is_hf_model(model_config):
+            try:
+                model_config = HFCheckpoint(model_config)
+            except ValueError as err:
+                raise TypeError(f"OasesLightningModule: {err}") from None
+        if isinstance(model_config, HFCheckpoint):
+            self.hf_checkpoint, model_config = model_config, model_config.config()
         if not isinstance(model_config, ModelConfig):
-            raise TypeError(f"OasesLightningModule needs an oases_ds ModelConfig, got {type(model_config).__name__}")
+            raise TypeError(f"OasesLightningModule needs an oases_ds ModelConfig, an HFCheckpoint or a supported "
+                            f"transformers model, got {type(model_config).__name__}")
         self.model_config = model_config
         self.model: OperatorModel | None = None  # built by OasesStrategy on this rank's TMP group
 

@@ -250,7 +250,10 @@ class OasesStrategy(DeepSpeedStrategy):
         old = module.model
         if old is not None and old.group is ctx.tp_group:
             return old
-        shard = self.precision_plugin.convert_module(build_model(module.model_config, ctx, self.oases))
+        shard = build_model(module.model_config, ctx, self.oases)
+        if module.hf_checkpoint is not None and old is None:  # first build: the checkpoint's weights
+            module.hf_checkpoint.load_into(shard)
+        shard = self.precision_plugin.convert_module(shard)
         if old is not None:  # a second fit of the same module: keep its trained weights
             shard.load_state_dict(old.state_dict())
         return shard

@@ -16,12 +16,13 @@ from typing import Any
 from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
+from oases_ds.hf import SUPPORTED, HFCheckpoint, is_hf_model
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.planner.plan import Plan
 
-__all__ = ["initialize", "build_model", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
+__all__ = ["initialize", "build_model", "HFCheckpoint", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
 __version__ = "0.1.0"
 
 
@@ -50,6 +51,19 @@ def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) ->
         raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
 
 
+def _hf_checkpoint(model: Any) -> HFCheckpoint | None:
+    """``model`` as a Hugging Face checkpoint to convert, if it is one (a ``transformers``
+    model object or an :class:`HFCheckpoint`); an unsupported class is one line."""
+    if isinstance(model, HFCheckpoint):
+        return model
+    if not is_hf_model(model):
+        return None
+    try:
+        return HFCheckpoint(model)
+    except ValueError as err:
+        raise OasesConfigError(f"model: {err}") from None
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -68,8 +82,12 @@ def initialize(
 ):
     """Same signature and return tuple as ``deepspeed.initialize``.
 
-    ``model`` is a :class:`ModelConfig` (Oases builds this rank's shard of it) or an
-    :class:`OperatorModel` already built on ``parallel_context``'s TMP group.
+    ``model`` is a :class:`ModelConfig` (Oases builds this rank's shard of it), an
+    :class:`OperatorModel` already built on ``parallel_context``'s TMP group, or a
+    Hugging Face model -- a ``transformers`` model object of a class in
+    :data:`oases_ds.hf.SUPPORTED`, or an :class:`HFCheckpoint` (a local directory,
+    config overrides) -- converted to its ``ModelConfig`` with this rank's slices of
+    its weights loaded before the engine sees them.
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
     """
     # DeepSpeed (and the engine, which imports it) load here, not at the top: every
@@ -91,9 +109,14 @@ def initialize(
     port = distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT
     common = dict(args=args, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
                   lr_scheduler=lr_scheduler, dist_init_required=dist_init_required, collate_fn=collate_fn)
+    checkpoint = _hf_checkpoint(model)
+    if checkpoint is not None:
+        model = checkpoint.config()
     if not oases.enabled:
         if isinstance(model, ModelConfig):
             model = OperatorModel(model, group=None, seed=oases.seed)
+            if checkpoint is not None:
+                checkpoint.load_into(model)
         return deepspeed.initialize(model=model, mpu=mpu, config=cfg, mesh_param=mesh_param, distributed_port=port, **common)
 
     from oases_ds.engine import OasesEngine  # local: imports DeepSpeed (see above)
@@ -111,9 +134,12 @@ def initialize(
         )
     if isinstance(model, ModelConfig):
         model = build_model(model, ctx, oases)
+        if checkpoint is not None:
+            checkpoint.load_into(model)
     elif not isinstance(model, OperatorModel):
         raise OasesConfigError(
-            f"model: Oases needs an oases_ds.ModelConfig (or an OperatorModel), got {type(model).__name__}"
+            f"model: Oases needs an oases_ds.ModelConfig, an OperatorModel or a Hugging Face model "
+            f"({', '.join(SUPPORTED)}), got {type(model).__name__}"
         )
     check_batch_section(cfg, ctx.dp_size)
     model_mpu = ctx.mpu()

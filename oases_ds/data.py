@@ -225,12 +225,32 @@ def _windows(tokens: np.ndarray, seq_len: int) -> int:
     return (len(tokens) - 1) // seq_len
 
 
+@dataclass(frozen=True)
+class MaskedLM:
+    """BERT's masked-LM rule (Devlin et al. 2019, as ``transformers``' data collator):
+    pick ``rate`` of the positions that are not special tokens (padding, ``[CLS]``,
+    ``[SEP]``, ``[MASK]`` are never predicted), label them, and feed 80% of them as
+    ``mask_id``, 10% as a random token and 10% unchanged -- so the model cannot learn
+    that only ``[MASK]`` positions matter.
+
+    Attributes:
+        mask_id: the ``[MASK]`` token (byte-level text: 0, the NUL byte).
+        special_ids: tokens never picked (real vocabularies: ``[PAD]``, ``[CLS]``, ``[SEP]``, ``[MASK]``).
+        rate: share of the candidate positions picked.
+    """
+
+    mask_id: int = 0
+    special_ids: tuple[int, ...] = (0,)
+    rate: float = 0.15
+
+
 class TokenBatches:
     """Fixed-length windows ``(tokens, labels = tokens shifted by one)`` of a token stream,
     split into training windows (:meth:`batch`) and held-out windows (:meth:`eval_batch`)."""
 
-    def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, masked_lm: bool = False) -> None:
-        self.cfg, self.vocab_size, self.seq_len, self.masked_lm = cfg, vocab_size, seq_len, masked_lm
+    def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, masked_lm: bool | MaskedLM = False) -> None:
+        self.cfg, self.vocab_size, self.seq_len = cfg, vocab_size, seq_len
+        self.masked_lm: MaskedLM | None = MaskedLM() if masked_lm is True else (masked_lm or None)
         self.tokens = load_tokens(cfg)
         check_tokens(cfg, self.tokens, vocab_size, seq_len)
         if self.tokens is None:
@@ -283,14 +303,24 @@ class TokenBatches:
         return self._sample(seq, -1 - first)
 
     def _sample(self, seq: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
-        if self.masked_lm:  # BERT: predict 15% of positions, replaced by token 0 ([MASK])
-            tokens = seq[:, :-1].contiguous()
-            gen = torch.Generator().manual_seed((self.cfg.seed * 104729 + first) % 2**63)
-            picked = torch.rand(tokens.shape, generator=gen) < 0.15
-            picked[:, 0] = True  # at least one labelled token per sample
-            labels = torch.where(picked, tokens, torch.full_like(tokens, -100))
-            return {"tokens": tokens.masked_fill(picked, 0), "labels": labels}
+        if self.masked_lm is not None:
+            return self._masked(seq[:, :-1].contiguous(), first, self.masked_lm)
         return {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+
+    def _masked(self, tokens: torch.Tensor, first: int, rule: MaskedLM) -> dict[str, torch.Tensor]:
+        """BERT inputs and labels of ``tokens`` under ``rule`` (see :class:`MaskedLM`)."""
+        gen = torch.Generator().manual_seed((self.cfg.seed * 104729 + first) % 2**63)
+        candidate = ~torch.isin(tokens, torch.tensor(rule.special_ids, dtype=tokens.dtype))
+        picked = (torch.rand(tokens.shape, generator=gen) < rule.rate) & candidate
+        # A sample with no pick labels its first candidate: every sample adds to the loss.
+        empty = ~picked.any(dim=1) & candidate.any(dim=1)
+        picked[empty, candidate[empty].int().argmax(dim=1)] = True
+        labels = torch.where(picked, tokens, torch.full_like(tokens, -100))
+        roll = torch.rand(tokens.shape, generator=gen)
+        random_ids = torch.randint(0, self.vocab_size, tokens.shape, generator=gen)
+        inputs = tokens.masked_fill(picked & (roll < 0.8), rule.mask_id)
+        inputs = torch.where(picked & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+        return {"tokens": inputs, "labels": labels}
 
 
 # -- oases-data: a local tokenizer over local text, streamed into a token file -----------------------

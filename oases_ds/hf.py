@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -242,7 +242,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.exists():
         return [single]
-    raise ValueError(f"load_hf: {path} has no model.safetensors (or index); save the model with safe_serialization=True")
+    raise ValueError(f"{path} has no model.safetensors (or index); save the model with safe_serialization=True")
 
 
 class _SafetensorsDir:
@@ -302,6 +302,52 @@ def _group_of(group_or_ctx: Union[Group, ParallelContext]) -> Group:
     return group_or_ctx.tp_group if isinstance(group_or_ctx, ParallelContext) else group_or_ctx
 
 
+def is_hf_model(obj: Any) -> bool:
+    """Whether ``obj`` is a ``transformers`` model object (any class; :data:`SUPPORTED`
+    says which convert), told by its module so that ``transformers`` need not be imported."""
+    return type(obj).__module__.split(".")[0] == "transformers" and hasattr(obj, "config")
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A Hugging Face model to start training from, for the entry points that build the
+    model themselves (``oases_ds.initialize``, ``oases-train model=hf``, the Lightning
+    module): they need its :class:`ModelConfig` first (to build this rank's shard, for a
+    plan too), and its weights loaded into that shard before the engine copies them
+    into optimizer state.
+
+    Attributes:
+        source: a local directory (``config.json`` + safetensors) or a ``transformers`` model.
+        overrides: :class:`ModelConfig` fields that replace the checkpoint's (``seq_len``, ``dropout``).
+    """
+
+    source: Any
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.source, (str, os.PathLike)):
+            path = Path(self.source)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"{path} is not a directory with a config.json; pass a saved Hugging Face model directory")
+            _safetensors_files(path)
+        elif not is_hf_model(self.source) or type(self.source).__name__ not in SUPPORTED:
+            raise ValueError(f"{type(self.source).__name__} is not supported; {_SUPPORTED_LINE}")
+
+    def config(self) -> ModelConfig:
+        """The checkpoint's :class:`ModelConfig` with the overrides applied."""
+        if isinstance(self.source, (str, os.PathLike)):
+            return config_from_hf(json.loads((Path(self.source) / "config.json").read_text()), **self.overrides)
+        return config_from_hf(self.source.config, **self.overrides)
+
+    def load_into(self, model: OperatorModel) -> None:
+        """Copy this rank's slices of the checkpoint into ``model`` (built from :meth:`config`)."""
+        if isinstance(self.source, (str, os.PathLike)):
+            _load_into(model, _SafetensorsDir(Path(self.source)).tensors())
+        else:
+            state = self.source.state_dict()
+            _load_into(model, _Tensors(set(state), lambda key, slices: state[key][slices]))
+
+
 def load_hf(source: Union[str, os.PathLike, Any], group: Union[Group, ParallelContext] = None,
             **overrides: Any) -> OperatorModel:
     """An :class:`OperatorModel` holding this rank's shards of a Hugging Face model.
@@ -312,21 +358,13 @@ def load_hf(source: Union[str, os.PathLike, Any], group: Union[Group, ParallelCo
         group: the TMP group, or a :class:`ParallelContext` (its TMP group); ``None``: one rank.
         overrides: :class:`ModelConfig` fields to replace (e.g. ``dropout=0.0``).
     """
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"load_hf: {path} is not a directory with a config.json; pass a saved model directory")
-        cfg = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
-        model = OperatorModel(cfg, _group_of(group))
-        _load_into(model, _SafetensorsDir(path).tensors())
-        return model
-    hf_cfg = getattr(source, "config", None)
-    if hf_cfg is None or type(source).__name__ not in SUPPORTED:
-        raise ValueError(f"load_hf: {type(source).__name__} is not supported; {_SUPPORTED_LINE}, or a directory")
-    cfg = config_from_hf(hf_cfg, **overrides)
-    state = source.state_dict()
-    model = OperatorModel(cfg, _group_of(group))
-    _load_into(model, _Tensors(set(state), lambda key, slices: state[key][slices]))
+    try:
+        checkpoint = HFCheckpoint(source, overrides)
+    except ValueError as err:
+        raise ValueError(f"load_hf: {err}, or a directory" if not isinstance(source, (str, os.PathLike))
+                         else f"load_hf: {err}") from None
+    model = OperatorModel(checkpoint.config(), _group_of(group))
+    checkpoint.load_into(model)
     return model
 
 

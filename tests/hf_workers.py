@@ -23,17 +23,18 @@ def tiny_hf_model(kind: str, seed: int = 0):
     """A small ``transformers`` model of ``kind`` with random weights:
 
     - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
+    - "llama_kv1": the same with one k/v head (replicated over TMP ranks above 1);
     - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63).
     """
     import transformers
 
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind in ("llama", "llama_kv1"):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
         cfg = transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=8, rms_norm_eps=1e-6, rope_parameters=rope,
+            num_key_value_heads=1 if kind == "llama_kv1" else 2, max_position_embeddings=8, rms_norm_eps=1e-6, rope_parameters=rope,
             attn_implementation="eager",
         )
         model = transformers.LlamaForCausalLM(cfg)
@@ -98,3 +99,26 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
                              "worst": worst, "name_mismatch": missing}
     save_hf(model, out_dir)
     return results
+
+
+def initialize_from_transformers_worker(kind: str) -> dict:
+    """``oases_ds.initialize(model=<transformers model>)`` at TMP 2: the engine's eval loss
+    against ``transformers``' own, and the line an unsupported ``nn.Module`` gets."""
+    import oases_ds
+    from engine_workers import ds_config
+
+    hf_model = tiny_hf_model(kind)  # same seed on every rank: the same weights
+    oases = {"enabled": True, "tensor_parallel_size": 2, "process_group_timeout_s": 120}
+    cfg = dict(ds_config(4, 1, oases=oases), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    engine, *_ = oases_ds.initialize(model=hf_model, config=cfg)
+    batch = batch_for(hf_model.config.vocab_size, 4, engine.module.cfg.seq_len)
+    hf_model.eval()
+    logits = hf_model(input_ids=batch["tokens"]).logits
+    ref = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
+    loss = float(engine.eval_batch(batch))
+    try:
+        oases_ds.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    return {"loss_err": abs(loss - ref) / abs(ref), "refused": refused}

@@ -194,3 +194,26 @@ def protocol_error_run() -> str:
     except Exception as err:  # noqa: BLE001 -- the message is what the test checks
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+def hf_validate_run(kind: str) -> dict:
+    """``OasesLightningModule(<transformers model>)`` under ``Trainer(strategy="oases")``, TMP 2:
+    the validation loss against ``transformers``' own on the same batch."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    import hf_workers
+    from lightning_strategy import OasesLightningModule
+    from oases_ds.models.operator_model import IGNORE_INDEX
+
+    hf_model = hf_workers.tiny_hf_model(kind)  # same seed on every rank: the same weights
+    module = OasesLightningModule(hf_model)
+    batch = hf_workers.batch_for(hf_model.config.vocab_size, MICRO, module.model_config.seq_len)
+    with torch.no_grad():
+        logits = hf_model.eval()(input_ids=batch["tokens"]).logits
+    ref = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
+    samples = [{k: v[i] for k, v in batch.items()} for i in range(MICRO)]
+    trainer = pl.Trainer(strategy="oases", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    result = trainer.validate(module, torch.utils.data.DataLoader(samples, batch_size=MICRO), verbose=False)
+    return {"val_loss": float(result[0]["val_loss"]), "ref": ref}

@@ -56,6 +56,15 @@ def schema_of(cls: type, name: str) -> type:
     return make_dataclass(name, [(f.name, _schema_type(hints[f.name]), field(default=f.default)) for f in fields(cls)])
 
 
+def unset_schema_of(cls: type, name: str, extra: Sequence[tuple[str, Any, Any]] = ()) -> type:
+    """Like :func:`schema_of`, but every field optional and unset (None) unless a preset or
+    the command line gives it, plus ``extra`` fields: so a consumer can tell what was given
+    (``oases-train model=hf`` applies only those keys over the checkpoint's config)."""
+    hints = typing.get_type_hints(cls)
+    fields_ = [(f.name, Optional[_schema_type(hints[f.name])], field(default=None)) for f in fields(cls)]
+    return make_dataclass(name, fields_ + [(n, t, field(default=d)) for n, t, d in extra])
+
+
 def _library_schemas() -> tuple[type, type]:
     return schema_of(ModelConfig, "ModelSchema"), schema_of(DataConfig, "DataSchema")
 

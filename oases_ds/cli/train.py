@@ -6,7 +6,9 @@ prints progress (step, loss, tokens/s, TMP bytes, exposed communication) and a
 summary.  ``eval_every=N`` evaluates every N steps (and always after the last) on
 one fixed held-out batch, windows no step trains on (:class:`oases_ds.data.TokenBatches`);
 ``metrics.csv`` / ``metrics.tensorboard`` log step, loss, eval_loss, lr and tokens/s
-(:mod:`oases_ds.utils.metrics`).  Hydra lives here and in ``configs/`` only; the library takes typed
+(:mod:`oases_ds.utils.metrics`).  ``model=hf model.path=DIR`` starts from a local Hugging Face
+checkpoint (each rank reads only its slices); ``export_hf=DIR`` writes the trained model back
+in that format (:mod:`oases_ds.hf`).  Hydra lives here and in ``configs/`` only; the library takes typed
 configs.
 
 A failing rank ends the run with one line, ``error: rank R: Type: message (full
@@ -31,9 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 import oases_ds
 from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
-from oases_ds.cli.schema import ClusterSchema, DataSchema, MetricsSchema, ModelSchema, ScheduleSchema
+from oases_ds.cli.schema import ClusterSchema, DataSchema, MetricsSchema, ScheduleSchema, unset_schema_of
 from oases_ds.config import check_deepspeed_section, parse_oases_section
 from oases_ds.data import DataConfig, TokenBatches, check_data
+from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.topology import Topology
@@ -43,6 +46,12 @@ from oases_ds.utils.metrics import MetricsLog, check_csv, check_tensorboard
 
 
 # -- typed schema: Hydra converts or rejects every value by type before anything runs -------------
+TrainModelSchema = unset_schema_of(ModelConfig, "TrainModelSchema", [("path", Optional[str], None)])
+"""``ModelConfig``'s fields, unset unless given (unset: the library's default, or with ``model=hf``
+the checkpoint's value), plus ``path``: the local Hugging Face model directory of ``model=hf``
+(``family: hf``; the family itself comes from the checkpoint)."""
+
+
 @dataclass
 class CheckpointSchema:
     dir: Optional[str] = None
@@ -55,7 +64,7 @@ class CheckpointSchema:
 class TrainSchema:
     """configs/train.yaml, typed; the comments there say what each key means."""
 
-    model: ModelSchema = field(default_factory=ModelSchema)
+    model: TrainModelSchema = field(default_factory=TrainModelSchema)
     schedule: ScheduleSchema = field(default_factory=ScheduleSchema)
     cluster: ClusterSchema = field(default_factory=ClusterSchema)
     data: DataSchema = field(default_factory=DataSchema)
@@ -77,6 +86,7 @@ class TrainSchema:
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     trace: Optional[str] = None
     stats_out: Optional[str] = None
+    export_hf: Optional[str] = None
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainSchema)
@@ -84,6 +94,35 @@ ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "steps": 1, "micro_batch": 1, "grad_accum": 1,
                             "warmup_steps": 0, "log_every": 1, "eval_every": 0, "checkpoint.every": 0, "checkpoint.keep": 0}
 """Smallest value of each numeric key (``lr`` and ``timeout_s`` must be > 0)."""
+
+
+def model_source(model: dict[str, Any]) -> ModelConfig | HFCheckpoint:
+    """What ``model.*`` describes: a :class:`ModelConfig` of the given keys, or with
+    ``model.path`` a Hugging Face checkpoint whose config the given keys override."""
+    given = {key: value for key, value in model.items() if value is not None and key not in ("path", "family")}
+    family = model.get("family")
+    if family != "hf":
+        if model.get("path"):
+            raise ValueError(f"model.path is set but model.family={family}; start from a Hugging Face directory "
+                             f"with model=hf model.path=DIR")
+        return ModelConfig(**({"family": family} if family else {}), **given)
+    if not model.get("path"):
+        raise ValueError("model.path is not set; model=hf needs a local Hugging Face model directory "
+                         "(config.json + safetensors), e.g. model.path=runs/tiny_llama")
+    try:
+        return HFCheckpoint(model["path"], given)
+    except ValueError as err:
+        raise ValueError(f"model.path={model['path']}: {err}") from None
+
+
+def model_config(model: dict[str, Any]) -> ModelConfig:
+    source = model_source(model)
+    if not isinstance(source, HFCheckpoint):
+        return source
+    try:
+        return source.config()
+    except ValueError as err:
+        raise ValueError(f"model.path={model['path']}: {err}") from None
 
 
 def ds_config(cfg: dict) -> dict:
@@ -121,7 +160,12 @@ def validate(cfg: dict) -> None:
     from oases_ds.checkpoint import CheckpointMeta, preflight
 
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
-    model = ModelConfig(**cfg["model"])
+    model = model_config(cfg["model"])
+    if cfg["export_hf"]:
+        try:
+            hf_config(model)
+        except ValueError as err:
+            raise ValueError(f"export_hf={cfg['export_hf']}: {err}") from None
     ds = ds_config(cfg)
     oases = parse_oases_section(ds["oases"])
     check_deepspeed_section(ds)
@@ -157,8 +201,9 @@ def validate(cfg: dict) -> None:
 def train_rank(cfg: dict) -> dict[str, Any]:
     """Everything one rank does; returns rank 0's summary (other ranks: their final loss)."""
 
-    model_cfg = ModelConfig(**cfg["model"])
-    engine, *_ = oases_ds.initialize(model=model_cfg, config=ds_config(cfg))
+    source = model_source(cfg["model"])
+    model_cfg = source.config() if isinstance(source, HFCheckpoint) else source
+    engine, *_ = oases_ds.initialize(model=source, config=ds_config(cfg))
     ctx = engine.parallel_context
     data = TokenBatches(DataConfig(**cfg["data"]), model_cfg.vocab_size, model_cfg.seq_len, masked_lm=model_cfg.family == "bert")
     ckpt = cfg["checkpoint"]
@@ -212,6 +257,8 @@ def train_rank(cfg: dict) -> dict[str, Any]:
     eval_loss = evals[-1]["eval_loss"] if evals else evaluate()  # nothing trained (resumed at the end): still report one
     if cfg["trace"] and is_main:
         engine.save_trace(cfg["trace"])
+    if cfg["export_hf"]:
+        save_hf(engine, cfg["export_hf"])  # collective: every rank gathers its shards
     elapsed = time.perf_counter() - t_start
     done = history[-1] if history else {}
     summary = {

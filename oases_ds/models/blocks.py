@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.parallel.collectives import Group
+from oases_ds.parallel.collectives import Group, group_size
 from oases_ds.parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedHeadLinear,
     LayerNorm,
     RMSNorm,
     RowParallelLinear,
@@ -57,8 +58,12 @@ class TransformerLayer(nn.Module):
         H = cfg.hidden_size
         self.attn = nn.Module()
         self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
-        self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)  # grouped-query: fewer k/v heads
-        self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
+        if cfg.kv_heads < group_size(attn_group):  # fewer k/v heads than ranks: each rank holds its query heads' one
+            self.attn.k = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
+            self.attn.v = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
+        else:  # grouped-query: fewer k/v heads, split over the ranks
+            self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
+            self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
         self.attn.o = RowParallelLinear(H, H, attn_group, bias)
         self.mlp = nn.Module()
         if cfg.family == "llama":

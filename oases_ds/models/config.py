@@ -164,11 +164,13 @@ class ModelConfig:
 
     def check_tp(self, tp: int) -> None:
         """Raise a one-line error if ``tp`` cannot shard this model evenly."""
+        if self.kv_heads < tp and tp % self.kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} is neither a divisor nor a multiple of model.num_kv_heads="
+                             f"{self.kv_heads}; k/v heads are split over the ranks or replicated, so pick one that is")
         for name, value in (
             ("num_heads", self.num_heads),
-            ("num_kv_heads", self.kv_heads),
             ("ffn_size", self.ffn),
-        ):
+        ) + ((("num_kv_heads", self.kv_heads),) if self.kv_heads >= tp else ()):
             if value % tp:
                 raise ValueError(
                     f"tensor_parallel_size={tp} does not divide model.{name}={value}; "

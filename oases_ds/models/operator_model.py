@@ -371,7 +371,10 @@ class OperatorModel(nn.Module):
 
             # No dropout callable -> the fused SDPA route (eval, or attention dropout 0).
             active = drop if c.training and cfg.dropout > 0.0 else None
-            return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=active))
+            key_mask = c.batch.get("attention_mask")  # (b, s), 1 = a real token (BERT padding)
+            if key_mask is not None:  # this replica's rows of the batch, as the dropout offsets above
+                key_mask = key_mask[attn_layout.replica * q.shape[0]:(attn_layout.replica + 1) * q.shape[0]]
+            return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=active, key_mask=key_mask))
 
         def proj(c: OpContext, a: Acts) -> Acts:
             return (a[0], layer.attn.o.partial(a[1]))

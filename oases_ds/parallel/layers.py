@@ -81,6 +81,41 @@ class ColumnParallelLinear(nn.Module):
         return self.partial(copy_to_tensor_parallel(x, self.group))
 
 
+class ReplicatedHeadLinear(nn.Module):
+    """Key/value projection when there are fewer k/v heads than TMP ranks (Megatron's
+    replicated k/v): every rank holds the whole ``[heads * head_dim, in]`` weight and
+    computes only the head its query heads read, head ``rank * heads // t``.
+
+    Why the whole weight and an AllReduce of its gradient, not a copy of one head: the
+    ``t / heads`` ranks sharing a head each produce part of its gradient; summing the
+    (zero elsewhere) full-size gradients over the TMP group gives every rank the full
+    gradient, so the replicas stay identical like a norm's weight, and a Hugging Face
+    checkpoint's tensor is read and written whole.  Forward: a row slice of the weight;
+    backward: AllReduce of the weight (and bias) gradient over the TMP group.
+    """
+
+    def __init__(self, in_features: int, heads: int, head_dim: int, group: Group, bias: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        degree = group_size(group)
+        if degree % heads:
+            raise ValueError(f"{heads} k/v heads cannot be replicated over {degree} TMP ranks; "
+                             f"the TMP degree must be a multiple of model.num_kv_heads")
+        head = group_rank(group) * heads // degree
+        self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.out_local = head_dim
+        self.weight = _param((heads * head_dim, in_features), None)
+        self.bias = _param((heads * head_dim,), None) if bias else None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tensor_parallel(self.weight, self.group)[self.rows]
+        bias = None if self.bias is None else copy_to_tensor_parallel(self.bias, self.group)[self.rows]
+        return F.linear(x, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.partial(copy_to_tensor_parallel(x, self.group))
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by input columns; ``partial`` returns this
     rank's summand (bias excluded), which an AllReduce completes.  The bias is
@@ -251,7 +286,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: st
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                   dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over (b, heads, seq, d); returns (b, seq, heads*d).
 
     Without ``dropout`` (eval, or attention dropout 0 as LLaMA trains) this is one
@@ -262,13 +298,33 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     probabilities are materialised -- leanly: the scale goes on q (b,h,s,d) instead of
     the scores (b,h,s,s), and the causal fill is in place on the fresh matmul output.
     benchmarks/micro_attention.py measures both routes against the plain one.
+
+    ``key_mask`` (b, seq) bool, True = attend: BERT's padding mask, so no query reads a
+    padding key.  SDPA takes it as a boolean ``attn_mask`` broadcast over heads and
+    queries; the dropout route fills the masked scores with -inf before the softmax.
+    A query whose keys are all masked (causal with left padding) gets zeros, with finite
+    gradients, rather than the NaNs a softmax over no keys gives.
     """
+    keep, has_key = None, None
+    if key_mask is not None:
+        keep = key_mask[:, None, None, :].to(torch.bool)
+        if causal:
+            keep = keep & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        has_key = keep.any(dim=-1, keepdim=True)  # (b, 1 or h, s_q, 1)
+        keep = keep | ~has_key  # an all-masked row attends everywhere (finite), then is zeroed below
     if dropout is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if keep is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     else:
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2)
-        if causal:
+        if keep is not None:
+            scores.masked_fill_(~keep, float("-inf"))
+        elif causal:
             s_q, s_k = scores.shape[-2], scores.shape[-1]
             scores.masked_fill_(torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         out = dropout(scores.softmax(dim=-1)) @ v
+    if has_key is not None:
+        out = out * has_key
     return out.transpose(1, 2).flatten(2)

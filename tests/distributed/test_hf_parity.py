@@ -3,7 +3,8 @@
 1e-5 relative, for the plain and the Oases schedule, and ``save_hf`` from the sharded
 ranks writes back the very tensors that were read.
 
-LLaMA: grouped-query attention, rope_theta 5e5, llama3 RoPE scaling.  GPT-2: tied
+LLaMA: grouped-query attention, rope_theta 5e5, llama3 RoPE scaling; with one k/v head
+at TMP 2 the head is replicated (each rank holds it whole; its gradient is summed over the group).  GPT-2: tied
 embeddings, tanh GELU and a 63-token vocabulary, which TMP 2 and 4 must pad (64).
 Tolerance: fp32, the same as the reference-model parity tests; the zero-in-exact-
 arithmetic key-bias gradient is measured against a norm floor (``hf_workers.rel_err``).
@@ -16,7 +17,7 @@ import hf_workers
 from oases_ds.launcher import launch
 
 TOL = 1e-5
-RUNS = [("llama", 1), ("llama", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4)]
+RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4)]
 
 
 @pytest.mark.distributed

@@ -81,3 +81,59 @@ def test_head_shard_and_sub_batch_see_the_full_tensor_masks():
     full = attention_core(q, k, v, True, dropout=drop_at(0, 0)).view(B, S, H, D)
     part = attention_core(q[1:, 2:], k[1:, 2:], v[1:, 2:], True, dropout=drop_at(1, 2)).view(1, S, 2, D)
     torch.testing.assert_close(part, full[1:, :, 2:], rtol=1e-6, atol=1e-6)  # same masks; matmul shapes differ
+
+
+# -- key (padding) mask ------------------------------------------------------------
+KEY_MASK = torch.ones(B, S, dtype=torch.bool)
+KEY_MASK[0, 9:] = False  # right padding (BERT)
+KEY_MASK[1, :3] = False  # left padding: with a causal mask, queries 0-2 have no key at all
+
+
+def _plain_masked(q, k, v, causal, drop=None):
+    """Per-sample loop over the unpadded keys only (no -inf tricks); a query with no key: zeros."""
+    out = torch.zeros(B, H, S, D)
+    for b in range(B):
+        for i in range(S):
+            keys = KEY_MASK[b].clone()
+            if causal:
+                keys[i + 1:] = False
+            if not keys.any():
+                continue
+            scores = torch.einsum("hd,hnd->hn", q[b, :, i], k[b][:, keys]) / math.sqrt(D)
+            probs = scores.softmax(-1)
+            if drop is not None:
+                full = torch.zeros(H, S)
+                full[:, keys] = probs
+                probs = drop(full, b, i)[:, keys]
+            out[b, :, i] = torch.einsum("hn,hnd->hd", probs, v[b][:, keys])
+    return out.transpose(1, 2).reshape(B, S, H * D)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_mask_sdpa_route_matches_attention_over_unpadded_keys(causal):
+    _check_same(lambda q, k, v: attention_core(q, k, v, causal, key_mask=KEY_MASK),
+                lambda q, k, v: _plain_masked(q, k, v, causal))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_mask_dropout_route_matches_attention_over_unpadded_keys(causal):
+    shape = (B, H, S, S)
+
+    def drop(p: torch.Tensor) -> torch.Tensor:
+        return keyed_dropout(p, 0.2, 31, (0, 0, 0, 0), shape)
+
+    def drop_row(row: torch.Tensor, b: int, i: int) -> torch.Tensor:  # the same keyed mask, one (sample, query) row
+        full = torch.zeros(shape)
+        full[b, :, i] = row
+        return drop(full)[b, :, i]
+
+    _check_same(lambda q, k, v: attention_core(q, k, v, causal, dropout=drop, key_mask=KEY_MASK),
+                lambda q, k, v: _plain_masked(q, k, v, causal, drop_row))
+
+
+def test_key_mask_keeps_gradients_finite_for_queries_without_keys():
+    q, k, v = _qkv()
+    out = attention_core(q, k, v, True, key_mask=KEY_MASK)
+    out.sum().backward()
+    assert torch.equal(out[1, :3], torch.zeros_like(out[1, :3]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

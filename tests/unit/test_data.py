@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import oases_ds.data as data_module
 from oases_ds.cli import data as data_cli
-from oases_ds.data import CorpusSpec, DataConfig, TokenBatches, TokenFileMeta, check_data, tokenize_corpus
+from oases_ds.data import CorpusSpec, DataConfig, MaskedLM, TokenBatches, TokenFileMeta, check_data, tokenize_corpus
 
 
 def test_embedded_text_is_bytes_and_labels_are_shifted():
@@ -39,12 +39,36 @@ def test_mmap_token_file(tmp_path):
         TokenBatches(DataConfig("mmap", str(path)), vocab_size=500, seq_len=10)
 
 
-def test_masked_lm_batches_label_only_masked_positions():
+def test_masked_lm_batches_label_only_picked_positions():
     data = TokenBatches(DataConfig("text"), vocab_size=256, seq_len=64, masked_lm=True)
     b = data.batch(0, 1, 0, 8)
     picked = b["labels"] != -100
-    assert picked[:, 0].all() and 0.05 < picked.float().mean() < 0.35
-    assert (b["tokens"][picked] == 0).all()
+    assert picked.any(dim=1).all() and 0.05 < picked.float().mean() < 0.35
+    assert not picked[:, 0].all()  # position 0 is no longer always picked
+    unpicked = data.batch(0, 1, 0, 8)["tokens"][~picked]
+    assert torch.equal(unpicked, data._rows(data.tokens, data.order, 0, 8)[:, :-1][~picked])
+
+
+def test_masked_lm_never_picks_special_tokens_and_follows_80_10_10():
+    """Special ids (here 0-3 as [PAD] [CLS] [SEP] [MASK]) are never labelled; of the picked
+    positions ~80% are fed as [MASK], ~10% as another token, ~10% unchanged (20k picks:
+    a share's standard deviation is < 0.3%, the bounds are > 10 of them)."""
+    rule = MaskedLM(mask_id=3, special_ids=(0, 1, 2, 3))
+    data = TokenBatches(DataConfig("synthetic"), vocab_size=64, seq_len=128, masked_lm=rule)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 64, (1024, 129), generator=gen)
+    seq[:, :8] = 0  # padding-heavy starts: never picked, and still every sample gets a label
+    b = data._sample(seq, first=0)
+    tokens, picked = seq[:, :-1], b["labels"] != -100
+    assert picked.any(dim=1).all()
+    assert not torch.isin(tokens[picked], torch.tensor([0, 1, 2, 3])).any()
+    assert torch.equal(b["labels"][picked], tokens[picked])
+    assert 0.12 < picked.sum() / (~torch.isin(tokens, torch.tensor([0, 1, 2, 3]))).sum() < 0.18
+    fed, orig = b["tokens"][picked], tokens[picked]
+    masked, same = (fed == 3).float().mean(), (fed == orig).float().mean()
+    assert 0.77 < masked < 0.83 and 0.09 < same < 0.13  # random replacements may draw the original (1/64)
+    assert 0.07 < ((fed != 3) & (fed != orig)).float().mean() < 0.11
+    assert torch.equal(b["tokens"][~picked], tokens[~picked])
 
 
 def test_bad_data_config():

@@ -15,7 +15,7 @@ from oases_ds.schedule.generators import ScheduleSpec
     [
         (dict(num_heads=6, hidden_size=48), 4, "model.num_heads=6"),
         (dict(ffn_size=66, hidden_size=32, num_heads=4), 4, "model.ffn_size=66"),
-        (dict(num_kv_heads=2, hidden_size=32, num_heads=4), 4, "model.num_kv_heads=2"),
+        (dict(num_kv_heads=6, hidden_size=48, num_heads=12), 4, "model.num_kv_heads=6"),
     ],
 )
 def test_tp_degree_must_divide_model(cfg, tp, field):

@@ -214,10 +214,15 @@ def test_model_option_errors_name_the_field(fields, words):
     assert words in _one_line(e)
 
 
-def test_kv_heads_the_tmp_degree_cannot_split_are_refused():
+def test_kv_heads_the_tmp_degree_can_neither_split_nor_replicate_are_refused():
+    ModelConfig(family="llama", num_kv_heads=1).check_tp(2)  # fewer k/v heads than ranks: replicated
+    ModelConfig(family="llama", num_kv_heads=2).check_tp(4)
     with pytest.raises(ValueError) as e:
-        ModelConfig(family="llama", num_kv_heads=1).check_tp(2)
-    assert "tensor_parallel_size=2 does not divide model.num_kv_heads=1" in _one_line(e)
+        ModelConfig(family="llama", hidden_size=96, num_heads=12, num_kv_heads=3).check_tp(4)
+    assert "tensor_parallel_size=4 is neither a divisor nor a multiple of model.num_kv_heads=3" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        ModelConfig(family="llama", hidden_size=96, num_heads=12, num_kv_heads=6).check_tp(4)
+    assert "tensor_parallel_size=4 does not divide model.num_kv_heads=6" in _one_line(e)
 
 
 def test_family_defaults_match_hugging_face_and_vocab_pads_to_the_degree():

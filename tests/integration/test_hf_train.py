@@ -1,0 +1,133 @@
+"""Starting from a Hugging Face model: ``oases-train model=hf model.path=DIR`` on a
+checkpoint built by ``examples/make_tiny_hf.py`` (no download), ``export_hf=DIR`` after
+training, and ``oases_ds.initialize(model=<transformers model>)``; real gloo ranks.
+
+Tolerance 1e-5 relative: fp32 on both sides, as the import parity tests
+(tests/distributed/test_hf_parity.py).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+
+import hf_workers
+import lightning_workers
+from oases_ds.data import DataConfig, TokenBatches
+from oases_ds.launcher import launch
+from oases_ds.models.operator_model import IGNORE_INDEX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+MICRO = 4
+
+
+def _python(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("hf") / "tiny_llama"
+    proc = _python("examples/make_tiny_hf.py", "--out", str(out), "--corpus-bytes", "60000", "--seq-len", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out)
+
+
+@pytest.mark.distributed
+def test_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, checkpoint):
+    export, stats = tmp_path / "export", tmp_path / "stats.json"
+    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "tensor_parallel_size=2",
+                   "nprocs=2", "steps=3", f"micro_batch={MICRO}", "log_every=1", f"export_hf={export}",
+                   f"stats_out={stats}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "oases-train: llama h=64 L=2 | 2 ranks = TMP 2 x DP 1" in proc.stdout
+    summary = json.loads(stats.read_text())["summary"]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    source = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    assert type(model) is transformers.LlamaForCausalLM and model.config.num_key_value_heads == 2
+    trained, initial = load_file(export / "model.safetensors"), load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert sorted(trained) == sorted(initial)
+    assert not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])  # the trained weights were written
+    assert source.config.vocab_size == model.config.vocab_size
+
+    # The engine's last eval: the held-out batch of oases-train (data=text, DP 1).
+    batch = TokenBatches(DataConfig(), model.config.vocab_size, model.config.max_position_embeddings).eval_batch(0, 1, 0, MICRO)
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"]).logits
+    loss = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
+    assert abs(loss - summary["eval_loss"]) <= 1e-5 * abs(loss), (loss, summary["eval_loss"])
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model=hf"], "error: model.path is not set; model=hf needs a local Hugging Face model directory"),
+    (["model=gpt_tiny", "model.path=/tmp"], "error: model.path is set but model.family=gpt; start from a Hugging Face"),
+    (["model=hf", "model.path=/nonexistent/dir"],
+     "error: model.path=/nonexistent/dir: /nonexistent/dir is not a directory with a config.json"),
+])
+def test_bad_model_path_is_one_line_before_launching(overrides, says):
+    proc = _python("-m", "oases_ds.cli.train", *overrides, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(says), proc.stderr[-2000:]
+
+
+def test_unsupported_checkpoint_and_unexportable_model_are_one_line(tmp_path, checkpoint):
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    bert.save_pretrained(tmp_path / "bert")
+    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={tmp_path / 'bert'}", timeout=120)
+    assert proc.returncode == 2
+    assert "'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel" in proc.stderr.strip().splitlines()[-1]
+    proc = _python("-m", "oases_ds.cli.train", "model=bert_small", f"export_hf={tmp_path / 'out'}", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: export_hf={tmp_path / 'out'}: save_hf: family 'bert' cannot be exported")
+    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "model.rotary=interleaved",
+                   f"export_hf={tmp_path / 'out'}", timeout=120)
+    assert proc.returncode == 2
+    assert "rotates halves" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_initialize_converts_a_transformers_model(kind):
+    per_rank = launch(hf_workers.initialize_from_transformers_worker, 2, (kind,), timeout_s=600)
+    for rank, r in enumerate(per_rank):
+        assert r["loss_err"] <= 1e-5, f"rank {rank}: eval loss rel err {r['loss_err']:.2e}"
+        assert r["refused"].startswith("model: Oases needs an oases_ds.ModelConfig, an OperatorModel or a Hugging "
+                                       "Face model (GPT2LMHeadModel, LlamaForCausalLM), got Linear"), r["refused"]
+
+
+def test_initialize_refuses_an_unsupported_transformers_model_in_one_line():
+    import oases_ds
+
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "oases": {"enabled": True, "tensor_parallel_size": 1}}
+    with pytest.raises(oases_ds.OasesConfigError) as e:
+        oases_ds.initialize(model=bert, config=cfg)
+    assert str(e.value) == ("model: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) and "
+                            "LlamaForCausalLM (llama)")
+
+
+@pytest.mark.distributed
+def test_lightning_module_takes_a_transformers_model():
+    per_rank = launch(lightning_workers.hf_validate_run, 2, ("llama",), timeout_s=600, threads_per_rank=1)
+    for rank, r in enumerate(per_rank):
+        assert abs(r["val_loss"] - r["ref"]) <= 1e-5 * abs(r["ref"]), f"rank {rank}: {r}"
+
+
+def test_lightning_module_refuses_an_unsupported_transformers_model_in_one_line():
+    from lightning_strategy import OasesLightningModule
+
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(TypeError) as e:
+        OasesLightningModule(bert)
+    assert str(e.value) == ("OasesLightningModule: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) "
+                            "and LlamaForCausalLM (llama)")
