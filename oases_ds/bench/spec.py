@@ -12,6 +12,7 @@ here as plain YAML: the library does not need Hydra to know what ``oases`` means
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -36,7 +37,11 @@ def load_preset(group: str, name: str, key: str | None = None) -> dict[str, Any]
         known = sorted(f[:-5] for f in os.listdir(os.path.dirname(path)) if f.endswith(".yaml"))
         raise ValueError(f"{key or group}: {name!r} is not a preset in configs/{group}; choose from {', '.join(known)}")
     with open(path) as f:
-        return yaml.safe_load(f)
+        preset = yaml.safe_load(f)
+    if group == "model":  # what the Hydra schema (fields of ModelConfig) fills in for keys a preset leaves out
+        preset = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)
+                     if f.default is not dataclasses.MISSING}, **preset}
+    return preset
 
 
 def bench_defaults() -> dict[str, Any]:
