@@ -37,8 +37,9 @@ The peak is the largest sum over the replay of:
 Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
 op saves is read off its code, checked against
 :class:`~oases_ds.bench.measure.ActivationProbe` in tests); activations in one
-dtype of ``dtype_bytes``; norm statistics (mean, rstd) in fp32; the causal mask
-one ``s x s`` bool per attention call; the rotary tables (model buffers, shared)
+dtype of ``dtype_bytes``; norm statistics (mean, rstd) and SDPA's logsumexp in
+fp32; the causal mask one ``s x s`` bool per attention call with dropout (SDPA
+builds none); the attention route chosen by ``model.dropout`` (training); the rotary tables (model buffers, shared)
 not counted; the autograd engine's scratch inside one backward instruction not
 counted (it is freed before the next instruction, where the probe samples).
 """
