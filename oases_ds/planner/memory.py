@@ -37,8 +37,9 @@ The peak is the largest sum over the replay of:
 Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
 op saves is read off its code, checked against
 :class:`~oases_ds.bench.measure.ActivationProbe` in tests); activations in one
-dtype of ``dtype_bytes``; norm statistics (mean, rstd) in fp32; the causal mask
-one ``s x s`` bool per attention call; the rotary tables (model buffers, shared)
+dtype of ``dtype_bytes``; norm statistics (mean, rstd) and SDPA's logsumexp in
+fp32; the causal mask one ``s x s`` bool per attention call with dropout (SDPA
+builds none); the attention route chosen by ``model.dropout`` (training); the rotary tables (model buffers, shared)
 not counted; the autograd engine's scratch inside one backward instruction not
 counted (it is freed before the next instruction, where the probe samples).
 """
@@ -93,21 +94,34 @@ class OpMemory:
     fixed: float = 0.0
 
 
-def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer: int = 0) -> OpMemory:
+def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer: int = 0,
+              neighbour: int | None = None) -> OpMemory:
     """The per-op table: outputs and autograd-saved tensors of each compute operator of
     :mod:`oases_ds.models.operator_model` at TMP ``degree`` (``short``: its name
-    without the ``L3.`` prefix; ``layer``: its layer, for BERT's first-layer entry).
+    without the ``L3.`` prefix; ``layer``: its layer; ``neighbour``: the TMP degree of
+    the block across the boundary this op touches -- the previous block for an
+    ``*_in`` op, the next for an ``*_out`` op -- ``None`` for the same degree).
 
-    Why each entry is what it is (``e`` = ``dtype_bytes``, ``a`` heads, ``t`` degree):
-    a linear layer saves its input; LayerNorm saves its input and fp32 mean and
-    rstd, RMSNorm its input, ``x/rms`` and ``1/rms``; keyed dropout and the
-    bias-dropout-residual output ops save nothing (the mask is regenerated from
-    its key); the attention core saves the softmax output and the dropped
-    probabilities (``a s / t`` each per token; one tensor without dropout), ``v``
-    as a contiguous copy and, when ``q``/``k`` arrive transposed (no RoPE), copies
-    of them, else ``q`` and ``k`` themselves; the GeLU MLP saves fc1's output and
-    the GeLU output, the SwiGLU MLP gate, SiLU, up and their product (``F/t``
-    each); post-LN BERT normalises a block's output at the start of the next op.
+    Why each entry is what it is (``e`` = ``dtype_bytes``, ``a`` heads, ``t`` degree),
+    read off autograd's saved tensors (``saved_tensors_hooks``, as
+    :class:`~oases_ds.bench.measure.ActivationProbe` counts them): a linear layer
+    saves its input; LayerNorm saves its input and fp32 mean and rstd, RMSNorm its
+    input, ``x/rms`` and ``1/rms``; keyed dropout and the bias-dropout-residual
+    output ops save nothing (the mask is regenerated from its key).  The attention
+    core takes one of two routes (:func:`~oases_ds.parallel.layers.attention_core`):
+    without dropout (attention dropout 0, or eval) fused SDPA saves ``q``, ``k``,
+    ``v`` as they arrive, its ``[b,heads,s,d]`` output and an fp32 logsumexp per
+    head -- no ``s x s`` tensor and no causal mask; with keyed dropout the manual
+    route saves the scaled ``q`` (a new tensor), ``k`` (a contiguous copy when it
+    arrives transposed, i.e. without RoPE), ``v`` as a contiguous copy, the softmax
+    output and the dropped probabilities (``a s / t`` each per token) and the causal
+    mask (one ``s x s`` bool per call).  GQA repeats ``k``/``v`` to the query heads
+    inside ``qkv``, so the core sees (and saves) ``H/t``-wide ``k``/``v`` either way
+    and the narrower projections die with ``qkv``'s transient.  The GeLU MLP saves
+    fc1's output and the GeLU output, the SwiGLU MLP gate, SiLU, up and their
+    product (``F/t`` each).  Post-LN BERT normalises a block's output at the start
+    of the next op -- only where both blocks share a degree (``neighbour``), else
+    at the end of the block's own ``*_out`` op.
     """
     H, F, a, s, t, e = cfg.hidden_size, cfg.ffn, cfg.num_heads, cfg.seq_len, degree, dtype_bytes
     drop = cfg.dropout > 0
@@ -115,42 +129,67 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
     stats = 2 * NORM_STAT_BYTES  # LayerNorm's fp32 mean and rstd
     # what a pre-LN norm saves besides its input: LayerNorm its statistics; RMSNorm x/rms and 1/rms
     norm = H * e + e if fam == "llama" else stats
+    # post-LN: whether the norm at this op's block boundary runs in the op that opens the next block
+    moved = neighbour is None or neighbour == degree
     if short == "embed":
         return OpMemory((float(H * e),), saved=8 + 1)  # int64 local token ids + bool out-of-range mask
     if short == "embed_out":
         if fam == "llama":  # no positions: dropout's output, or x itself without dropout
             return OpMemory((float(H * e),) if drop else (0,))
-        bert = H * e + stats if fam == "bert" else 0.0  # BERT's embedding norm saves x + pos
-        return OpMemory((float(H * e),), saved=bert)
-    if short == "attn_in" and fam == "bert":  # post-LN: the previous layer's output norm, if any
-        return OpMemory((0, 0)) if layer == 0 else OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
-    if short == "mlp_in" and fam == "bert":  # post-LN: the attention block's output norm
+        types = 8.0 if cfg.type_vocab_size else 0.0  # int64 segment ids, when the batch carries them
+        if fam == "bert" and not moved:  # the embedding norm runs here: it saves x + pos and its statistics
+            return OpMemory((float(H * e),), saved=types + H * e + stats)
+        return OpMemory((float(H * e),), saved=types)
+    bert_entry = fam == "bert" and short in ("attn_in", "mlp_in")
+    if bert_entry and not moved:
+        return OpMemory((0, 0))  # the previous block (or the embedding) normalised its own output
+    if bert_entry:  # post-LN: the previous block's output norm (and, before layer 0, the embedding's)
         return OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
     if short in ("attn_in", "mlp_in"):
         return OpMemory((0, float(H * e)), (0,), norm)
     if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway
         return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,))
     if short == "core":
-        probs = a / t * s * e * (2 if drop else 1)  # softmax output, dropped probabilities
-        if fam == "llama":  # RoPE hands q, k on contiguous: saved as they are
-            return OpMemory((0, H / t * e), (1, 2), probs + H / t * e, float(s * s))
+        width = H / t * e  # q, k, v and the output, per token
+        if not drop:  # fused SDPA: q, k, v as given, its output, fp32 logsumexp per head
+            return OpMemory((0, width), (1, 2, 3), width + a / t * NORM_STAT_BYTES)
+        probs = 2 * a / t * s * e  # softmax output, dropped probabilities
         causal = 0.0 if fam == "bert" else float(s * s)  # one bool s x s mask per call
-        return OpMemory((0, H / t * e), (), probs + 3 * H / t * e, causal)
+        if fam == "llama":  # RoPE hands k on contiguous: saved as it is; scaled q and v copies new
+            return OpMemory((0, width), (2,), probs + 2 * width, causal)
+        return OpMemory((0, width), (), probs + 3 * width, causal)
     if short == "proj":
         return OpMemory((0, float(H * e)), (1,))
     if short in ("attn_out", "mlp_out"):
+        if fam == "bert" and not moved:  # post-LN norm here: it saves the residual sum and its statistics
+            return OpMemory((float(H * e),), saved=H * e + stats)
         return OpMemory((float(H * e),))
     if short == "mlp":
         return OpMemory((0, float(H * e)), (1,), (4 if fam == "llama" else 2) * F / t * e)
     if short == "head_in":
-        if fam == "bert":  # last block's norm, dense, GeLU, head norm: 3 tensors saved besides the input
-            return OpMemory((float(H * e),), (0,), 3 * H * e + 2 * stats)
+        if fam == "bert":  # [last block's norm,] dense, GeLU, head norm: the tensors saved besides the input
+            return OpMemory((float(H * e),), (0,), (3 * H * e + 2 * stats) if moved else (2 * H * e + stats))
         return OpMemory((float(H * e),), (0,), norm)
     if short == "loss":
         # fp32 softmax over this rank's V/t, int64 local label, bool outside mask, fp32 per-token loss
         return OpMemory((0.0,), (0,), cfg.vocab_size / t * LOSS_BYTES + 8 + 1 + 4)
     raise ValueError(f"the memory model has no entry for operator {short!r} ({fam}); "
                      f"add it to oases_ds.planner.memory.op_memory")
+
+
+def _neighbours(ops: Sequence[Op], op_degrees: Sequence[int]) -> dict[int, int]:
+    """Each block-boundary op's ``neighbour`` for :func:`op_memory`: the degree of the
+    compute op before an ``*_in`` op (the embedding's before ``L0.attn_in``) and after
+    an ``*_out`` op (the head's after the last ``mlp_out``)."""
+    compute = [i for i, op in enumerate(ops) if not isinstance(op, CommOp)]
+    found: dict[int, int] = {}
+    for n, i in enumerate(compute):
+        short = _short(ops[i])
+        if short in ("attn_in", "mlp_in", "head_in") and n > 0:
+            found[i] = op_degrees[compute[n - 1]]
+        elif short in ("embed_out", "attn_out", "mlp_out") and n + 1 < len(compute):
+            found[i] = op_degrees[compute[n + 1]]
+    return found
 
 
 @dataclass(frozen=True)
@@ -207,7 +246,8 @@ def activation_replay(
     schedule = build_schedule(spec, ops)
     frees = last_reads(schedule.instructions, ops)
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
-    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer)
+    neighbours = _neighbours(ops, op_degrees)
+    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
     checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
 
