@@ -38,7 +38,7 @@ from oases_ds.models.operator_model import OperatorModel  # noqa: E402
 from oases_ds.parallel.random import RNGTracker  # noqa: E402
 from oases_ds.runtime.executor import Executor  # noqa: E402
 from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
-from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
+from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "checkpoint_memory.json"
@@ -112,12 +112,7 @@ def table(result: dict) -> str:
 
 
 def update_readme(result: dict, readme: Path = README) -> None:
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme}: markers {BEGIN} / {END} missing; add them where the table goes")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    write_text_atomic(readme, f"{head}{BEGIN}\n{table(result)}\n{END}{tail}")
+    replace_marked_section(readme, BEGIN, END, table(result), append=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from oases_ds.launcher import launch  # noqa: E402
-from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
+from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 VARIANTS = ("dp1", "dp2_after", "dp2_overlap")
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
@@ -130,15 +130,7 @@ def summary_line(result: dict, args: dict) -> str:
 
 
 def replace_readme_line(line: str, path: str = README) -> None:
-    with open(path) as f:
-        text = f.read()
-    block = f"{MARK_BEGIN}\n{line}\n{MARK_END}"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    write_text_atomic(path, text)
+    replace_marked_section(path, MARK_BEGIN, MARK_END, line)
 
 
 def build_parser() -> argparse.ArgumentParser:

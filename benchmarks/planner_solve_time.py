@@ -42,7 +42,7 @@ from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import solve  # noqa: E402
 from oases_ds.planner.objective import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
-from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
+from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 DEVICES = 32
 DEGREES = (1, 2, 4, 8, 16, 32)
@@ -224,12 +224,7 @@ def render(result: dict) -> str:
 
 def render_readme(result: dict, readme: Path = README) -> None:
     """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` (atomically)."""
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme}: markers {BEGIN!r} / {END!r} missing; add them where the table belongs")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    write_text_atomic(readme, f"{head}{BEGIN}\n{render(result)}\n{END}{tail}")
+    replace_marked_section(readme, BEGIN, END, render(result), append=False)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from oases_ds.bench.provenance import git_commit, machine
-from oases_ds.utils.io import write_json_atomic, write_text_atomic
+from oases_ds.utils.io import replace_marked_section, write_json_atomic
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -57,14 +57,8 @@ def write_results(json_path: str, payload: dict[str, Any], readme_path: str, tab
     """Write the JSON record and replace the benchmark's generated table in the README
     (between ``<!-- <name>:begin -->`` and ``<!-- <name>:end -->``, appended if absent)."""
     write_json_atomic(json_path, payload)
-    begin, end = f"<!-- {payload['benchmark']}:begin -->", f"<!-- {payload['benchmark']}:end -->"
-    text = open(readme_path, encoding="utf-8").read() if os.path.exists(readme_path) else ""
-    block = "\n".join([begin, *table, end])
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    write_text_atomic(readme_path, text)
+    name = payload["benchmark"]
+    replace_marked_section(readme_path, f"<!-- {name}:begin -->", f"<!-- {name}:end -->", "\n".join(table))
 
 
 def fmt_ratio(s: dict[str, float]) -> str:

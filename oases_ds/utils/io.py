@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 from typing import Any
+from pathlib import Path
 
 PathLike = str | os.PathLike[str]
 
@@ -93,3 +94,24 @@ def fsync_directory(directory: PathLike) -> None:
         pass
     finally:
         os.close(handle)
+
+
+def replace_marked_section(path: PathLike, begin: str, end: str, body: str, *, append: bool = True) -> None:
+    """Rewrite the text between the ``begin`` and ``end`` marker lines of the file at ``path``
+    with ``body``, atomically; the rest of the file is untouched.
+
+    Why one function: every benchmark regenerates its own table in ``benchmarks/README.md``
+    from its result file, so no figure there is hand-written.  Where the markers are
+    missing, the block is appended (``append``) or the call fails in one line naming them.
+    """
+    text = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else ""
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text[text.index(begin):]:
+        start = text.index(begin)
+        stop = text.index(end, start) + len(end)
+        text = text[:start] + block + text[stop:]
+    elif append:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    else:
+        raise ValueError(f"{path}: markers {begin!r} / {end!r} missing; add them where the generated text belongs")
+    write_text_atomic(path, text)

@@ -15,7 +15,7 @@ import stat
 import pytest
 
 from oases_ds.utils import io as atomic_io
-from oases_ds.utils.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from oases_ds.utils.io import replace_marked_section, write_bytes_atomic, write_json_atomic, write_text_atomic
 
 
 def test_json_round_trips_with_the_callers_layout(tmp_path) -> None:
@@ -92,3 +92,16 @@ def test_a_directory_that_refuses_fsync_is_not_an_error(tmp_path, monkeypatch) -
     monkeypatch.setattr(atomic_io.os, "fsync", fsync)
     write_text_atomic(tmp_path / "report.md", "# ok\n")
     assert (tmp_path / "report.md").read_text() == "# ok\n"
+
+
+def test_replace_marked_section_rewrites_only_between_the_markers(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text("intro\n<!-- t:begin -->\nold 1\nold 2\n<!-- t:end -->\noutro\n")
+    replace_marked_section(path, "<!-- t:begin -->", "<!-- t:end -->", "new")
+    assert path.read_text() == "intro\n<!-- t:begin -->\nnew\n<!-- t:end -->\noutro\n"
+    replace_marked_section(path, "<!-- u:begin -->", "<!-- u:end -->", "added")  # absent: appended
+    assert path.read_text().endswith("outro\n\n<!-- u:begin -->\nadded\n<!-- u:end -->\n")
+    before = path.read_text()
+    with pytest.raises(ValueError, match=r"markers '<!-- v:begin -->' / '<!-- v:end -->' missing"):
+        replace_marked_section(path, "<!-- v:begin -->", "<!-- v:end -->", "x", append=False)
+    assert path.read_text() == before  # a refused rewrite leaves the file as it was
