@@ -110,7 +110,6 @@ class OasesEngine(DeepSpeedEngine):
     """DeepSpeedEngine that trains an :class:`OperatorModel` with an Oases schedule."""
 
     _oases_in_train_batch = False  # a class default: DeepSpeedEngine.__init__ runs before ours sets it
-    _dp_wait_s = 0.0  # exposed wait for the overlapped DP buckets in the last micro-batch
 
     def __init__(self, *args: Any, oases: OasesConfig, parallel_context: ParallelContext, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -209,17 +208,17 @@ class OasesEngine(DeepSpeedEngine):
         start = clock.mark()
         # non_blocking: a blocking host-to-device copy waits for the device's queue
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-        losses, timelines, tokens, dp_wait = [], [], 0, 0.0
+        losses, timelines, tokens = [], [], 0
         for acc, mb in enumerate(micro_batches):
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
             timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device
-            dp_wait += self._dp_wait_s
             tokens += mb["tokens"].numel()
             self.step()
         loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
         begun, ended = clock.resolve([start, clock.mark()])
         elapsed = ended - begun
+        dp_wait = self.dp_reducer.wait_s if self.dp_reducer is not None else 0.0  # the window's one boundary (arm resets it)
         exposed = sum(timeline.busy("wait") for timeline in timelines) + dp_wait
         stats = self.oases_comm.stats
         self.last_stats = {
@@ -260,7 +259,6 @@ class OasesEngine(DeepSpeedEngine):
         accumulated = [p.grad for p in params]
         for p in params:
             p.grad = None
-        self._dp_wait_s = 0.0
         if self.dp_reducer is not None and self.is_gradient_accumulation_boundary():
             # The schedule's hooks reduce each block over DP as its backward ends; DeepSpeed's
             # backward (gas scaling + reduction) is replaced by the reducer's fold, 1/gas each.
@@ -271,7 +269,6 @@ class OasesEngine(DeepSpeedEngine):
                 self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
                 raise
             self.dp_reducer.finish()
-            self._dp_wait_s = self.dp_reducer.wait_s
             return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         grads = [p.grad for p in params]

@@ -148,6 +148,7 @@ class DPGradReducer:
         self._started = set()
         self._in_flight = []
         self._scale = micro_batch_scale
+        self.wait_s = 0.0  # this window's wait; set by finish()
         self.log = []
 
     def __call__(self, ins: Instruction, phase: HookPhase) -> None:

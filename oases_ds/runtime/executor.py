@@ -189,7 +189,6 @@ class Executor:
         Returns the micro-batch's mean loss (detached).
         """
         self._prepare(batch, sample_offset, global_batch)
-        self.timeline.clear()
         for idx, ins in enumerate(self.schedule.instructions):
             for hook in self._hooks:
                 hook(ins, "before")
