@@ -32,7 +32,7 @@ from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
-from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table
+from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
@@ -40,6 +40,7 @@ from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.memory import estimate_memory, memory_lines
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile, profile_rows
+from oases_ds.planner.stages import PipelineSpec, even_split, p2p_ms, plan_split, plan_stages
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
 
@@ -86,6 +87,9 @@ class PlanSchema:
     micro_batch: int = 8
     layers: Optional[int] = None
     memory_limit: Any = None  # bytes or a string such as 2GiB (parse_bytes)
+    pipeline_stages: int = 1
+    micro_batches: Optional[int] = None
+    pipeline_link_gbps: Optional[float] = None
     table: Optional[str] = None
     out: str = "plan.json"
     timeout_s: float = 1800.0
@@ -94,7 +98,8 @@ class PlanSchema:
 ConfigStore.instance().store(name="plan_schema", node=PlanSchema)
 
 RANGES: dict[str, float] = {"devices": 1, "micro_batch": 1, "planner.warmup": 0, "planner.repeats": 1,
-                            "accuracy.plans": 1, "accuracy.warmup": 0, "accuracy.repeats": 1}
+                            "accuracy.plans": 1, "accuracy.warmup": 0, "accuracy.repeats": 1,
+                            "pipeline_stages": 1}
 """Smallest value of each numeric key (``layers`` >= 1 when set; ``timeout_s`` and
 ``planner.time_limit_s`` must be > 0)."""
 
@@ -114,6 +119,12 @@ def check_ranges(cfg: dict) -> None:
     schema.check_ranges(cfg, RANGES, positive=("timeout_s", "planner.time_limit_s"))
     if cfg["layers"] is not None and cfg["layers"] < 1:
         raise ValueError(f"layers must be >= 1, got {cfg['layers']}; leave it null to plan every layer")
+    if cfg["micro_batches"] is not None and cfg["micro_batches"] < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {cfg['micro_batches']}; leave it null for 4 x pipeline_stages")
+    if cfg["pipeline_link_gbps"] is not None and not cfg["pipeline_link_gbps"] > 0:
+        raise ValueError(f"pipeline_link_gbps must be > 0, got {cfg['pipeline_link_gbps']}; leave it null for the cluster's link")
+    if cfg["pipeline_stages"] > 1 and cfg["mode"] == "accuracy":
+        raise ValueError("mode=accuracy measures plans of one TMP group; it takes pipeline_stages=1")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -243,6 +254,11 @@ def run(cfg: dict) -> None:
     print("\n".join(profile_rows(table)))
     if cfg["mode"] == "profile":
         return
+    if cfg["pipeline_stages"] > 1:
+        plan = plan_pipeline(cfg, table, limit)
+        plan.to_json(cfg["out"])
+        print(f"wrote {cfg['out']}")
+        return
     try:
         plan = _solve(table, limit, cfg["planner"])
     except PlanInfeasibleError as err:
@@ -264,6 +280,43 @@ def run(cfg: dict) -> None:
         return
     plan.to_json(cfg["out"])
     print(f"wrote {cfg['out']}")
+
+
+def _pipeline(cfg: dict, table: Any) -> PipelineSpec:
+    """The pipeline the config describes: ``micro_batches`` (default 4 x stages, where 1F1B's
+    bubble is (P - 1) / m < 1/4), p2p over ``pipeline_link_gbps`` (default the table's link),
+    the head's time where the table is analytic (a profile has none: 0)."""
+    stages = cfg["pipeline_stages"]
+    micro_batches = cfg["micro_batches"] if cfg["micro_batches"] is not None else 4 * stages
+    head = head_ms(_spec(cfg), _device(cfg)) if cfg["cost"] == "analytic" else 0.0
+    return PipelineSpec(stages, micro_batches, p2p_ms(table, cfg["pipeline_link_gbps"]), head_ms=head)
+
+
+def plan_pipeline(cfg: dict, table: Any, limit: float | None) -> Plan:
+    """Split the layers into ``pipeline_stages`` stages with their degrees, print the split
+    next to Megatron's even one, and return the plan to write."""
+    pipeline = _pipeline(cfg, table)
+    try:
+        staged = plan_stages(table, pipeline, limit)
+    except PlanInfeasibleError as err:
+        raise ValueError(f"memory_limit: {err}") from None
+    link = "the cluster's link" if cfg["pipeline_link_gbps"] is None else f"{cfg['pipeline_link_gbps']:g} Gbit/s"
+    print(f"pipeline: {pipeline.stages} stages x TMP {table.devices}, {pipeline.micro_batches} micro-batches per step "
+          f"(1F1B); p2p {pipeline.p2p_ms:.3f} ms per micro-batch one way over {link}; head "
+          + (f"{pipeline.head_ms:.3f} ms (analytic)" if cfg["cost"] == "analytic" else "not in a profile (0)"))
+    print(f"stage split ({staged.solver_name}, solved in {staged.solver_ms:.1f} ms):")
+    print("\n".join(f"  {line}" for line in staged.as_lines()))
+    times = [stage.step_ms for stage in staged.stages]
+    print(f"predicted 1F1B step {staged.step_ms:.3f} ms = sum {sum(times):.3f} + ({pipeline.micro_batches} - 1) x "
+          f"slowest {max(times):.3f} ms | peak {max(s.memory_bytes for s in staged.stages) / 2**20:.1f} MiB per device "
+          f"({'unbounded' if limit is None else f'limit {limit / 2**20:.1f} MiB'}; the planner's bound)")
+    even = even_split(table.layers, pipeline.stages)
+    try:
+        baseline = plan_split(table, pipeline, limit, even)
+        print(f"even split {even}: {baseline.step_ms:.3f} ms (the split is {baseline.step_ms / staged.step_ms:.3f}x faster)")
+    except PlanInfeasibleError as err:
+        print(f"even split {even}: does not fit ({err})")
+    return staged.to_plan(table)
 
 
 def _plan_memory(cfg: dict, table: Any, plan: Any) -> Any:

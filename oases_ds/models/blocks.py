@@ -122,6 +122,23 @@ def embed_head_parameter_count(cfg: ModelConfig, degree: int) -> int:
     return sum(_per_device(param, degree) for module in modules for param in module.parameters())
 
 
+def end_parameter_counts(cfg: ModelConfig, degree: int) -> dict[str, int]:
+    """Parameters one device holds of the embedding (``"embed"``) and of the head (``"head"``)
+    apart, for pipeline stages: the first stage holds the one, the last the other.  With
+    ``tie_embeddings`` the head reads the word embedding, so the last stage holds its own copy
+    of that table (Megatron's tied-embedding copy, kept equal by an all-reduce of the two
+    gradients) and ``"head"`` counts it; on one stage :func:`embed_head_parameter_count` is the
+    right count (one table)."""
+    cfg.check_tp(degree)
+    with torch.device("meta"):
+        embed, head = Embedding(cfg, None), Head(cfg, None)
+    counts = {"embed": sum(_per_device(p, degree) for p in embed.parameters()),
+              "head": sum(_per_device(p, degree) for p in head.parameters())}
+    if cfg.tie_embeddings:
+        counts["head"] += _per_device(embed.word.weight, degree)
+    return counts
+
+
 def _per_device(param: nn.Parameter, degree: int) -> int:
     """A parameter split over TMP ranks (``tp_dim`` set) is held ``1/degree`` per device, a replicated one whole."""
     return param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()

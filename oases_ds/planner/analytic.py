@@ -170,6 +170,18 @@ def _shapes_by_op(cfg: ModelConfig, degree: int) -> dict[int, OpShape]:
     return out
 
 
+def head_ms(spec: ProfileSpec, device: DeviceModel) -> float:
+    """Forward + backward of the head's vocabulary projection per micro-batch on one device
+    (the last pipeline stage runs it; the table leaves it out): ``2 H V / T`` FLOPs per
+    token forward on the full TMP group of ``T``, every token of the micro-batch, backward
+    twice that.  The embedding is a lookup (no product) and counts 0; norms, softmax and
+    cross-entropy are elementwise, in ``achieved_fraction`` as for the blocks."""
+    cfg = spec.model
+    tokens = spec.micro_batch * cfg.seq_len
+    forward = 2 * cfg.hidden_size * cfg.vocab_size / spec.devices * tokens
+    return forward * (1 + BACKWARD_FLOPS_RATIO) / device.flops_per_s * 1e3
+
+
 def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostTable:
     """The cost table the profiler would fill for ``spec``, computed (see module doc).
 
@@ -254,6 +266,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
         latency_us=link.latency_us,
         sub_batches=sub,
         fixed_bytes=memory.fixed_bytes,
+        stage_fixed_bytes=memory.stage_fixed_bytes,
         measurements={
             "memory": memory.evidence,
             "source": "analytic (oases_ds.planner.analytic): FLOPs / device throughput, LinkModel collectives",

@@ -28,6 +28,9 @@ so a cached profile from an older model is re-profiled, never silently reused.
 3: memory from :mod:`oases_ds.planner.memory` (autograd-saved tensors, logits,
 working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``."""
 
+STAGE_ROLE_NAMES: tuple[str, ...] = ("only", "first", "middle", "last")
+"""Roles of a pipeline stage, by the ends of the model it holds (:attr:`CostTable.stage_fixed_bytes`)."""
+
 SLICE_MS = 0.005
 """Cost of taking a local slice of a tensor: no communication, only a copy."""
 
@@ -134,6 +137,12 @@ class CostTable:
     1 for a blocking schedule).  Each sub-batch is resharded separately and the last one's
     collective overlaps ``1/sub_batches`` of the neighbouring block, so the edge costs depend on
     it.  2, the paper's split, when a table written before this field is loaded."""
+    stage_fixed_bytes: dict[str, float] = field(default_factory=dict)
+    """:attr:`fixed_bytes` of a pipeline stage by its role (``"first"``: embedding only,
+    ``"middle"``: neither end, ``"last"``: head, loss and logits only; ``"only"``: the whole
+    model), from :func:`~oases_ds.planner.memory.memory_rows`.  Empty in a table written
+    before pipeline stages: :mod:`oases_ds.planner.stages` then charges every stage the
+    whole :attr:`fixed_bytes`, an over-count, never an under-count."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sub_batches, int) or isinstance(self.sub_batches, bool) or self.sub_batches < 1:
@@ -159,6 +168,11 @@ class CostTable:
             raise ValueError(f"CostTable.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
         if not 0 <= self.fixed_bytes < math.inf:
             raise ValueError(f"CostTable.fixed_bytes must be a finite number >= 0, got {self.fixed_bytes!r}")
+        for role, value in self.stage_fixed_bytes.items():
+            if role not in STAGE_ROLE_NAMES:
+                raise ValueError(f"CostTable.stage_fixed_bytes has role {role!r}; roles are {', '.join(STAGE_ROLE_NAMES)}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"CostTable.stage_fixed_bytes[{role!r}] must be a finite number >= 0, got {value!r}")
         if self.reshard_bytes < 0 or self.latency_us < 0:
             raise ValueError(
                 f"CostTable.reshard_bytes and latency_us must be >= 0, got {self.reshard_bytes}, {self.latency_us}"

@@ -51,7 +51,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
-from oases_ds.models.blocks import embed_head_parameter_count, layer_parameter_counts
+from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.ops import CommOp, ComputeOp, Op
@@ -317,12 +317,22 @@ def activation_replay(
 
 _PRIORITY = ("checkpoint", "kept", "transient")
 
+END_PARTS: tuple[str, ...] = ("embed", "head")
+"""The ends of the operator sequence, which pipeline stages split: the first stage runs the
+embedding, the last the head and the loss."""
+
+STAGE_ROLES: dict[str, tuple[str, ...]] = {"only": END_PARTS, "first": ("embed",), "middle": (), "last": ("head",)}
+"""A pipeline stage's role -> the ends it holds (``only``: one stage, the whole model)."""
+
 
 def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) -> dict[str, float]:
     """Bytes of every live tensor, each once, by term: a tagged tensor (logits, comm)
     by its tag, else by the most lasting buffer that holds it.  Besides the terms,
     ``"held:<layer>.<block>"`` sums the checkpoint and kept bytes held by a block's
-    buffers (its checkpoints, its kept graphs), which :func:`memory_rows` reads."""
+    buffers (its checkpoints, its kept graphs), which :func:`memory_rows` reads, and
+    ``"part:embed"`` / ``"part:head"`` every other byte held by the embedding's / the
+    head's buffers (the head's: its graphs and the logits), which a pipeline stage
+    without that end does not hold (:attr:`MemoryRows.stage_fixed_bytes`)."""
     term_of: dict[int, tuple[str, int]] = {}  # tensor -> (term, op of the buffer that holds it)
     for buf, held in buffers.items():
         term = kind.get(buf, "transient")
@@ -337,6 +347,9 @@ def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) 
         op = ops[holder]
         if term in ("checkpoint", "kept") and op.block in ("attn", "mlp"):
             key = f"held:{op.layer}.{op.block}"
+            totals[key] = totals.get(key, 0.0) + size[tid]
+        elif op.block in END_PARTS:
+            key = f"part:{op.block}"
             totals[key] = totals.get(key, 0.0) + size[tid]
     return totals
 
@@ -441,11 +454,16 @@ class MemoryRows:
             the block being recomputed and backpropagated and the collectives in
             flight -- the largest over the degrees, so a mixed plan is not under-counted.
         evidence: per degree, the replayed peak and its terms (for the table's measurements).
+        stage_fixed_bytes: the constant of a pipeline stage by its role
+            (:data:`STAGE_ROLES`): as ``fixed_bytes``, less the embedding's bytes and states
+            on a stage without the embedding, less the head's (logits included) on one
+            without the head; ``only`` equals ``fixed_bytes``.
     """
 
     act_bytes: dict[str, dict[int, float]]
     fixed_bytes: float
     evidence: dict[str, dict]
+    stage_fixed_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 PROBE_LAYERS = 3
@@ -471,6 +489,7 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     probe = dataclasses.replace(cfg, num_layers=PROBE_LAYERS)
     rows: dict[str, dict[int, float]] = {"attn": {}, "mlp": {}}
     fixed = 0.0
+    stage_other = dict.fromkeys(STAGE_ROLES, 0.0)
     evidence: dict[str, dict] = {}
     middle = PROBE_LAYERS // 2
     for t in degrees:
@@ -483,11 +502,19 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
             rows[kind][t] = most.get(f"held:{middle}.{kind}", 0.0)
         other = max(_total(terms) - sum(v for k, v in terms.items() if k.startswith("held:")) for _, terms in replay)
         fixed = max(fixed, other)
+        for role, ends in STAGE_ROLES.items():
+            dropped = {f"part:{end}" for end in END_PARTS if end not in ends}
+            stage_other[role] = max(stage_other[role], max(
+                _total(terms) - sum(v for k, v in terms.items() if k.startswith("held:") or k in dropped)
+                for _, terms in replay))
         at, terms = max(replay, key=lambda step: _total(step[1]))
         evidence[str(t)] = {"peak_at": at, "activation_peak_bytes": _total(terms), "non_block_bytes": other,
                             **{f"{k}_bytes": terms[k] for k in TERMS}}
     states = embed_head_parameter_count(cfg, devices) * STATE_BYTES_PER_PARAM
-    return MemoryRows(rows, fixed + states, evidence)
+    ends = end_parameter_counts(cfg, devices)
+    stage_fixed = {role: stage_other[role] + STATE_BYTES_PER_PARAM * sum(ends[end] for end in held)
+                   for role, held in STAGE_ROLES.items() if role != "only"}
+    return MemoryRows(rows, fixed + states, evidence, {"only": fixed + states, **stage_fixed})
 
 
 def memory_lines(estimate: MemoryEstimate) -> list[str]:

@@ -38,12 +38,24 @@ class Plan:
     """Per-device state + activation bytes under the cost table."""
     table_key: str | None = None
     """:meth:`CostTable.key` of the profile the plan was solved against."""
+    stage_layers: tuple[int, ...] | None = None
+    """Pipeline stages (:mod:`oases_ds.planner.stages`): layers of each stage in order,
+    summing to :attr:`layers`; the degrees above run through every stage.  None: one stage
+    (every plan written before stages)."""
+    stage_step_ms: tuple[float, ...] | None = None
+    """Each stage's predicted time per micro-batch; ``predicted_step_ms`` is then the 1F1B step."""
+    stage_memory_bytes: tuple[float, ...] | None = None
+    """Each stage's per-device memory bound with its 1F1B micro-batches in flight;
+    ``memory_bytes`` is then their largest."""
+    micro_batches: int | None = None
+    """Micro-batches per step the stage split was planned for."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ValueError(f"Plan.devices must be >= 1, got {self.devices}")
         object.__setattr__(self, "attn_degrees", tuple(self.attn_degrees))
         object.__setattr__(self, "mlp_degrees", tuple(self.mlp_degrees))
+        self._check_stages()
         if len(self.attn_degrees) != len(self.mlp_degrees) or not self.attn_degrees:
             raise ValueError(
                 f"Plan.attn_degrees and Plan.mlp_degrees must be non-empty and equally long, "
@@ -52,6 +64,34 @@ class Plan:
         for name in ("attn_degrees", "mlp_degrees"):
             for layer, degree in enumerate(getattr(self, name)):
                 check_degree(f"Plan.{name}[{layer}]", degree, self.devices)
+
+    def _check_stages(self) -> None:
+        """Stage fields are all set or all unset, one entry per stage, layers summing to the plan's."""
+        names = ("stage_layers", "stage_step_ms", "stage_memory_bytes")
+        for name in names:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.stage_layers is None:
+            if any(getattr(self, name) is not None for name in names[1:]) or self.micro_batches is not None:
+                raise ValueError("Plan.stage_step_ms, stage_memory_bytes and micro_batches describe stages; "
+                                 "give Plan.stage_layers too, or none of them")
+            return
+        if not self.stage_layers or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.stage_layers):
+            raise ValueError(f"Plan.stage_layers must be layer counts >= 1, got {list(self.stage_layers)}")
+        if sum(self.stage_layers) != len(self.attn_degrees):
+            raise ValueError(f"Plan.stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)}; "
+                             f"the plan has {len(self.attn_degrees)} layers")
+        for name in names[1:]:
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.stage_layers):
+                raise ValueError(f"Plan.{name} has {len(value)} entries for {len(self.stage_layers)} stages")
+        if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
+            raise ValueError(f"Plan.micro_batches must be an int >= 1, got {self.micro_batches!r}")
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the plan was made for (1: no pipeline)."""
+        return 1 if self.stage_layers is None else len(self.stage_layers)
 
     @property
     def layers(self) -> int:

@@ -367,6 +367,7 @@ def table_from_measurements(
         latency_us=latency,
         sub_batches=sub,
         fixed_bytes=memory.fixed_bytes,
+        stage_fixed_bytes=memory.stage_fixed_bytes,
         measurements={
             "memory": memory.evidence,
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
