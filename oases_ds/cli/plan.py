@@ -60,6 +60,7 @@ class PlannerSchema:
     backend: str = "SCIP"
     time_limit_s: float = 60.0
     seed: int = 0
+    min_degree: int = 1
 
 
 @dataclass
@@ -99,7 +100,7 @@ ConfigStore.instance().store(name="plan_schema", node=PlanSchema)
 
 RANGES: dict[str, float] = {"devices": 1, "micro_batch": 1, "planner.warmup": 0, "planner.repeats": 1,
                             "accuracy.plans": 1, "accuracy.warmup": 0, "accuracy.repeats": 1,
-                            "pipeline_stages": 1}
+                            "pipeline_stages": 1, "planner.min_degree": 1}
 """Smallest value of each numeric key (``layers`` >= 1 when set; ``timeout_s`` and
 ``planner.time_limit_s`` must be > 0)."""
 
@@ -160,6 +161,7 @@ def _spec(cfg: dict) -> Any:
         repeats=planner["repeats"],
         exposed=planner["exposed"],
         seed=planner["seed"],
+        min_degree=planner["min_degree"],
     )
 
 

@@ -95,6 +95,10 @@ class ProfileSpec:
     repeats: int = 3
     exposed: Literal["model", "measured"] = "model"
     seed: int = 0
+    min_degree: int = 1
+    """Smallest TMP degree profiled (a power of two <= devices): a small micro-batch has no whole
+    share for the many replicas of a low degree (pipeline stages want small micro-batches, 1F1B
+    holding several in flight), so those degrees are left out of the table.  Named in the key."""
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.devices & (self.devices - 1):
@@ -105,6 +109,8 @@ class ProfileSpec:
             raise ValueError(f"planner.warmup must be >= 0 and planner.repeats >= 1, got {self.warmup}, {self.repeats}")
         if self.exposed not in ("model", "measured"):
             raise ValueError(f"planner.exposed must be 'model' or 'measured', got {self.exposed!r}")
+        if self.min_degree < 1 or self.min_degree & (self.min_degree - 1) or self.min_degree > self.devices:
+            raise ValueError(f"planner.min_degree must be a power of two <= devices={self.devices}, got {self.min_degree}")
         sub = self.sub_batches
         for degree in self.degrees():
             self.model.check_tp(degree)
@@ -113,7 +119,7 @@ class ProfileSpec:
                 raise ValueError(
                     f"micro_batch={self.micro_batch}: the degree-{degree} share micro_batch*{degree}/{self.devices} "
                     f"= {share:g} must be a whole multiple of the schedule's {sub} sub-batches; "
-                    f"use a multiple of {self.devices * sub}"
+                    f"use a multiple of {self.devices * sub // degree}" + (" or raise planner.min_degree" if degree < self.devices else "")
                 )
 
     @property
@@ -121,8 +127,8 @@ class ProfileSpec:
         return self.schedule.effective_sub_batches
 
     def degrees(self) -> tuple[int, ...]:
-        """Every power of two dividing T, increasing."""
-        out, degree = [], 1
+        """Every power of two from ``min_degree`` up to T, increasing."""
+        out, degree = [], self.min_degree
         while degree <= self.devices:
             out.append(degree)
             degree *= 2
@@ -130,7 +136,8 @@ class ProfileSpec:
 
     def model_label(self) -> str:
         m = self.model
-        return f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
+        label = f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
+        return label if self.min_degree == 1 else f"{label}-tmin{self.min_degree}"
 
     def schedule_label(self) -> str:
         return self.schedule.label

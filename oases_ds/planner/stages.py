@@ -246,10 +246,12 @@ def plan_stages(table: CostTable, pipeline: PipelineSpec, memory_limit_bytes: fl
     counts = _best_split(times, L, pipeline.micro_batches)
     if counts is None:
         lean = [stage for stage in range(P) if (stage, 1) not in plans]
+        held = [max(n for s, n in plans if s == stage) if (stage, 1) in plans else 0 for stage in range(P)]
         raise PlanInfeasibleError(
             f"no split into {P} stages fits {memory_limit_bytes:.6g} bytes per device"
             + (f" (stage {lean[0]} cannot hold even one layer with {pipeline.in_flight(lean[0])} micro-batches in flight)"
-               if lean else "") + f"; use more stages, fewer micro-batches in flight or a smaller micro-batch ({table.key()})")
+               if lean else f" (the stages hold at most {held} layers: {sum(held)} of {L})")
+            + f"; use more stages, fewer micro-batches in flight or a smaller micro-batch ({table.key()})")
     return _assemble(table, pipeline, [plans[stage, n] for stage, n in enumerate(counts)], started)
 
 

@@ -150,6 +150,8 @@ def test_in_flight_micro_batches_move_layers_to_later_stages() -> None:
         plan_split(table, pipeline, 16e9, even_split(8, 4))
     with pytest.raises(PlanInfeasibleError, match=r"stage 0 cannot hold even one layer with 4 micro-batches in flight"):
         plan_stages(table, pipeline, 5e9)
+    with pytest.raises(PlanInfeasibleError, match=r"the stages hold at most \[1, 1, 1, 2\] layers: 5 of 8\)"):
+        plan_stages(table, pipeline, 10e9)
 
 
 def test_bad_pipelines_are_one_line_errors() -> None:
@@ -208,3 +210,21 @@ def test_oases_plan_prints_and_writes_the_stage_split(tmp_path, capsys) -> None:
     assert plan.predicted_step_ms == pytest.approx(expected.step_ms, rel=REL_TOL)
     assert "stage 0: layers 0-" in out and "+ embedding" in out and "+ head/loss" in out and "predicted 1F1B step" in out
     assert "even split [2, 2, 2]" in out
+
+
+def test_min_degree_leaves_low_degrees_out_of_the_table() -> None:
+    """Small micro-batches (what 1F1B wants) have no whole share for a degree-1 block's replicas:
+    ``planner.min_degree`` profiles from there up, and names itself in the cache key."""
+    from oases_ds.planner.analytic import DeviceModel, analytic_table
+    from oases_ds.planner.profile import ProfileSpec
+    from oases_ds.parallel.link import LinkModel
+
+    cfg = ModelConfig(family="gpt", vocab_size=512, hidden_size=64, num_heads=8, num_layers=2, seq_len=32)
+    with pytest.raises(ValueError, match=r"use a multiple of 16 or raise planner.min_degree"):
+        ProfileSpec(cfg, 8, 4)
+    spec = ProfileSpec(cfg, 8, 4, link=LinkModel(10.0, 10.0), min_degree=4)
+    table = analytic_table(spec, DeviceModel("d", 10.0), 2)
+    assert spec.degrees() == table.degrees == (4, 8)
+    assert "-tmin4|" in spec.key() and "-tmin4|" in table.key()
+    with pytest.raises(ValueError, match=r"^planner.min_degree must be a power of two <= devices=8, got 3$"):
+        ProfileSpec(cfg, 8, 16, min_degree=3)
