@@ -186,6 +186,11 @@ def validate(cfg: dict) -> None:
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
+        stages = cfg.get("pipeline_stages", 1)  # the key arrives with the pipeline runtime (issue 15)
+        if plan.stages != stages:
+            raise ValueError(f"plan={oases.plan} was planned for {plan.stages} pipeline stages; this run has "
+                             f"pipeline_stages={stages}: plan again with pipeline_stages={stages} or run with "
+                             f"pipeline_stages={plan.stages}")
         replicas = plan.devices // min(plan.block_degrees())
     sub_batches = oases.schedule_spec().effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):

@@ -129,6 +129,16 @@ def test_train_names_a_bad_plan_file(capsys, monkeypatch, tmp_path, files, name,
     assert line.startswith(says.format(path=path)), line
 
 
+def test_train_refuses_a_plan_made_for_other_pipeline_stages(capsys, monkeypatch, tmp_path):
+    """A plan with stages (oases-plan pipeline_stages=2) is not silently run as one stage."""
+    from oases_ds.planner.plan import Plan
+    path = tmp_path / "staged.json"
+    Plan((2, 2), (2, 2), 2, stage_layers=(1, 1)).to_json(path)
+    line = refused(capsys, monkeypatch, tmp_path, train, "model=gpt_tiny", f"plan={path}")
+    assert line == (f"error: plan={path} was planned for 2 pipeline stages; this run has pipeline_stages=1: "
+                    f"plan again with pipeline_stages=1 or run with pipeline_stages=2"), line
+
+
 @pytest.mark.parametrize("name, says", [
     ("truncated_table.json", "not valid JSON ("),
     ("renamed_table.json", "blocks.attn.1: unknown BlockCost field(s) ['fwd_mss']"),
