@@ -12,6 +12,17 @@ beyond DP 1 is SIMULATED; the measured DP 2 point is shown next to it -- on this
 machine 4 processes share 2 cores, which the simulation does not model.
 
     python benchmarks/weak_scaling_sim.py        # reads benchmarks/results/bench.jsonl
+
+With pipeline stages (the paper runs its large models PP x TMP x DP): ``--stages``
+profiles one layer per schedule on this machine (the planner's profiler, cached in
+``.oases/profiles``), learns for every PP the stage split and each stage's TMP degrees
+from those measured costs (:func:`oases_ds.planner.stages.plan_stages`), and tabulates
+PP x TMP x DP: the 1F1B step plus the DP gradient reduction of the largest stage.  All
+of it SIMULATED.  The measured PP 2 x TMP 2 point needs the pipeline runtime;
+:func:`measured_pipeline_steps` is the hook that puts such oases-bench records (with
+``pipeline_stages``) beside the simulated rows once they exist.
+
+    python benchmarks/weak_scaling_sim.py --stages --pp 1,2,4 --dp 1,2,4,8,16,32,64
 """
 from __future__ import annotations
 
@@ -27,6 +38,12 @@ sys.path.insert(0, ROOT)
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.models.operator_model import OperatorModel  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine  # noqa: E402
+from oases_ds.bench.spec import load_preset  # noqa: E402
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM  # noqa: E402
+from oases_ds.planner.profile import ProfileSpec, profile  # noqa: E402
+from oases_ds.planner.stages import PipelineSpec, p2p_ms, plan_stages  # noqa: E402
+from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 
@@ -43,7 +60,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", default="1,2,4,8,16,32,64")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "reports"))
     parser.add_argument("--json-out", default=os.path.join(ROOT, "benchmarks", "results", "weak_scaling_simulated.json"))
+    stages = parser.add_argument_group("--stages: PP x TMP x DP from per-layer costs profiled here")
+    stages.add_argument("--stages", action="store_true", help="the pipeline-stage study instead of the DP one")
+    stages.add_argument("--pp", default="1,2,4")
+    stages.add_argument("--tmp", type=int, default=2)
+    stages.add_argument("--layers", type=int, default=8)
+    stages.add_argument("--model", default="gpt_small")
+    stages.add_argument("--cluster", default="cpu_fixed_link")
+    stages.add_argument("--schedules", default="megatron,oases")
+    stages.add_argument("--micro-batch", type=int, default=8)
+    stages.add_argument("--micro-batches", type=int, default=8, help="m per pipeline and step")
+    stages.add_argument("--warmup", type=int, default=1)
+    stages.add_argument("--repeats", type=int, default=5)
+    stages.add_argument("--cache-dir", default=os.path.join(ROOT, ".oases", "profiles"))
+    stages.add_argument("--timeout-s", type=float, default=900.0)
+    stages.add_argument("--stages-json-out",
+                        default=os.path.join(ROOT, "benchmarks", "results", f"{STAGE_REPORT}.json"))
     args = parser.parse_args(argv)
+    if args.stages:
+        stages_main(args)
+        return
     with open(args.results) as f:
         records = [json.loads(line) for line in f if '"weak_scaling"' in line]
     by_dp = {r["data_parallel_size"]: r for r in records if r["study"] == "weak_scaling"}
@@ -99,6 +135,118 @@ def main(argv: list[str] | None = None) -> None:
     path = os.path.join(args.out_dir, f"weak_scaling_simulated-{today}.md")
     write_text_atomic(path, "\n".join(lines))
     write_json_atomic(args.json_out, {"simulated": True, "grad_bytes": grad_bytes, "link": emu, "rows": rows})
+    print("\n".join(lines))
+    print(f"wrote {path}")
+
+
+
+
+# -- stages: PP x TMP x DP, SIMULATED from measured per-layer costs ------------------------------
+STAGE_REPORT = "weak_scaling_stages_simulated"
+MEASURED_HOOK = ("measured PP x TMP x DP steps: oases-bench records (benchmarks/results/bench.jsonl) with "
+                 "`pipeline_stages` set, written once the pipeline runtime (issue 15) runs them; "
+                 "none yet -> the column says so")
+
+
+def measured_pipeline_steps(path: str) -> dict[tuple[str, int, int], float]:
+    """The hook for the measured points: (schedule, PP, DP) -> median step s of every
+    oases-bench record that ran with ``pipeline_stages`` (none until the pipeline runtime
+    lands; then its weak-scaling records appear beside the simulated rows unchanged)."""
+    found: dict[tuple[str, int, int], float] = {}
+    if not os.path.exists(path):
+        return found
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            stages = record.get("pipeline_stages") or record.get("config", {}).get("pipeline_stages")
+            if not stages:
+                continue
+            for name, variant in record.get("variants", {}).items():
+                found[name, int(stages), int(record.get("data_parallel_size", 1))] = variant["median_s"]
+    return found
+
+
+def stage_rows(tables: dict, pp_list: list[int], dp_list: list[int], micro_batches: int, micro_batch: int,
+               seq_len: int, link: LinkModel, measured: dict) -> list[dict]:
+    """For each schedule, PP and DP: the stage split learnt from the schedule's measured table
+    (:func:`oases_ds.planner.stages.plan_stages`), its 1F1B step, plus the DP gradient
+    all-reduce of the largest stage (stages reduce at once, each over its own DP group; not
+    overlapped, as the engine runs it)."""
+    rows = []
+    for name, table in tables.items():
+        for pp in pp_list:
+            pipeline = PipelineSpec(pp, micro_batches, p2p_ms(table))
+            staged = plan_stages(table, pipeline, None)
+            grad_bytes = max(sum(table.blocks[kind][t].state_bytes for kind, t in
+                                 zip(table.block_kinds(), stage.plan.block_degrees())) / STATE_BYTES_PER_PARAM * 4
+                             for stage in staged.stages)
+            for dp in dp_list:
+                reduce_s = link.seconds("all_reduce", grad_bytes, dp) + max(0, 2 * (dp - 1) - 1) * link.latency_us * 1e-6 if dp > 1 else 0.0
+                step_s = staged.step_ms / 1e3 + reduce_s
+                tokens = dp * micro_batches * micro_batch * seq_len
+                rows.append({"schedule": name, "pp": pp, "tmp": table.devices, "dp": dp,
+                             "devices": pp * table.devices * dp, "split": staged.layer_counts(),
+                             "stage_ms": [round(s.step_ms, 3) for s in staged.stages], "pipeline_ms": staged.step_ms,
+                             "reduce_s": reduce_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                             "measured_step_s": measured.get((name, pp, dp)), "simulated": True})
+    return rows
+
+
+def stages_main(args: argparse.Namespace) -> None:
+    """PP x TMP x DP weak scaling, every number SIMULATED from per-layer costs measured here."""
+    model = ModelConfig(**{**load_preset("model", args.model), "num_layers": args.layers})
+    cluster = load_preset("cluster", args.cluster)
+    link = LinkModel(**cluster["link"])
+    tables = {}
+    for name in args.schedules.split(","):
+        spec = ProfileSpec(model=model, devices=args.tmp, micro_batch=args.micro_batch,
+                           schedule=ScheduleSpec.from_mapping(load_preset("schedule", name, key="--schedules")), link=link,
+                           cluster=cluster["name"], warmup=args.warmup, repeats=args.repeats)
+        tables[name], reused = profile(spec, args.layers, args.cache_dir, timeout_s=args.timeout_s)
+        print(f"{name}: {'reused' if reused else 'profiled'} {tables[name].key()}", flush=True)
+    pp_list = [int(x) for x in args.pp.split(",")]
+    dp_list = [int(x) for x in args.dp.split(",")]
+    rows = stage_rows(tables, pp_list, dp_list, args.micro_batches, args.micro_batch, model.seq_len, link,
+                      measured_pipeline_steps(args.results))
+    today = date.today().isoformat()
+    load = os.getloadavg()[0]
+    lines = [
+        "# Weak scaling with pipeline stages (PP x TMP x DP), SIMULATED", "",
+        f"Generated by `python benchmarks/weak_scaling_sim.py --stages` on {today} (git {git_commit()[:10]}, "
+        f"load average {load:.1f} on {os.cpu_count()} CPUs while profiling).", "",
+        f"- per-layer costs MEASURED here: one {model.family} layer (h={model.hidden_size}, s={model.seq_len}) profiled "
+        f"at every TMP degree of {args.tmp} ranks, micro-batch {args.micro_batch}, EMULATED link "
+        f"{link.bandwidth_gbps:g} Gbit/s + {link.latency_us:g} us (cluster `{cluster['name']}`); "
+        f"table keys: {', '.join(t.key() for t in tables.values())}",
+        f"- a {args.layers}-layer model; for each PP the stage split and each stage's TMP degrees are LEARNT from those "
+        f"costs by `oases_ds.planner.stages.plan_stages` (exact; no memory limit; head/embedding not in a profile: 0)",
+        f"- step = 1F1B over m = {args.micro_batches} micro-batches (sum of stage times + (m-1) x slowest, p2p on the same "
+        f"link) + ring AllReduce of the largest stage's fp32 gradients over DP ranks (not overlapped)",
+        "- weak scaling: every DP replica keeps m micro-batches, so the global batch grows with DP",
+        f"- **every number is SIMULATED**; {MEASURED_HOOK}", "",
+        "| schedule | PP x TMP x DP | devices | split | stage ms | 1F1B step ms | DP reduce s | step s | tokens/s "
+        "| efficiency vs DP 1 | measured step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {(r["schedule"], r["pp"]): r for r in rows if r["dp"] == dp_list[0]}
+    for r in rows:
+        first = base[r["schedule"], r["pp"]]
+        eff = r["tokens_per_s"] / (r["dp"] / first["dp"] * first["tokens_per_s"])
+        measured = "not yet (pipeline runtime)" if r["measured_step_s"] is None else f"{r['measured_step_s']:.3f}"
+        lines.append(f"| {r['schedule']} | {r['pp']} x {r['tmp']} x {r['dp']} | {r['devices']} | {r['split']} | "
+                     f"{', '.join(f'{t:.1f}' for t in r['stage_ms'])} | {r['pipeline_ms']:.1f} | {r['reduce_s']:.3f} | "
+                     f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {eff:.0%} | {measured} |")
+    if "oases" in tables and "megatron" in tables:
+        lines += ["", "Oases vs Megatron (same PP x TMP x DP, simulated step ratio): " + ", ".join(
+            f"{a['pp']}x{a['tmp']}x{a['dp']} {b['step_s'] / a['step_s']:.2f}x"
+            for a in rows if a["schedule"] == "oases"
+            for b in rows if b["schedule"] == "megatron" and (b["pp"], b["dp"]) == (a["pp"], a["dp"]))]
+    lines.append("")
+    path = os.path.join(args.out_dir, f"{STAGE_REPORT}-{today}.md")
+    write_text_atomic(path, "\n".join(lines))
+    write_json_atomic(args.stages_json_out, {"simulated": True, "date": today, "git_commit": git_commit(),
+                                             "machine": machine(), "load_avg": os.getloadavg(), "args": vars(args),
+                                             "tables": {n: t.key() for n, t in tables.items()}, "rows": rows})
     print("\n".join(lines))
     print(f"wrote {path}")
 

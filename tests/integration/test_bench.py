@@ -243,6 +243,38 @@ def test_weak_scaling_simulation_from_fixture(tmp_path):
     assert any(p.name.startswith("weak_scaling_simulated-") for p in tmp_path.iterdir())
 
 
+def test_weak_scaling_with_stages_rows_and_the_measured_hook(tmp_path):
+    """--stages: each PP's row is plan_stages' 1F1B step (+ the DP reduction from DP 2 on), and a
+    bench record with pipeline_stages (what the pipeline runtime will write) lands in its row."""
+    import importlib.util
+    import json as _json
+
+    from support import random_table
+
+    from oases_ds.parallel.link import LinkModel
+    from oases_ds.planner.stages import PipelineSpec, p2p_ms, plan_stages
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("weak_scaling_sim", os.path.join(root, "benchmarks", "weak_scaling_sim.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    results = tmp_path / "bench.jsonl"
+    results.write_text(_json.dumps({"study": "weak_scaling", "pipeline_stages": 2, "data_parallel_size": 1,
+                                    "variants": {"oases": {"median_s": 1.25}}}) + "\n" + _json.dumps({"study": "x"}) + "\n")
+    measured = sim.measured_pipeline_steps(str(results))
+    assert measured == {("oases", 2, 1): 1.25}
+    table = random_table(3, 4)
+    link = LinkModel(1.0, 10.0)
+    rows = sim.stage_rows({"oases": table}, [1, 2], [1, 4], 6, 8, 16, link, measured)
+    by = {(r["pp"], r["dp"]): r for r in rows}
+    for pp in (1, 2):
+        expected = plan_stages(table, PipelineSpec(pp, 6, p2p_ms(table)), None)
+        assert by[pp, 1]["pipeline_ms"] == pytest.approx(expected.step_ms) and by[pp, 1]["reduce_s"] == 0
+        assert by[pp, 1]["split"] == expected.layer_counts() and by[pp, 4]["reduce_s"] > 0
+        assert by[pp, 4]["step_s"] == pytest.approx(expected.step_ms / 1e3 + by[pp, 4]["reduce_s"])
+    assert by[2, 1]["measured_step_s"] == 1.25 and by[1, 1]["measured_step_s"] is None
+
+
 NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")  # 3,757 is one number
 # numbers a report states by construction, not about its data: where to look in the paper, which rank
 # a lane was recorded on, the baseline's speedup over itself
