@@ -228,3 +228,20 @@ def test_min_degree_leaves_low_degrees_out_of_the_table() -> None:
     assert "-tmin4|" in spec.key() and "-tmin4|" in table.key()
     with pytest.raises(ValueError, match=r"^planner.min_degree must be a power of two <= devices=8, got 3$"):
         ProfileSpec(cfg, 8, 16, min_degree=3)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"pipeline_stages": 0}, "pipeline_stages must be >= 1, got 0"),
+    ({"micro_batches": 0}, "micro_batches must be >= 1, got 0; leave it null for 4 x pipeline_stages"),
+    ({"pipeline_link_gbps": 0.0}, "pipeline_link_gbps must be > 0, got 0.0; leave it null for the cluster's link"),
+    ({"pipeline_stages": 2, "mode": "accuracy"}, "mode=accuracy measures plans of one TMP group; it takes pipeline_stages=1"),
+    ({"pipeline_stages": 7}, "pipeline_stages=7 exceeds the 6 layers to plan; use at most 6 stages"),
+])
+def test_oases_plan_refuses_bad_pipeline_keys_in_one_line(tmp_path, overrides, says) -> None:
+    staged_table(3, 6, (1, 2, 4)).to_json(tmp_path / "table.json")
+    cfg = OmegaConf.to_container(OmegaConf.structured(PlanSchema))
+    cfg.update(table=str(tmp_path / "table.json"), out=str(tmp_path / "plan.json"), **overrides)
+    with pytest.raises(ValueError) as err:
+        run(cfg)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+    assert not (tmp_path / "plan.json").exists()
