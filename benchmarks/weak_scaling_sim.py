@@ -54,6 +54,14 @@ def shard_grad_bytes(cfg: ModelConfig, tp: int) -> int:
                for p in model.parameters())
 
 
+def dp_reduce_s(link: LinkModel, grad_bytes: float, ranks: int) -> float:
+    """Ring AllReduce of ``grad_bytes`` over ``ranks`` DP ranks: ``2 (N-1)/N x bytes`` on the link
+    and ``2 (N-1)`` latencies (the link model charges one); 0 for one rank."""
+    if ranks == 1:
+        return 0.0
+    return link.seconds("all_reduce", grad_bytes, ranks) + max(0, 2 * (ranks - 1) - 1) * link.latency_us * 1e-6
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results", "bench.jsonl"))
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     schedules = list(base["variants"])
     rows = []
     for n in (int(x) for x in args.dp.split(",")):
-        reduce_s = link.seconds("all_reduce", grad_bytes, n) + max(0, 2 * (n - 1) - 1) * link.latency_us * 1e-6
+        reduce_s = dp_reduce_s(link, grad_bytes, n)
         row = {"dp": n, "reduce_s": reduce_s, "simulated": n > 1}
         for name in schedules:
             step = base["variants"][name]["median_s"] + reduce_s
@@ -181,7 +189,7 @@ def stage_rows(tables: dict, pp_list: list[int], dp_list: list[int], micro_batch
                                  zip(table.block_kinds(), stage.plan.block_degrees())) / STATE_BYTES_PER_PARAM * 4
                              for stage in staged.stages)
             for dp in dp_list:
-                reduce_s = link.seconds("all_reduce", grad_bytes, dp) + max(0, 2 * (dp - 1) - 1) * link.latency_us * 1e-6 if dp > 1 else 0.0
+                reduce_s = dp_reduce_s(link, grad_bytes, dp)
                 step_s = staged.step_ms / 1e3 + reduce_s
                 tokens = dp * micro_batches * micro_batch * seq_len
                 rows.append({"schedule": name, "pp": pp, "tmp": table.devices, "dp": dp,

@@ -123,7 +123,8 @@ def check_ranges(cfg: dict) -> None:
     if cfg["micro_batches"] is not None and cfg["micro_batches"] < 1:
         raise ValueError(f"micro_batches must be >= 1, got {cfg['micro_batches']}; leave it null for 4 x pipeline_stages")
     if cfg["pipeline_link_gbps"] is not None and not cfg["pipeline_link_gbps"] > 0:
-        raise ValueError(f"pipeline_link_gbps must be > 0, got {cfg['pipeline_link_gbps']}; leave it null for the cluster's link")
+        raise ValueError(f"pipeline_link_gbps must be > 0, got {cfg['pipeline_link_gbps']}; "
+                         f"leave it null for the cluster's link")
     if cfg["pipeline_stages"] > 1 and cfg["mode"] == "accuracy":
         raise ValueError("mode=accuracy measures plans of one TMP group; it takes pipeline_stages=1")
 

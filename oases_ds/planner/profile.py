@@ -119,7 +119,8 @@ class ProfileSpec:
                 raise ValueError(
                     f"micro_batch={self.micro_batch}: the degree-{degree} share micro_batch*{degree}/{self.devices} "
                     f"= {share:g} must be a whole multiple of the schedule's {sub} sub-batches; "
-                    f"use a multiple of {self.devices * sub // degree}" + (" or raise planner.min_degree" if degree < self.devices else "")
+                    f"use a multiple of {self.devices * sub // degree}"
+                    + (" or raise planner.min_degree" if degree < self.devices else "")
                 )
 
     @property
