@@ -14,8 +14,10 @@ pipeline), the other ``m - 1`` leave at the pace of the slowest stage::
     T = sum_s t_s + (m - 1) * max_s t_s
 
 For equal stages this is Megatron's ``(m + P - 1)(t_f + t_b)`` with the bubble fraction
-``(P - 1) / m`` (Narayanan et al., SC'21, Sec. 2.2); for unequal ones it is the estimate
-Alpa and DAPPLE use, and it never exceeds ``(m + P - 1) * max_s t_s``.
+``(P - 1) / m`` (Narayanan et al., SC'21, Sec. 2.2); for unequal ones it is Alpa's
+pipeline latency (Zheng et al., OSDI'22), and it never exceeds ``(m + P - 1) * max_s t_s``.
+It ignores that a stage's forward and backward of one micro-batch can wait on different
+neighbours (it takes each stage's ``t_s`` as one block of time).
 
 ``t_s`` is the stage's cost-table objective (:func:`~oases_ds.planner.objective.sequence_step_ms`
 over its layers: node costs, edges, and the edges from and into the full TMP degree at
