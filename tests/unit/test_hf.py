@@ -196,26 +196,16 @@ def test_directory_errors(tmp_path):
     assert "has no model.safetensors" in _one_line(e)
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
-    ("attention_bias", True, "attention_bias or mlp_bias is not supported"),
+@pytest.mark.parametrize("kind,field,value,words", [
+    ("llama", "hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+    ("llama", "attention_bias", True, "attention_bias or mlp_bias is not supported"),
+    ("bert", "hidden_act", "relu", "BERT hidden_act='relu' is not supported"),
+    ("bert", "is_decoder", True, "BERT with is_decoder=True (causal attention) is not supported"),
+    ("bert", "attention_probs_dropout_prob", 0.2, "differs from attention_probs_dropout_prob=0.2; Oases has one "
+                                                  "dropout probability: pass model.dropout=P"),
 ])
-def test_llama_features_we_cannot_reproduce_are_refused(field, value, words):
-    cfg = hf_workers.tiny_hf_model("llama").config
-    setattr(cfg, field, value)
-    with pytest.raises(ValueError) as e:
-        config_from_hf(cfg)
-    assert words in _one_line(e)
-
-
-@pytest.mark.parametrize("field,value,words", [
-    ("hidden_act", "relu", "BERT hidden_act='relu' is not supported"),
-    ("is_decoder", True, "BERT with is_decoder=True (causal attention) is not supported"),
-    ("attention_probs_dropout_prob", 0.2, "differs from attention_probs_dropout_prob=0.2; Oases has one dropout "
-                                          "probability: pass model.dropout=P"),
-])
-def test_bert_features_we_cannot_reproduce_are_refused(field, value, words):
-    cfg = hf_workers.tiny_hf_model("bert").config
+def test_features_we_cannot_reproduce_are_refused(kind, field, value, words):
+    cfg = hf_workers.tiny_hf_model(kind).config
     setattr(cfg, field, value)
     with pytest.raises(ValueError) as e:
         config_from_hf(cfg)
