@@ -169,8 +169,9 @@ def test_initialize_refuses_an_unsupported_transformers_model_in_one_line():
 
 
 @pytest.mark.distributed
-def test_lightning_module_takes_a_transformers_model():
-    per_rank = launch(lightning_workers.hf_validate_run, 2, ("llama",), timeout_s=600, threads_per_rank=1)
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_lightning_module_takes_a_transformers_model(kind):
+    per_rank = launch(lightning_workers.hf_validate_run, 2, (kind,), timeout_s=600, threads_per_rank=1)
     for rank, r in enumerate(per_rank):
         assert abs(r["val_loss"] - r["ref"]) <= 1e-5 * abs(r["ref"]), f"rank {rank}: {r}"
 
@@ -181,14 +182,3 @@ def test_lightning_module_refuses_an_unsupported_transformers_model_in_one_line(
     with pytest.raises(TypeError) as e:
         OasesLightningModule(_classifier())
     assert str(e.value) == f"OasesLightningModule: BertForSequenceClassification is not supported; {SUPPORTED}"
-
-
-def test_lightning_module_takes_a_transformers_bert():
-    """The module converts a BertForMaskedLM to its ModelConfig (the strategy then loads its
-    weights, as for the LLaMA run above)."""
-    from lightning_strategy import OasesLightningModule
-
-    module = OasesLightningModule(hf_workers.tiny_hf_model("bert"))
-    assert (module.model_config.family, module.model_config.tie_embeddings, module.model_config.pad_token_id) == (
-        "bert", True, hf_workers.BERT_PAD)
-    assert module.hf_checkpoint is not None
