@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from oases_ds.planner.accuracy import Setup, candidate_plans, mixed_spearman, spearman, summary_markdown
+from oases_ds.planner.accuracy import (
+    Setup,
+    candidate_plans,
+    mixed_spearman,
+    round_order,
+    spearman,
+    split_half_spearman,
+    summary_markdown,
+)
 from oases_ds.planner.plan import Plan
 from support import ROOT, plan_cli
 from support import random_table
@@ -81,16 +89,32 @@ def test_mixed_spearman_ranks_only_the_mixes():
     assert mixed_spearman(ROWS[:4]) == (None, 2)  # two mixes always rank +-1: not reported
 
 
+def test_rounds_rotate_so_each_plan_takes_every_position():
+    assert [round_order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    positions = {plan: sorted(round_order(5, r).index(plan) for r in range(5)) for plan in range(5)}
+    assert positions == {plan: [0, 1, 2, 3, 4] for plan in range(5)}
+
+
+def test_split_half_spearman_by_hand():
+    # Medians of even rounds (0, 2, 4) and odd rounds (1, 3): plan a 10 / 11, b 20 / 19, c 30 / 5.
+    times = [[10, 11, 10, 11, 10], [20, 19, 20, 19, 20], [30, 5, 30, 5, 30]]
+    # even ranks a<b<c, odd ranks c<a<b: d = (1-2, 2-3, 3-1) -> sum d^2 = 6 -> 1 - 6*6/(3*8) = -0.5
+    assert split_half_spearman(times) == pytest.approx(-0.5)
+    assert split_half_spearman([[1.0, 2.0], [3.0, 4.0]]) is None  # two plans always rank +-1
+    assert split_half_spearman([[1.0], [2.0], [3.0]]) is None  # one round has no halves
+
+
 def test_summary_reports_each_setup_against_the_target():
     result = {"rows": ROWS, "spearman": 1 - 12 / 210, "p_value": 0.005, "spearman_mixed": 0.8, "mixed_plans": 4,
+              "split_half_spearman": 0.75, "split_half_spearman_mixed": None,
               "table_key": "k", "time": "t", "machine": {"cpu_count": 2}, "git_commit": "abc", "config": {}}
     entries = [(Setup("all", "nothing", ()), "a.json", result),
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.750 | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | - | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | `c.json` missing |" in text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
 
@@ -106,7 +130,7 @@ def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (report,) = reports.iterdir()
     text = report.read_text()
-    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes |" in text
+    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - |" in text
     assert "| tmp4 | T=4: degrees 1, 2 and 4" in text and "planner_accuracy-tmp4.json` missing |" in text
 
 
