@@ -15,6 +15,7 @@ not change a rank correlation.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -150,7 +151,12 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]]) -> dic
     rho_mixed, mixed = mixed_spearman(rows)
     return {"rows": rows, "spearman": rho, "p_value": p, "spearman_mixed": rho_mixed, "mixed_plans": mixed,
             "split_half_spearman": split_half_spearman(times),
-            "split_half_spearman_mixed": split_half_spearman([t for r, t in zip(rows, times) if is_mixed(r)])}
+            "split_half_spearman_mixed": split_half_spearman([t for r, t in zip(rows, times) if is_mixed(r)]),
+            "cost_table": {  # the profile behind every prediction: a miss can be traced to a block and degree
+                "blocks": {kind: {str(d): dataclasses.asdict(c) for d, c in by.items()} for kind, by in table.blocks.items()},
+                "collective_overhead_ms": {str(k): v for k, v in table.collective_overhead_ms.items()},
+                "collective_overhead": table.measurements.get("collective_overhead"),
+            }}
 
 
 def split_half_spearman(times: list[list[float]]) -> float | None:

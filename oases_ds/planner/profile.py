@@ -476,13 +476,14 @@ def _op_costs(ops: list[Any], op_ms: dict[str, float], payload_bytes: int, degre
 
 def profile_rows(table: CostTable) -> list[str]:
     """Human-readable per-degree profile, for the CLI."""
-    lines = [f"{'block':5} {'t':>3} {'fwd ms':>8} {'bwd ms':>8} {'exp.comm':>9} {'gradsync':>9} {'state MiB':>10} {'act MiB':>8}"]
+    lines = [f"{'block':5} {'t':>3} {'fwd ms':>8} {'bwd ms':>8} {'exp.comm':>9} {'coll.ovh':>9} {'gradsync':>9} "
+             f"{'state MiB':>10} {'act MiB':>8}"]
     for kind in BLOCK_KINDS:
         for degree in table.degrees:
             c = table.blocks[kind][degree]
             lines.append(
                 f"{kind:5} {degree:>3} {c.fwd_ms:8.3f} {c.bwd_ms:8.3f} {c.comm_fwd_ms + c.comm_bwd_ms:9.3f} "
-                f"{c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
+                f"{c.overhead_ms:9.3f} {c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
             )
     return lines
 
