@@ -95,7 +95,10 @@ class ProfileSpec:
         link: emulated link (``None``: this machine as it is).
         cluster: label of the machine / link in the key.
         warmup / repeats: steps discarded, then steps whose median is kept.
-        exposed: where the exposed-comm node cost comes from, see module doc.
+        exposed: where the exposed-comm node cost comes from, see module doc.  With
+            ``"measured"`` the Sync waits already hold the part of the collective overhead
+            that is a late partner, so that part is counted twice (the default, ``"model"``,
+            prices the link alone and leaves all of it to the overhead).
         seed: weights and data.
     """
 
