@@ -139,17 +139,29 @@ def mixed_spearman(rows: list[dict[str, Any]]) -> tuple[float | None, int]:
     return spearman([r["predicted_ms"] for r in mixed], [r["measured_ms"] for r in mixed])[0], len(mixed)
 
 
+def without_overhead(table: CostTable) -> CostTable:
+    """``table`` with no collective overhead (cost model v3's prices): the ablation that shows,
+    on the same measured steps, what the v4 term changed."""
+    blocks = {kind: {d: dataclasses.replace(c, overhead_ms=0.0) for d, c in by.items()} for kind, by in table.blocks.items()}
+    return dataclasses.replace(table, blocks=blocks, collective_overhead_ms={})
+
+
 def report(table: CostTable, plans: list[Plan], times: list[list[float]]) -> dict[str, Any]:
     rows = []
+    ablated = without_overhead(table)
     for plan, t in zip(plans, times):
         rows.append({
             "attn": list(plan.attn_degrees), "mlp": list(plan.mlp_degrees), "solver": plan.solver_name,
             "predicted_ms": predict_step_ms(table, plan), "measured_ms": statistics.median(t),
             "min_ms": min(t), "max_ms": max(t), "times_ms": list(t),
+            "predicted_without_overhead_ms": predict_step_ms(ablated, plan),
         })
     rho, p = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
     rho_mixed, mixed = mixed_spearman(rows)
+    rho_plain = spearman([r["predicted_without_overhead_ms"] for r in rows], [r["measured_ms"] for r in rows])[0]
+    rho_plain_mixed = mixed_spearman([{**r, "predicted_ms": r["predicted_without_overhead_ms"]} for r in rows])[0]
     return {"rows": rows, "spearman": rho, "p_value": p, "spearman_mixed": rho_mixed, "mixed_plans": mixed,
+            "spearman_without_overhead": rho_plain, "spearman_without_overhead_mixed": rho_plain_mixed,
             "split_half_spearman": split_half_spearman(times),
             "split_half_spearman_mixed": split_half_spearman([t for r, t in zip(rows, times) if is_mixed(r)]),
             "cost_table": {  # the profile behind every prediction: a miss can be traced to a block and degree
@@ -207,24 +219,28 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           "Cost model v2 was tuned on gpt_small, T=2, an EMULATED 0.2 Gbit/s link (`in_sample`). v4 adds each",
           "collective's measured overhead, a term with no fitted constant (the profiler measures it in every setup),",
           "chosen after looking at `in_sample` and `link_1g`; the other setups change one thing each and were not",
-          f"looked at to build the model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Measurement* is the Spearman",
-          "of the plans' medians over the even rounds against the odd rounds: how well the measurement ranks the",
-          "plans by itself.", "",
+          f"looked at to build the model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores",
+          "the same measured steps against the predictions with the v4 term removed (v3's prices). *Measurement* is",
+          "the Spearman of the plans' medians over the even rounds against the odd rounds: how well the measurement",
+          "ranks the plans by itself.", "",
           note, "",
-          "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | measurement | result |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
+          "| measurement | result |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for setup, path, result in entries:
         if result is None:
-            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | `{path}` missing |")
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | `{path}` missing |")
             continue
         rho, scored = setup_score(setup, result)
         p = "-" if setup.mixed_only else f"{result['p_value']:.2g}"
         which = f"{scored} mixed of {len(result['rows'])}" if setup.mixed_only else str(scored)
         met = "-" if rho is None else ("yes" if rho >= TARGET_SPEARMAN else "**no**")
         rho_text = "too few plans" if rho is None else f"{rho:.3f}"
-        half = result.get("split_half_spearman_mixed" if setup.mixed_only else "split_half_spearman")
-        half_text = "-" if half is None else f"{half:.3f}"
-        md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {half_text} | `{path}` |")
+        suffix = "_mixed" if setup.mixed_only else ""
+        half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
+        half_text, plain_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain))
+        md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {half_text} "
+                  f"| `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
            "settings are in each result file (`config`, `machine`, `git_commit`)."]
     for setup, path, result in entries:
