@@ -99,10 +99,11 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
 
 
 def round_order(plans: int, rnd: int) -> list[int]:
-    """Plan indices in the order round ``rnd`` runs them: round robin, rotated by one per
-    round, so over ``plans`` rounds every plan takes every position once.  Without it the
-    first plan always ran right after the barrier that ends a round and the last one
-    always at its end, so whatever varies along a round stayed with the same plans."""
+    """Indices of the things measured side by side (plans here, degrees in the profiler) in the
+    order round ``rnd`` runs them: round robin, rotated by one per round, so over ``plans``
+    rounds each takes every position once.  Without it the first always ran right after the
+    barrier that ends a round and the last one always at its end, so whatever varies along
+    a round stayed with the same plans."""
     return [(rnd + k) % plans for k in range(plans)]
 
 

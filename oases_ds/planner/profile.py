@@ -31,6 +31,8 @@ What is measured and what is derived, per block and degree:
   degree-1 residual and divided by the collectives the step issued, is what one
   collective costs beyond its link time
   (:func:`~oases_ds.planner.costmodel.collective_overhead_ms`);
+* the degrees are profiled interleaved, one step of each per round, so a burst of
+  load on the machine does not fall on one degree only;
 * memory, from shapes, not measured: parameters + gradients + Adam moments (16
   bytes per fp32 parameter) of the block's shards, and the fp32 activations of
   :func:`~oases_ds.planner.memory.memory_rows` (checkpoints and autograd-saved
@@ -60,6 +62,7 @@ from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
+from oases_ds.planner.accuracy import round_order
 from oases_ds.planner.costmodel import (
     BlockTiming,
     OpCosts,
@@ -217,12 +220,92 @@ def _timed_collective(comm: Any, tensor: torch.Tensor, group: Any, repeats: int,
     return _median([(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)])
 
 
+class _LayerRun:
+    """One degree's one-layer model, batch and executor on this rank, and what its timed steps saw.
+
+    Why a class: the degrees' steps are interleaved (:func:`_profile_rank`), so each degree's
+    state lives across the loop over steps."""
+
+    def __init__(self, spec: ProfileSpec, ctx: ParallelContext, degree: int) -> None:
+        cfg, device = spec.model, ctx.device
+        self.degree, self.sub = degree, spec.sub_batches
+        self.group = ctx.sub_group(degree)
+        self.share = spec.micro_batch * degree // spec.devices
+        gen = torch.Generator().manual_seed(spec.seed + ctx.rank // degree)
+        seq = torch.randint(0, cfg.vocab_size, (self.share, cfg.seq_len + 1), generator=gen).to(device)
+        self.batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+        self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed).to(device)
+        self.executor = Executor.for_schedule(self.model, spec.schedule, spec.link, RNGTracker(spec.seed))
+        self.block_of = [op.block for op in self.model.ops]
+        self.clock = clock_for(device)
+        self.per_rep: dict[str, list[float]] = {}
+        self.op_ms: dict[str, list[float]] = {}
+        self.op_ms_reps: list[dict[str, float]] = []
+        self.step_marks: list[Any] = []
+
+    def step(self, timed: bool) -> None:
+        """Run one step (all ranks together); keep its timeline when ``timed``."""
+        dist.barrier()
+        start = self.clock.mark()
+        self.executor.run(self.batch)
+        end = self.clock.mark()
+        self.model.zero_grad(set_to_none=True)
+        if not timed:
+            return
+        self.step_marks += [start, end]
+        sums: dict[str, float] = {}
+        ops_this_rep: dict[str, float] = {}
+        for event in self.executor.timeline.events:
+            ms = (event.end - event.start) * 1e3
+            if event.lane == "compute" and (m := _COMPUTE_EVENT.match(event.name)):
+                letter, op = m.group(1), int(m.group(2))
+                phase = {"F": "fwd", "f": "fwd", "R": "recompute", "B": "bwd"}[letter]
+                key = f"{op}:{'B' if phase == 'bwd' else 'F'}" if phase != "recompute" else f"{op}:R"
+                ops_this_rep[key] = ops_this_rep.get(key, 0.0) + ms
+                if self.block_of[op] in BLOCK_KINDS:
+                    name = f"{self.block_of[op]}.{phase}"
+                    sums[name] = sums.get(name, 0.0) + ms
+            elif event.lane == "wait" and (m := _WAIT_EVENT.match(event.name)):
+                op = int(m.group(2))
+                if self.block_of[op] in BLOCK_KINDS:
+                    name = f"{self.block_of[op]}.{'exposed_fwd' if m.group(1) == '' else 'exposed_bwd'}"
+                    sums[name] = sums.get(name, 0.0) + ms
+        for kind in BLOCK_KINDS:
+            for part in ("fwd", "recompute", "bwd", "exposed_fwd", "exposed_bwd"):
+                self.per_rep.setdefault(f"{kind}.{part}", []).append(sums.get(f"{kind}.{part}", 0.0))
+        for key, ms in ops_this_rep.items():
+            self.op_ms.setdefault(key, []).append(ms / self.sub)  # per sub-batch, as the simulator takes it
+        self.op_ms_reps.append({key: ms / self.sub for key, ms in ops_this_rep.items()})
+
+    def result(self) -> dict[str, Any]:
+        """Medians of the timed steps, every step's wall and per-op times, and collective counts."""
+        result: dict[str, Any] = {name: _median(values) for name, values in self.per_rep.items()}
+        result["op_ms"] = {key: _median(values) for key, values in self.op_ms.items()}
+        seconds = self.clock.resolve(self.step_marks)
+        result["step_ms_reps"] = [(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)]
+        result["op_ms_reps"] = self.op_ms_reps  # per step: the simulator replays each against its own wall time
+        # The collectives the simulator puts on the link: the schedule's StartAsyncs, among > 1 rank
+        # only (at degree 1 each is an identity).  Those inside an op (the loss's) are in its compute.
+        starts = [self.block_of[ins.op] for ins in self.executor.schedule.instructions if isinstance(ins, StartAsync)]
+        result["collectives"] = len(starts) if self.degree > 1 else 0
+        for kind in BLOCK_KINDS:
+            result[f"{kind}.collectives_per_step"] = starts.count(kind) if self.degree > 1 else 0
+            ops = [op for op in self.model.ops if isinstance(op, CommOp) and op.block == kind]
+            result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
+            result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
+        return result
+
+
 def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
-    """Profile every degree on this rank; returns per-degree measurements."""
+    """Profile every degree on this rank; returns per-degree measurements.
+
+    The degrees' steps are interleaved, one step of each per round and each round starting
+    one degree later (:func:`~oases_ds.planner.accuracy.round_order`), as the accuracy study
+    interleaves plans: profiled one degree after the other, a burst of load on the machine
+    fell on one degree only and biased every plan's prediction that used it."""
     T = spec.devices
     ctx = ParallelContext.build(tensor_parallel_size=T)
     rank, device = ctx.rank, ctx.device  # layer, batch and payloads live where training would put them
-    one_layer = dataclasses.replace(spec.model, num_layers=1)
     # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
     replica_group: dict[int, Any] = {}
     for degree in spec.degrees():
@@ -235,79 +318,23 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
 
     cfg = spec.model
     sub = spec.sub_batches
+    degrees = spec.degrees()
+    runs = [_LayerRun(spec, ctx, degree) for degree in degrees]
+    for rep in range(spec.warmup + spec.repeats):
+        for i in round_order(len(runs), rep):
+            runs[i].step(timed=rep >= spec.warmup)
     out: dict[str, Any] = {"rank": rank, "degrees": {}}
-    for degree in spec.degrees():
-        group = ctx.sub_group(degree)
-        share = spec.micro_batch * degree // T
-        gen = torch.Generator().manual_seed(spec.seed + rank // degree)
-        seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen).to(device)
-        batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
-        model = OperatorModel(one_layer, group=group, seed=spec.seed).to(device)
-        executor = Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(spec.seed))
-        block_of = [op.block for op in model.ops]
-
-        per_rep: dict[str, list[float]] = {}
-        op_ms: dict[str, list[float]] = {}
-        op_ms_reps: list[dict[str, float]] = []
-        step_marks: list[Any] = []
-        clock = clock_for(device)
-        for rep in range(spec.warmup + spec.repeats):
-            dist.barrier()
-            start = clock.mark()
-            executor.run(batch)
-            end = clock.mark()
-            model.zero_grad(set_to_none=True)
-            if rep < spec.warmup:
-                continue
-            step_marks += [start, end]
-            sums: dict[str, float] = {}
-            ops_this_rep: dict[str, float] = {}
-            for event in executor.timeline.events:
-                ms = (event.end - event.start) * 1e3
-                if event.lane == "compute" and (m := _COMPUTE_EVENT.match(event.name)):
-                    letter, op = m.group(1), int(m.group(2))
-                    phase = {"F": "fwd", "f": "fwd", "R": "recompute", "B": "bwd"}[letter]
-                    key = f"{op}:{'B' if phase == 'bwd' else 'F'}" if phase != "recompute" else f"{op}:R"
-                    ops_this_rep[key] = ops_this_rep.get(key, 0.0) + ms
-                    if block_of[op] in BLOCK_KINDS:
-                        name = f"{block_of[op]}.{phase}"
-                        sums[name] = sums.get(name, 0.0) + ms
-                elif event.lane == "wait" and (m := _WAIT_EVENT.match(event.name)):
-                    op = int(m.group(2))
-                    if block_of[op] in BLOCK_KINDS:
-                        name = f"{block_of[op]}.{'exposed_fwd' if m.group(1) == '' else 'exposed_bwd'}"
-                        sums[name] = sums.get(name, 0.0) + ms
-            for kind in BLOCK_KINDS:
-                for part in ("fwd", "recompute", "bwd", "exposed_fwd", "exposed_bwd"):
-                    per_rep.setdefault(f"{kind}.{part}", []).append(sums.get(f"{kind}.{part}", 0.0))
-            for key, ms in ops_this_rep.items():
-                op_ms.setdefault(key, []).append(ms / sub)  # per sub-batch, as the simulator takes it
-            op_ms_reps.append({key: ms / sub for key, ms in ops_this_rep.items()})
-        result: dict[str, Any] = {name: _median(values) for name, values in per_rep.items()}
-        result["op_ms"] = {key: _median(values) for key, values in op_ms.items()}
-        seconds = clock.resolve(step_marks)
-        result["step_ms_reps"] = [(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)]
-        result["op_ms_reps"] = op_ms_reps  # per step: the simulator replays each against its own wall time
-        # The collectives the simulator puts on the link: the schedule's StartAsyncs, among > 1 rank
-        # only (at degree 1 each is an identity).  Those inside an op (the loss's) are in its compute.
-        starts = [block_of[ins.op] for ins in executor.schedule.instructions if isinstance(ins, StartAsync)]
-        result["collectives"] = len(starts) if degree > 1 else 0
-        for kind in BLOCK_KINDS:
-            result[f"{kind}.collectives_per_step"] = starts.count(kind) if degree > 1 else 0
-
+    for degree, run in zip(degrees, runs):
+        result = run.result()
         # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
         comm = Communicator(spec.link)
-        payload = torch.zeros(share // sub, cfg.seq_len, cfg.hidden_size, device=device)
+        payload = torch.zeros(run.share // sub, cfg.seq_len, cfg.hidden_size, device=device)
         result["allreduce_bytes"] = payload.numel() * payload.element_size()
-        result["allreduce_ms"] = _timed_collective(comm, payload, group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+        result["allreduce_ms"] = _timed_collective(comm, payload, run.group, spec.repeats, spec.warmup) if degree > 1 else 0.0
         result["latency_ms"] = (
-            _timed_collective(comm, torch.zeros(1, device=device), group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+            _timed_collective(comm, torch.zeros(1, device=device), run.group, spec.repeats, spec.warmup)
+            if degree > 1 else 0.0
         )
-        for kind in BLOCK_KINDS:
-            ops = [op for op in model.ops if isinstance(op, CommOp) and op.block == kind]
-            result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
-            result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
-
         # Memory and gradient sync from parameter shapes.
         numel = layer_parameter_counts(cfg, degree)
         for kind in BLOCK_KINDS:
