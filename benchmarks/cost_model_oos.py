@@ -1,6 +1,6 @@
-"""Cost-model accuracy out of sample: score cost model v2 on setups it was not tuned on.
+"""Cost-model accuracy out of sample: score the cost model on setups it was not tuned on.
 
-Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, ~15-25 min on a quiet
+Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, ~9.5 min estimated on a quiet
 2-core machine) or ``--setup link_1g`` (repeatable).  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
@@ -9,7 +9,8 @@ Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, ~15-25 min 
 it from the files already there.  ``--quick`` checks the harness in minutes (3 plans
 reach no conclusion: its Spearman is noise by design), into ``--results-dir``.
 
-The model is *not* retuned on these setups: a miss is reported, not fitted away.
+The model is *not* retuned on these setups: a miss is reported, not fitted away (what v2 and v4
+were built on: benchmarks/README.md, "Out of sample").
 """
 from __future__ import annotations
 

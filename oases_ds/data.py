@@ -15,10 +15,12 @@ never visits.  Without that, an "eval loss" would partly be a training loss.
 Real corpora: :func:`tokenize_corpus` (the ``oases-data`` CLI) runs a local
 Hugging Face ``tokenizer.json`` over ``.txt`` / ``.jsonl`` files and streams the
 ids into a flat token file plus a JSON sidecar (``<file>.json``: dtype,
-vocabulary size, token count, tokenizer, sources).  The sidecar is what lets a
-file be uint32 when a vocabulary outgrows uint16, and what lets ``data=mmap``
-refuse a file made with a bigger vocabulary than the model's before any rank
-starts.  Nothing is ever downloaded.
+vocabulary size, token count, tokenizer, sources, and the tokenizer's special ids).
+The sidecar is what lets a file be uint32 when a vocabulary outgrows uint16, what
+lets ``data=mmap`` refuse a file made with a bigger vocabulary than the model's
+before any rank starts, and what gives a masked-LM run its ``[MASK]`` id, the ids
+it must never pick and the vocabulary its random replacements come from: those
+belong to the tokenizer, not to the model.  Nothing is ever downloaded.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ UINT16_VOCAB = 65_535
 SIDECAR_FORMAT = "oases-tokens/1"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "[SEP]", "<sep>", "<|eos|>")
 """Special tokens tried, in order, as the document separator when ``--eos-token`` is not given."""
+MASK_CANDIDATES = ("[MASK]", "<mask>")
+"""Tokens tried, in order, as the masked-LM ``[MASK]`` when ``--mask-token`` is not given."""
+PAD_CANDIDATES = ("[PAD]", "<pad>")
+"""Tokens tried, in order, as the padding token recorded in the sidecar."""
 EMBEDDED_FILES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "inspect.py",
                   "json/decoder.py", "logging/__init__.py", "os.py", "pathlib.py", "random.py", "subprocess.py",
                   "textwrap.py", "typing.py", "unittest/case.py")
@@ -64,6 +70,10 @@ class TokenFileMeta:
         eos_id: the id written after each document.
         sources: the corpus files, in the order they were read.
         held_out: the held-out token file of the same run (a name beside this one), if any.
+        mask_id: the tokenizer's ``[MASK]`` (:data:`MASK_CANDIDATES` or ``--mask-token``); -1: none.
+        pad_id: the tokenizer's ``[PAD]`` (:data:`PAD_CANDIDATES`); -1: none.
+        special_ids: ids a masked-LM rule never picks: the tokenizer's special tokens, the
+            separator, ``[MASK]`` and ``[PAD]``.
     """
 
     dtype: str
@@ -73,6 +83,9 @@ class TokenFileMeta:
     eos_id: int = -1
     sources: tuple[str, ...] = ()
     held_out: str | None = None
+    mask_id: int = -1
+    pad_id: int = -1
+    special_ids: tuple[int, ...] = ()
     format: str = SIDECAR_FORMAT
 
     @staticmethod
@@ -88,7 +101,8 @@ class TokenFileMeta:
         try:
             with open(side) as f:
                 raw = json.load(f)
-            meta = cls(**{**raw, "sources": tuple(raw.get("sources", ()))})
+            meta = cls(**{**raw, "sources": tuple(raw.get("sources", ())),
+                          "special_ids": tuple(raw.get("special_ids", ()))})
         except (OSError, ValueError, TypeError) as err:
             raise ValueError(f"{side} is not a token-file sidecar ({err}); rewrite it with oases-data or delete it "
                              f"to read {token_file} as plain uint16") from None
@@ -97,7 +111,8 @@ class TokenFileMeta:
         return meta
 
     def write(self, token_file: str) -> None:
-        write_json_atomic(self.path_for(token_file), {**asdict(self), "sources": list(self.sources)})
+        write_json_atomic(self.path_for(token_file),
+                          {**asdict(self), "sources": list(self.sources), "special_ids": list(self.special_ids)})
 
 
 def _check_token_file(key: str, path: str) -> TokenFileMeta | None:
@@ -216,9 +231,9 @@ def check_tokens(cfg: DataConfig, tokens: np.ndarray | None, vocab_size: int, se
                          f"set model.vocab_size={top + 1} or more")
 
 
-def check_data(cfg: DataConfig, vocab_size: int, seq_len: int) -> None:
+def check_data(cfg: DataConfig, vocab_size: int, seq_len: int, masked_lm: bool = False) -> None:
     """What :class:`TokenBatches` checks, for a launcher to run before any rank starts."""
-    TokenBatches(cfg, vocab_size, seq_len)
+    TokenBatches(cfg, vocab_size, seq_len, masked_lm)
 
 
 def _windows(tokens: np.ndarray, seq_len: int) -> int:
@@ -233,15 +248,39 @@ class MaskedLM:
     ``mask_id``, 10% as a random token and 10% unchanged -- so the model cannot learn
     that only ``[MASK]`` positions matter.
 
+    The ids belong to the tokenizer: :meth:`for_data` reads them from a token file's
+    sidecar.  The defaults are the byte-level rule of the embedded text and of synthetic
+    tokens, which have no tokenizer (the NUL byte, id 0, stands for ``[MASK]``).
+
     Attributes:
-        mask_id: the ``[MASK]`` token (byte-level text: 0, the NUL byte).
+        mask_id: the ``[MASK]`` token.
         special_ids: tokens never picked (real vocabularies: ``[PAD]``, ``[CLS]``, ``[SEP]``, ``[MASK]``).
         rate: share of the candidate positions picked.
+        vocab_size: random replacements are drawn below it (the tokenizer's vocabulary);
+            ``None``: the model's.
     """
 
     mask_id: int = 0
     special_ids: tuple[int, ...] = (0,)
     rate: float = 0.15
+    vocab_size: int | None = None
+
+    @classmethod
+    def for_data(cls, cfg: DataConfig) -> "MaskedLM":
+        """The rule for ``cfg``'s tokens: a token file's ids come from its ``oases-data``
+        sidecar, and a file whose tokenizer has no ``[MASK]`` (or that has no sidecar) is
+        refused in one line -- masking with a guessed id would train on a real token."""
+        if cfg.source != "mmap":
+            return cls()
+        meta = TokenFileMeta.read(cfg.path)
+        if meta is None:
+            raise ValueError(f"data.path={cfg.path!r} has no sidecar {TokenFileMeta.path_for(cfg.path)}, so its [MASK] "
+                             f"id is unknown and a masked-LM model (family bert) needs it; write the file with oases-data")
+        if meta.mask_id < 0:
+            raise ValueError(f"data.path={cfg.path!r} has no [MASK] id: its tokenizer {meta.tokenizer or '(unknown)'} has "
+                             f"none of {', '.join(MASK_CANDIDATES)}, and a masked-LM model (family bert) needs one; rerun "
+                             f"oases-data with --mask-token TOKEN, or use a tokenizer that has a mask token")
+        return cls(meta.mask_id, tuple(meta.special_ids) or (meta.mask_id,), vocab_size=meta.vocab_size)
 
 
 class TokenBatches:
@@ -249,8 +288,9 @@ class TokenBatches:
     split into training windows (:meth:`batch`) and held-out windows (:meth:`eval_batch`)."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, masked_lm: bool | MaskedLM = False) -> None:
+        """``masked_lm``: BERT batches; ``True`` takes the rule of ``cfg``'s tokens (:meth:`MaskedLM.for_data`)."""
         self.cfg, self.vocab_size, self.seq_len = cfg, vocab_size, seq_len
-        self.masked_lm: MaskedLM | None = MaskedLM() if masked_lm is True else (masked_lm or None)
+        self.masked_lm: MaskedLM | None = MaskedLM.for_data(cfg) if masked_lm is True else (masked_lm or None)
         self.tokens = load_tokens(cfg)
         check_tokens(cfg, self.tokens, vocab_size, seq_len)
         if self.tokens is None:
@@ -317,7 +357,7 @@ class TokenBatches:
         picked[empty, candidate[empty].int().argmax(dim=1)] = True
         labels = torch.where(picked, tokens, torch.full_like(tokens, -100))
         roll = torch.rand(tokens.shape, generator=gen)
-        random_ids = torch.randint(0, self.vocab_size, tokens.shape, generator=gen)
+        random_ids = torch.randint(0, rule.vocab_size or self.vocab_size, tokens.shape, generator=gen)
         inputs = tokens.masked_fill(picked & (roll < 0.8), rule.mask_id)
         inputs = torch.where(picked & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
         return {"tokens": inputs, "labels": labels}
@@ -339,6 +379,8 @@ class CorpusSpec:
         eval_fraction: share of documents written to the held-out file instead (0: none).
         eval_out: the held-out token file; None: ``out`` with ``.eval`` before its extension.
         batch_docs: documents per ``encode_batch`` call (memory holds only this many).
+        mask_token: the masked-LM ``[MASK]`` recorded in the sidecar; None: the first of
+            :data:`MASK_CANDIDATES` the tokenizer knows (none found: none recorded).
     """
 
     inputs: tuple[str, ...]
@@ -350,6 +392,7 @@ class CorpusSpec:
     eval_fraction: float = 0.0
     eval_out: str | None = None
     batch_docs: int = 256
+    mask_token: str | None = None
 
     def held_out_path(self) -> str:
         if self.eval_out:
@@ -468,6 +511,34 @@ def eos_id(tokenizer: "Tokenizer", token: str | None) -> int:
                      f"pass --eos-token TOKEN naming its end-of-document token")
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids of a tokenizer that a masked-LM rule needs (see :class:`TokenFileMeta`)."""
+
+    mask_id: int
+    pad_id: int
+    special_ids: tuple[int, ...]
+
+
+def special_ids(tokenizer: "Tokenizer", eos: int, mask_token: str | None = None) -> SpecialIds:
+    """``[MASK]``, ``[PAD]`` and every special token of ``tokenizer`` (added tokens marked
+    special, plus the separator ``eos``); one line when ``mask_token`` is not in its vocabulary."""
+
+    def first(candidates: Sequence[str]) -> int:
+        for token in candidates:
+            found = tokenizer.token_to_id(token)
+            if found is not None:
+                return found
+        return -1
+
+    mask = first((mask_token,) if mask_token else MASK_CANDIDATES)
+    if mask_token and mask < 0:
+        raise ValueError(f"--mask-token {mask_token!r} is not in the tokenizer's vocabulary; give one of its special tokens")
+    pad = first(PAD_CANDIDATES)
+    marked = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    return SpecialIds(mask, pad, tuple(sorted(i for i in marked | {eos, mask, pad} if i >= 0)))
+
+
 def token_dtype(vocab_size: int, requested: str) -> str:
     if requested == "auto":
         return "uint16" if vocab_size <= UINT16_VOCAB else "uint32"
@@ -519,6 +590,7 @@ class CorpusReport:
     eval_tokens: int = 0
     dtype: str = ""
     vocab_size: int = 0
+    mask_id: int = -1
     outputs: list[str] = field(default_factory=list)
 
 
@@ -537,7 +609,8 @@ def tokenize_corpus(spec: CorpusSpec) -> CorpusReport:
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab, spec.dtype)
     eos = eos_id(tokenizer, spec.eos_token)
-    report = CorpusReport(files=files, dtype=dtype, vocab_size=vocab)
+    specials = special_ids(tokenizer, eos, spec.mask_token)
+    report = CorpusReport(files=files, dtype=dtype, vocab_size=vocab, mask_id=specials.mask_id)
     writers = [_TokenWriter(spec.out, dtype)]
     if spec.eval_fraction:
         writers.append(_TokenWriter(spec.held_out_path(), dtype))
@@ -583,10 +656,12 @@ def tokenize_corpus(spec: CorpusSpec) -> CorpusReport:
             writers[1].publish()
             held_name = os.path.relpath(writers[1].path, os.path.dirname(writers[0].path))
             TokenFileMeta(dtype, vocab, report.eval_tokens, os.path.abspath(spec.tokenizer), eos,
-                          tuple(os.path.abspath(f) for f in files)).write(writers[1].path)
+                          tuple(os.path.abspath(f) for f in files), None, specials.mask_id, specials.pad_id,
+                          specials.special_ids).write(writers[1].path)
         writers[0].publish()
         TokenFileMeta(dtype, vocab, report.tokens, os.path.abspath(spec.tokenizer), eos,
-                      tuple(os.path.abspath(f) for f in files), held_name).write(writers[0].path)
+                      tuple(os.path.abspath(f) for f in files), held_name, specials.mask_id, specials.pad_id,
+                      specials.special_ids).write(writers[0].path)
         report.outputs = [w.path for w in writers]
         return report
     finally:

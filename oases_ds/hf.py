@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of an Oases model: LLaMA and GPT-2.
+"""Hugging Face checkpoints in and out of an Oases model: LLaMA, GPT-2 and BERT (masked LM).
 
 Why a mapping and not a conversion script: an Oases model is sharded, so a rank
 that loads a 65B LLaMA must read only its own rows of each tensor, straight from
@@ -11,8 +11,11 @@ tensors a ``from_pretrained`` call reads.
 
 Numbers match ``transformers`` because the model options say what the Hugging Face
 code does: LLaMA rotates halves (``rotary="half"``), GPT-2 uses tanh GELU and ties
-its head to the embedding, and the epsilon, RoPE base and scaling, and the
-number of key/value heads come from the checkpoint's config.
+its head to the embedding, BERT is post-LN with token types, ties its decoder weight
+to the embedding but keeps its own decoder bias (``cls.predictions.bias``) after the
+masked-LM transform (dense + activation + LayerNorm), and its ``[PAD]`` row gets no
+lookup gradient (``pad_token_id``, as LLaMA's); the epsilon, RoPE base and scaling, and
+the number of key/value heads come from the checkpoint's config.
 
 Only ``transformers``' config classes are used (never its model code), and only
 inside these functions: the library does not need the ``[hf]`` extra otherwise.
@@ -36,11 +39,11 @@ from oases_ds.parallel.collectives import Group, group_rank
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.utils.io import fsync_directory
 
-SUPPORTED: dict[str, str] = {"GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
+SUPPORTED: dict[str, str] = {"BertForMaskedLM": "bert", "GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
 """Hugging Face architecture -> Oases family this module converts."""
-_SUPPORTED_LINE = "supported: GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
-_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-_PREFIX = {"gpt": "transformer.", "llama": "model."}
+_SUPPORTED_LINE = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+_MODEL_TYPES = {"bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_PREFIX = {"bert": "bert.", "gpt": "transformer.", "llama": "model."}
 _GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -49,11 +52,11 @@ class Source:
     """Where an Oases parameter lives in a Hugging Face state dict.
 
     Attributes:
-        name: the tensor's key, without the model prefix (``transformer.``/``model.``).
+        name: the tensor's key, without the model prefix (``transformer.``/``model.``/``bert.``).
         transposed: stored as ``[in, out]`` (GPT-2 ``Conv1D``) rather than ``[out, in]``.
         part, parts: this parameter is part ``part`` of ``parts`` equal pieces along the
             output dimension of a fused tensor (GPT-2 ``c_attn`` = q | k | v).
-        prefixed: the key carries the model prefix (``lm_head`` does not).
+        prefixed: the key carries the model prefix (``lm_head`` and BERT's ``cls.`` do not).
     """
 
     name: str
@@ -80,6 +83,8 @@ def _sources(cfg: ModelConfig) -> dict[str, Source]:
                 out[ox + f"mlp.fc1.{kind}"] = Source(hf + f"mlp.c_fc.{kind}", kind == "weight")
                 out[ox + f"mlp.fc2.{kind}"] = Source(hf + f"mlp.c_proj.{kind}", kind == "weight")
         out["head.norm.weight"], out["head.norm.bias"] = Source("ln_f.weight"), Source("ln_f.bias")
+    elif cfg.family == "bert":
+        return _bert_sources(cfg)
     else:
         out["embed.word.weight"] = Source("embed_tokens.weight")
         for i in range(cfg.num_layers):
@@ -93,6 +98,36 @@ def _sources(cfg: ModelConfig) -> dict[str, Source]:
         out["head.norm.weight"] = Source("norm.weight")
     if not cfg.tie_embeddings:
         out["head.decoder.weight"] = Source("lm_head.weight", prefixed=False)
+    return out
+
+
+def _bert_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """BERT's table: post-LN, so a block's norm is the ``LayerNorm`` of its output
+    (``attention.output`` / ``output``); the head is ``cls.predictions`` (unprefixed).
+    Untied, Hugging Face's decoder has its own ``decoder.bias`` (``cls.predictions.bias``
+    is then unused by its forward; :func:`hf_state_dict` writes it equal)."""
+    out = {"embed.word.weight": Source("embeddings.word_embeddings.weight"),
+           "embed.pos": Source("embeddings.position_embeddings.weight")}
+    if cfg.type_vocab_size:
+        out["embed.types"] = Source("embeddings.token_type_embeddings.weight")
+    for kind in ("weight", "bias"):
+        out[f"embed.norm.{kind}"] = Source(f"embeddings.LayerNorm.{kind}")
+        for i in range(cfg.num_layers):
+            hf, ox = f"encoder.layer.{i}.", f"layers.{i}."
+            for proj, name in (("q", "query"), ("k", "key"), ("v", "value")):
+                out[ox + f"attn.{proj}.{kind}"] = Source(hf + f"attention.self.{name}.{kind}")
+            out[ox + f"attn.o.{kind}"] = Source(hf + f"attention.output.dense.{kind}")
+            out[ox + f"attn_norm.{kind}"] = Source(hf + f"attention.output.LayerNorm.{kind}")
+            out[ox + f"mlp.fc1.{kind}"] = Source(hf + f"intermediate.dense.{kind}")
+            out[ox + f"mlp.fc2.{kind}"] = Source(hf + f"output.dense.{kind}")
+            out[ox + f"mlp_norm.{kind}"] = Source(hf + f"output.LayerNorm.{kind}")
+        out[f"head.dense.{kind}"] = Source(f"cls.predictions.transform.dense.{kind}", prefixed=False)
+        out[f"head.norm.{kind}"] = Source(f"cls.predictions.transform.LayerNorm.{kind}", prefixed=False)
+    if cfg.tie_embeddings:
+        out["head.bias"] = Source("cls.predictions.bias", prefixed=False)
+    else:
+        out["head.decoder.weight"] = Source("cls.predictions.decoder.weight", prefixed=False)
+        out["head.decoder.bias"] = Source("cls.predictions.decoder.bias", prefixed=False)
     return out
 
 
@@ -134,9 +169,9 @@ def _architecture(hf: Any) -> str:
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face config (``GPT2Config``/``LlamaConfig``
-    or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a shorter
-    ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise."""
+    """The :class:`ModelConfig` of a Hugging Face config (``GPT2Config``/``LlamaConfig``/
+    ``BertConfig`` or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a
+    shorter ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise."""
     if isinstance(hf_config, dict):
         hf_config = _ConfigJson(hf_config)
     family = SUPPORTED[_architecture(hf_config)]
@@ -153,6 +188,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             dropout=float(g("resid_pdrop", 0.0)), norm_eps=float(g("layer_norm_epsilon", 1e-5)),
             activation=_GELU[act], tie_embeddings=bool(g("tie_word_embeddings", True)),
         )
+    elif family == "bert":
+        fields = _bert_fields(g, overrides)
     else:
         if g("hidden_act", "silu") != "silu":
             raise ValueError(f"config_from_hf: LLaMA hidden_act={g('hidden_act')!r} is not supported; only silu")
@@ -165,10 +202,35 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             family="llama", vocab_size=g("vocab_size"), hidden_size=hidden, num_heads=heads,
             num_layers=g("num_hidden_layers"), ffn_size=g("intermediate_size"), seq_len=g("max_position_embeddings"),
             dropout=float(g("attention_dropout", 0.0)), norm_eps=float(g("rms_norm_eps", 1e-6)),
-            num_kv_heads=g("num_key_value_heads") or heads, rotary="half",
+            num_kv_heads=g("num_key_value_heads") or heads, rotary="half", pad_token_id=g("pad_token_id"),
             tie_embeddings=bool(g("tie_word_embeddings", False)), **_rope_options(hf_config),
         )
     return ModelConfig(**{**fields, **overrides})
+
+
+def _bert_fields(g: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """:func:`config_from_hf` for ``BertConfig``: defaults are ``BertConfig``'s, so a sparse
+    ``config.json`` reads as ``transformers`` would read it."""
+    act = g("hidden_act", "gelu")
+    if act not in _GELU:
+        raise ValueError(f"config_from_hf: BERT hidden_act={act!r} is not supported; use one of {sorted(_GELU)}")
+    if g("is_decoder", False):
+        raise ValueError("config_from_hf: BERT with is_decoder=True (causal attention) is not supported; "
+                         "BertForMaskedLM reads both directions")
+    if g("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"config_from_hf: BERT position_embedding_type={g('position_embedding_type')!r} is not "
+                         f"supported; only absolute")
+    hidden_p, attn_p = float(g("hidden_dropout_prob", 0.1)), float(g("attention_probs_dropout_prob", 0.1))
+    if hidden_p != attn_p and "dropout" not in overrides:
+        raise ValueError(f"config_from_hf: BERT hidden_dropout_prob={hidden_p} differs from attention_probs_dropout_prob="
+                         f"{attn_p}; Oases has one dropout probability: pass model.dropout=P")
+    return dict(
+        family="bert", vocab_size=g("vocab_size", 30522), hidden_size=g("hidden_size", 768),
+        num_heads=g("num_attention_heads", 12), num_layers=g("num_hidden_layers", 12),
+        ffn_size=g("intermediate_size", 3072), seq_len=g("max_position_embeddings", 512), dropout=hidden_p,
+        norm_eps=float(g("layer_norm_eps", 1e-12)), activation=_GELU[act], type_vocab_size=g("type_vocab_size", 2),
+        pad_token_id=g("pad_token_id", 0), tie_embeddings=bool(g("tie_word_embeddings", True)),
+    )
 
 
 def hf_config(cfg: ModelConfig) -> Any:
@@ -185,6 +247,16 @@ def hf_config(cfg: ModelConfig) -> Any:
             activation_function="gelu_new" if cfg.mlp_act == "gelu_tanh" else "gelu",
             tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
         )
+    if cfg.family == "bert":
+        return transformers.BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn,
+            hidden_act="gelu_new" if cfg.mlp_act == "gelu_tanh" else "gelu", hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout, max_position_embeddings=cfg.seq_len,
+            type_vocab_size=cfg.type_vocab_size or 1,  # none: one all-zero row, which adds nothing
+            layer_norm_eps=cfg.eps, pad_token_id=cfg.pad_token_id, tie_word_embeddings=cfg.tie_embeddings,
+            architectures=["BertForMaskedLM"],
+        )
     if cfg.family == "llama":
         if cfg.rotary != "half":
             raise ValueError("save_hf: Hugging Face LLaMA rotates halves; train with model.rotary='half' to export")
@@ -199,7 +271,7 @@ def hf_config(cfg: ModelConfig) -> Any:
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.eps, attention_dropout=cfg.dropout,
-            tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
+            pad_token_id=cfg.pad_token_id, tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
         )
         if "rope_parameters" in transformers.LlamaConfig().to_dict():
             kw["rope_parameters"] = rope
@@ -372,7 +444,12 @@ def load_hf(source: Union[str, os.PathLike, Any], group: Union[Group, ParallelCo
 def hf_state_dict(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face state dict (contiguous tensors) of unsharded Oases values ``full``:
     the inverse of the :class:`Source` table (fused parts concatenated, ``Conv1D``
-    weights transposed back).  Also maps gradients, for comparisons."""
+    weights transposed back).  Also maps gradients, for comparisons.
+
+    BERT adds what ``BertForMaskedLM`` holds and the Oases model does not: a token-type
+    table of one zero row when the model has no token types (adding it changes nothing),
+    and, untied, ``cls.predictions.bias`` equal to the decoder's bias (its forward reads
+    only the latter)."""
     groups: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
     for name, src in _sources(cfg).items():
         value = full[name].t() if src.transposed else full[name]
@@ -382,6 +459,12 @@ def hf_state_dict(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, 
         pieces.sort(key=lambda p: p[0])
         dim = 1 if pieces[0][2] else 0
         out[key] = torch.cat([p[1] for p in pieces], dim=dim).contiguous() if len(pieces) > 1 else pieces[0][1].contiguous()
+    if cfg.family == "bert":
+        if not cfg.type_vocab_size:
+            word = full["embed.word.weight"]
+            out["bert.embeddings.token_type_embeddings.weight"] = word.new_zeros(1, word.shape[1])
+        if not cfg.tie_embeddings:
+            out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"].clone()
     return out
 
 

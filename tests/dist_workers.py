@@ -41,6 +41,10 @@ OPTION_CASES: dict[str, dict] = {
     "gpt_tied_tanh_odd_vocab": dict(family="gpt", tie_embeddings=True, activation="gelu_tanh", vocab_size=63),
     "gpt_gqa_odd_vocab": dict(family="gpt", num_kv_heads=2, vocab_size=61),
     "bert_token_types_odd_vocab": dict(family="bert", type_vocab_size=2, vocab_size=63),
+    # BertForMaskedLM's head: decoder tied to the embedding with its own bias; [PAD] = 60 appears
+    # in the random tokens, attended, and its row must get no lookup gradient (rank 1 holds it at TMP 2)
+    "bert_tied_pad_tanh": dict(family="bert", type_vocab_size=2, vocab_size=63, tie_embeddings=True,
+                               pad_token_id=60, activation="gelu_tanh"),
 }
 
 

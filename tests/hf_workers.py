@@ -19,12 +19,21 @@ from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleSpec
 
 
+BERT_PAD = 61
+"""``[PAD]`` of the tiny BERT."""
+
+
 def tiny_hf_model(kind: str, seed: int = 0):
     """A small ``transformers`` model of ``kind`` with random weights:
 
     - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
     - "llama_kv1": the same with one k/v head (replicated over TMP ranks above 1);
-    - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63).
+    - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63);
+    - "bert": ``BertForMaskedLM`` with token types, the decoder tied to the embedding (its
+      own bias kept), an odd vocabulary (63: TMP 2 and 4 pad it) and ``[PAD]`` = 61, a row
+      that TMP 2 and 4 hold on their last rank (so the local padding index is exercised);
+    - "bert_untied": the same with its own decoder weight and bias (``cls.predictions.bias``,
+      which its forward then never reads, equal to the decoder's as the export writes it).
     """
     import transformers
 
@@ -38,6 +47,13 @@ def tiny_hf_model(kind: str, seed: int = 0):
             attn_implementation="eager",
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind in ("bert", "bert_untied"):
+        cfg = transformers.BertConfig(
+            vocab_size=63, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+            max_position_embeddings=8, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            pad_token_id=BERT_PAD, tie_word_embeddings=kind == "bert", attn_implementation="eager",
+        )
+        model = transformers.BertForMaskedLM(cfg)
     else:
         cfg = transformers.GPT2Config(
             vocab_size=63, n_positions=8, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -48,6 +64,8 @@ def tiny_hf_model(kind: str, seed: int = 0):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn_like(p))
+        if kind == "bert_untied":
+            model.cls.predictions.bias.copy_(model.cls.predictions.decoder.bias)
     return model
 
 
@@ -59,16 +77,52 @@ def batch_for(vocab: int, size: int, seq: int, seed: int = 3) -> dict[str, torch
     return {"tokens": tokens[:, :-1].contiguous(), "labels": labels}
 
 
+def masked_lm_batch(vocab: int, size: int, seq: int, pad: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """A BERT batch that exercises token types, the padding mask and ``[PAD]``'s row: two
+    segments per sample, sample 1 right-padded (keys masked, labels ignored), and in sample 0
+    a ``[PAD]`` token that *is* attended -- the only way its embedding row could get a
+    lookup gradient, which Hugging Face's ``padding_idx`` withholds."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab - 3, (size, seq), generator=gen)  # below the [PAD] of the tiny BERT
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    picked = torch.rand(tokens.shape, generator=gen) < 0.4
+    picked[:, 1] = True
+    labels[picked] = tokens[picked]
+    mask = torch.ones_like(tokens)
+    tokens[1, -3:], mask[1, -3:], labels[1, -3:] = pad, 0, IGNORE_INDEX
+    tokens[0, 2], labels[0, 2] = pad, IGNORE_INDEX
+    types = (torch.arange(seq) >= seq // 2).long().expand(size, seq).contiguous()
+    return {"tokens": tokens, "labels": labels, "attention_mask": mask, "token_types": types}
+
+
+def batch_of(cfg, size: int) -> dict[str, torch.Tensor]:
+    """The test batch of ``size`` samples for a model of ModelConfig ``cfg``."""
+    if cfg.family == "bert":
+        return masked_lm_batch(cfg.vocab_size, size, cfg.seq_len, cfg.pad_token_id)
+    return batch_for(cfg.vocab_size, size, cfg.seq_len)
+
+
+def hf_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``transformers``' logits for an Oases batch (BERT: token types and padding mask too)."""
+    if model.config.model_type == "bert":
+        return model(input_ids=batch["tokens"], attention_mask=batch.get("attention_mask"),
+                     token_type_ids=batch.get("token_types")).logits
+    return model(input_ids=batch["tokens"]).logits
+
+
 def hf_loss_and_grads(path: str, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean token loss and parameter gradients of ``transformers``' model saved at ``path``."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    bert = transformers.AutoConfig.from_pretrained(path).model_type == "bert"
+    auto = transformers.AutoModelForMaskedLM if bert else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     model.eval()  # no dropout; gradients are unaffected by eval mode
-    logits = model(input_ids=batch["tokens"]).logits
+    logits = hf_logits(model, batch)
     loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    # an untied BertForMaskedLM never reads cls.predictions.bias: no gradient to compare
+    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
@@ -82,7 +136,7 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
     ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
     model = load_hf(path, ctx)
     cfg = model.cfg
-    batch = batch_for(cfg.vocab_size, 4, cfg.seq_len)
+    batch = batch_of(cfg, 4)
     ref_loss, ref_grads = hf_loss_and_grads(path, batch)
     floor = 1e-4 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
     results = {}
@@ -111,9 +165,9 @@ def initialize_from_transformers_worker(kind: str) -> dict:
     oases = {"enabled": True, "tensor_parallel_size": 2, "process_group_timeout_s": 120}
     cfg = dict(ds_config(4, 1, oases=oases), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
     engine, *_ = oases_ds.initialize(model=hf_model, config=cfg)
-    batch = batch_for(hf_model.config.vocab_size, 4, engine.module.cfg.seq_len)
+    batch = batch_of(engine.module.cfg, 4)
     hf_model.eval()
-    logits = hf_model(input_ids=batch["tokens"]).logits
+    logits = hf_logits(hf_model, batch)
     ref = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
     loss = float(engine.eval_batch(batch))
     try:

@@ -208,9 +208,9 @@ def hf_validate_run(kind: str) -> dict:
 
     hf_model = hf_workers.tiny_hf_model(kind)  # same seed on every rank: the same weights
     module = OasesLightningModule(hf_model)
-    batch = hf_workers.batch_for(hf_model.config.vocab_size, MICRO, module.model_config.seq_len)
+    batch = hf_workers.batch_of(module.model_config, MICRO)
     with torch.no_grad():
-        logits = hf_model.eval()(input_ids=batch["tokens"]).logits
+        logits = hf_workers.hf_logits(hf_model.eval(), batch)
     ref = float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX))
     samples = [{k: v[i] for k, v in batch.items()} for i in range(MICRO)]
     trainer = pl.Trainer(strategy="oases", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,

@@ -57,7 +57,7 @@ class ReferenceModel(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         self.embed = nn.Module()
-        self.embed.word = nn.Embedding(cfg.vocab_size, H)
+        self.embed.word = nn.Embedding(cfg.vocab_size, H, padding_idx=cfg.pad_token_id)
         if cfg.family != "llama":
             self.embed.pos = nn.Parameter(torch.zeros(cfg.seq_len, H))
         if cfg.type_vocab_size:
@@ -73,6 +73,8 @@ class ReferenceModel(nn.Module):
             self.head.norm = _RMSNorm(H, cfg.eps) if cfg.family == "llama" else nn.LayerNorm(H, eps=cfg.eps)
         if not cfg.tie_embeddings:
             self.head.decoder = nn.Linear(H, cfg.vocab_size, bias=cfg.family == "bert")
+        elif cfg.family == "bert":  # tied decoder weight, its own bias (BertForMaskedLM)
+            self.head.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(init_full_parameter(name, tuple(p.shape), seed))
@@ -168,8 +170,10 @@ class ReferenceModel(nn.Module):
                 x = x + self._drop(self._attention(blk, blk.attn_norm(x), i, *args), rng, dropout_site(i, "attn_out"), training, sample_offset, gb)
                 x = x + self._drop(self._mlp(blk, blk.mlp_norm(x)), rng, dropout_site(i, "mlp_out"), training, sample_offset, gb)
         if cfg.family == "bert":
-            x = self.head.norm(F.gelu(self.head.dense(x)))
+            x = self.head.norm(F.gelu(self.head.dense(x), approximate="tanh" if cfg.mlp_act == "gelu_tanh" else "none"))
         else:
             x = self.head.norm(x)
         logits = x @ self.embed.word.weight.T if cfg.tie_embeddings else self.head.decoder(x)
+        if cfg.tie_embeddings and cfg.family == "bert":
+            logits = logits + self.head.bias
         return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX)

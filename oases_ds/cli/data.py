@@ -23,6 +23,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the token file to write; its sidecar is OUT.json")
     p.add_argument("--text-field", default="text", help="the .jsonl field holding the text (default: text)")
     p.add_argument("--eos-token", default=None, help="document separator token (default: the tokenizer's EOS/sep)")
+    p.add_argument("--mask-token", default=None,
+                   help="the masked-LM [MASK] token recorded in the sidecar (default: [MASK] or <mask> if the tokenizer has one)")
     p.add_argument("--dtype", default="auto", choices=("auto", *TOKEN_DTYPES),
                    help="auto: uint16 when the vocabulary has <= 65,535 ids, else uint32")
     p.add_argument("--eval-fraction", type=float, default=0.0,
@@ -34,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     spec = CorpusSpec(tuple(args.inputs), args.tokenizer, args.out, args.text_field, args.eos_token, args.dtype,
-                      args.eval_fraction, args.eval_out)
+                      args.eval_fraction, args.eval_out, mask_token=args.mask_token)
     try:
         report = tokenize_corpus(spec)
     except ValueError as err:
@@ -44,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     held = f" | held out {report.eval_documents} docs, {report.eval_tokens:,} tokens -> {report.outputs[1]}" \
         if report.eval_documents else ""
     print(f"oases-data: {len(report.files)} files, {report.documents} docs, {report.tokens:,} tokens -> "
-          f"{report.outputs[0]} ({report.dtype}, vocabulary {report.vocab_size:,}){held}")
+          f"{report.outputs[0]} ({report.dtype}, vocabulary {report.vocab_size:,}"
+          f"{f', [MASK] id {report.mask_id}' if report.mask_id >= 0 else ''}){held}")
 
 
 def entry() -> None:

@@ -169,7 +169,7 @@ def validate(cfg: dict) -> None:
     ds = ds_config(cfg)
     oases = parse_oases_section(ds["oases"])
     check_deepspeed_section(ds)
-    check_data(DataConfig(**cfg["data"]), model.vocab_size, model.seq_len)
+    check_data(DataConfig(**cfg["data"]), model.vocab_size, model.seq_len, masked_lm=model.family == "bert")
     check_csv(cfg["metrics"]["csv"])
     check_tensorboard(cfg["metrics"]["tensorboard"])
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))

@@ -23,6 +23,7 @@ from oases_ds.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_parallel,
+    vocab_parallel_bias,
 )
 
 
@@ -37,7 +38,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group) -> None:
         super().__init__()
         H = cfg.hidden_size
-        self.word = VocabParallelEmbedding(cfg.vocab_size, H, group)
+        self.word = VocabParallelEmbedding(cfg.vocab_size, H, group, padding_idx=cfg.pad_token_id)
         if cfg.family != "llama":
             self.pos = mark_parallel(nn.Parameter(torch.empty(cfg.seq_len, H)), None)
         if cfg.type_vocab_size:
@@ -76,8 +77,9 @@ class TransformerLayer(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm (BERT: dense + GELU + norm) and the vocab-parallel decoder over the full TMP
-    group (none with ``tie_embeddings``: the loss then reads the embedding table)."""
+    """Final norm (BERT: the masked-LM transform, dense + activation + norm) and the
+    vocab-parallel decoder over the full TMP group (none with ``tie_embeddings``: the loss
+    then reads the embedding table; a tied BERT head keeps its own vocab-parallel ``bias``)."""
 
     def __init__(self, cfg: ModelConfig, group: Group) -> None:
         super().__init__()
@@ -91,6 +93,8 @@ class Head(nn.Module):
             self.norm = _norm(cfg, H)
         if not cfg.tie_embeddings:
             self.decoder = ColumnParallelLinear(H, cfg.vocab_size, group, bias=cfg.family == "bert", pad=True)
+        elif cfg.family == "bert":
+            self.bias = vocab_parallel_bias(cfg.vocab_size, group)
 
 
 def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:

@@ -45,11 +45,16 @@ class ModelConfig:
             are the same model up to a permutation of the q/k rows, so a checkpoint must
             be run in the mode it was saved for.
         tie_embeddings: the output head reuses the vocab-parallel input embedding
-            (GPT-2); there is then no ``head.decoder.weight``.
+            (GPT-2, and BERT's ``BertForMaskedLM``); there is then no ``head.decoder.weight``.
+            A tied BERT head keeps its own vocab-parallel bias ``head.bias`` (Hugging Face's
+            ``cls.predictions.bias``), as the untied one keeps ``head.decoder.bias``.
         activation: MLP non-linearity: "gelu" (erf), "gelu_tanh" (GPT-2's ``gelu_new``);
             LLaMA's gated MLP is always "silu" (SwiGLU).  Empty: the family default.
         type_vocab_size: BERT token types (segment ids, batch key ``token_types``);
             0: none.
+        pad_token_id: the ``[PAD]`` token, whose embedding row gets no gradient from the
+            lookup, as ``nn.Embedding(padding_idx=...)`` in Hugging Face's BERT and LLaMA
+            (a tied head still trains the row through the decoder); ``None``: no such token.
     """
 
     family: Family = "gpt"
@@ -72,6 +77,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     activation: str = ""
     type_vocab_size: int = 0
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -125,8 +131,9 @@ class ModelConfig:
             raise ValueError(f"model.rope_original_max_positions must be >= 1, got {self.rope_original_max_positions}")
         if self.type_vocab_size < 0 or (self.type_vocab_size and self.family != "bert"):
             raise ValueError(f"model.type_vocab_size={self.type_vocab_size} applies to bert only (>= 1), else 0")
-        if self.tie_embeddings and self.family == "bert":
-            raise ValueError("model.tie_embeddings is supported for gpt and llama; BERT's head keeps its own decoder")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"model.pad_token_id={self.pad_token_id} is not a token of model.vocab_size="
+                             f"{self.vocab_size}; give an id below it, or null for no padding token")
 
     @property
     def ffn(self) -> int:

@@ -279,13 +279,16 @@ class OperatorModel(nn.Module):
             if cfg.family == "bert":
                 if exits[-1]:  # post-LN: the last block's norm (see module doc)
                     x = self.layers[-1].mlp_norm(x)
-                return (self.head.norm(F.gelu(self.head.dense(x))),)
+                approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"  # the MLP's activation, as HF's hidden_act
+                return (self.head.norm(F.gelu(self.head.dense(x), approximate=approximate)),)
             return (self.head.norm(x),)
 
         def loss(c: OpContext, a: Acts) -> Acts:
             # Tied: the vocab-parallel embedding shard doubles as this rank's decoder rows.
-            tied = cfg.tie_embeddings
-            logits = F.linear(a[0], self.embed.word.weight) if tied else self.head.decoder.partial(a[0])
+            if cfg.tie_embeddings:  # BERT's tied head keeps its own bias
+                logits = F.linear(a[0], self.embed.word.weight, getattr(self.head, "bias", None))
+            else:
+                logits = self.head.decoder.partial(a[0])
             labels = c.batch["labels"]
             group = self.group
 

@@ -81,6 +81,15 @@ class ColumnParallelLinear(nn.Module):
         return self.partial(copy_to_tensor_parallel(x, self.group))
 
 
+def vocab_parallel_bias(vocab_size: int, group: Group) -> nn.Parameter:
+    """A bias over the vocabulary split like :class:`VocabParallelEmbedding`'s rows (padded to
+    the degree): the output bias of a head whose weight is the tied embedding (BERT's
+    ``cls.predictions.bias``)."""
+    p = _param((padded_local(vocab_size, group),), 0)
+    _mark_padded(p, vocab_size)
+    return p
+
+
 class ReplicatedHeadLinear(nn.Module):
     """Key/value projection when there are fewer k/v heads than TMP ranks (Megatron's
     replicated k/v): every rank holds the whole ``[heads * head_dim, in]`` weight and
@@ -140,20 +149,29 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; tokens outside this rank's range
-    contribute zeros, so an AllReduce of ``partial`` gives the full lookup."""
+    contribute zeros, so an AllReduce of ``partial`` gives the full lookup.
 
-    def __init__(self, vocab_size: int, dim: int, group: Group) -> None:
+    ``padding_idx``: the token whose row the lookup never trains (``nn.Embedding``'s
+    ``padding_idx``, which Hugging Face's BERT and LLaMA set to ``[PAD]``); only the rank
+    holding that row passes it on, as a local index.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, group: Group, padding_idx: int | None = None) -> None:
         super().__init__()
         self.group = group
         self.vocab_local = padded_local(vocab_size, group)  # padded rows: no token reads them
         self.start = group_rank(group) * self.vocab_local
         self.weight = _param((self.vocab_local, dim), 0)
         _mark_padded(self.weight, vocab_size)
+        local_pad = None if padding_idx is None else padding_idx - self.start
+        self.local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.vocab_local else None
 
     def partial(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start
         outside = (local < 0) | (local >= self.vocab_local)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # Tokens of other ranks read row 0 and are zeroed below, so their lookup gradient is
+        # zero whether or not row 0 is the padding row.
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,14 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-COST_MODEL_VERSION = 3
+COST_MODEL_VERSION = 4
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
 2: last sub-batch's collective moved from the node to the edge cost; boundary edges.
 3: memory from :mod:`oases_ds.planner.memory` (autograd-saved tensors, logits,
-working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``."""
+working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``.
+4: each collective's measured overhead beyond the link model (:attr:`BlockCost.overhead_ms`,
+:attr:`CostTable.collective_overhead_ms`, on nodes and reshards)."""
 
 STAGE_ROLE_NAMES: tuple[str, ...] = ("only", "first", "middle", "last")
 """Roles of a pipeline stage, by the ends of the model it holds (:attr:`CostTable.stage_fixed_bytes`)."""
@@ -82,6 +84,12 @@ class BlockCost:
     comm_bwd_last_ms: float = 0.0
     """Backward collective of the last sub-batch, hidden behind the previous block's
     backward (recompute + backward) of the first sub-batch; :func:`edge_ms` charges it."""
+    overhead_ms: float = 0.0
+    """What the block's TMP collectives cost the step beyond their link time, hidden or not:
+    each is a barrier between the block's ranks and is issued and completed by the host.
+    Its collectives per step times :attr:`CostTable.collective_overhead_ms` at the block's
+    degree (:func:`~oases_ds.planner.costmodel.collective_overhead_ms`); 0 where not measured
+    (analytic tables)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -92,7 +100,7 @@ class BlockCost:
     @property
     def step_ms(self) -> float:
         """Node cost in the ILP objective: everything this block adds to a step."""
-        return self.fwd_ms + self.bwd_ms + self.comm_fwd_ms + self.comm_bwd_ms + self.grad_sync_ms
+        return self.fwd_ms + self.bwd_ms + self.comm_fwd_ms + self.comm_bwd_ms + self.grad_sync_ms + self.overhead_ms
 
     @property
     def memory_bytes(self) -> float:
@@ -143,6 +151,12 @@ class CostTable:
     model), from :func:`~oases_ds.planner.memory.memory_rows`.  Empty in a table written
     before pipeline stages: :mod:`oases_ds.planner.stages` then charges every stage the
     whole :attr:`fixed_bytes`, an over-count, never an under-count."""
+    collective_overhead_ms: dict[int, float] = field(default_factory=dict)
+    """Group size -> measured step time one collective among that many ranks costs beyond its
+    link time (:func:`~oases_ds.planner.costmodel.collective_overhead_ms`; the profiler measures it
+    at each degree, on the degree's own group).  The block rows already hold their own
+    collectives' share (:attr:`BlockCost.overhead_ms`); :func:`reshard_ms` charges it per
+    AllGather.  Missing sizes cost 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sub_batches, int) or isinstance(self.sub_batches, bool) or self.sub_batches < 1:
@@ -173,6 +187,10 @@ class CostTable:
                 raise ValueError(f"CostTable.stage_fixed_bytes has role {role!r}; roles are {', '.join(STAGE_ROLE_NAMES)}")
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
                 raise ValueError(f"CostTable.stage_fixed_bytes[{role!r}] must be a finite number >= 0, got {value!r}")
+        for ranks, ms in self.collective_overhead_ms.items():
+            if not isinstance(ranks, int) or ranks < 1 or not 0 <= ms < math.inf:
+                raise ValueError(f"CostTable.collective_overhead_ms must map group sizes >= 1 to finite ms >= 0, "
+                                 f"got {ranks!r}: {ms!r}")
         if self.reshard_bytes < 0 or self.latency_us < 0:
             raise ValueError(
                 f"CostTable.reshard_bytes and latency_us must be >= 0, got {self.reshard_bytes}, {self.latency_us}"
@@ -217,7 +235,10 @@ def _table_from_dict(data: dict[str, Any]) -> CostTable:
                                  f"profile again (version {COST_MODEL_VERSION})")
             check_fields(cost, BlockCost, f"blocks.{kind}.{degree}")
             blocks[kind][int(degree)] = BlockCost(**cost)
-    return CostTable(**{**data, "blocks": blocks})
+    overhead = data.get("collective_overhead_ms", {})
+    if not isinstance(overhead, dict) or not all(str(k).isdigit() for k in overhead):
+        raise ValueError(f"collective_overhead_ms must map group sizes (whole numbers) to ms, got {overhead!r}")
+    return CostTable(**{**data, "blocks": blocks, "collective_overhead_ms": {int(k): float(v) for k, v in overhead.items()}})
 
 
 def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:
@@ -245,13 +266,16 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
     share ``reshard_bytes * big / T``, once per sub-batch (``table.sub_batches``).  The gathered block
     input is what the next block checkpoints, so recompute does not repeat the
     gather.  The time is charged as fully exposed: the schedule has no compute
-    of the same sub-batch to hide it behind.
+    of the same sub-batch to hide it behind, and each AllGather pays the measured
+    overhead of one collective among its ``k`` ranks (:attr:`CostTable.collective_overhead_ms`).
     """
     if t_from == t_to:
         return 0.0
     small, big = sorted((t_from, t_to))
     gathered_bytes = table.reshard_bytes * big / table.devices
-    return table.sub_batches * (SLICE_MS + allgather_ms(table, big // small, gathered_bytes))
+    ranks = big // small
+    overhead = table.collective_overhead_ms.get(ranks, 0.0)
+    return table.sub_batches * (SLICE_MS + allgather_ms(table, ranks, gathered_bytes) + overhead)
 
 
 def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:

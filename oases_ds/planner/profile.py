@@ -25,6 +25,14 @@ What is measured and what is derived, per block and degree:
   takes the Sync waits from the timeline.  Both are kept in ``measurements``;
 * gradient sync: an AllReduce of the block's gradient bytes on the *replica
   group* (same index in each of the T/t replicas), measured, not modelled;
+* collective overhead: the whole one-layer step is timed too; at each degree the
+  measured step less the step :func:`~oases_ds.planner.costmodel.simulate_step`
+  replays from the measured per-op compute and the link model, net of the
+  degree-1 residual and divided by the collectives the step issued, is what one
+  collective costs beyond its link time
+  (:func:`~oases_ds.planner.costmodel.collective_overhead_ms`);
+* the degrees are profiled interleaved, one step of each per round, so a burst of
+  load on the machine does not fall on one degree only;
 * memory, from shapes, not measured: parameters + gradients + Adam moments (16
   bytes per fp32 parameter) of the block's shards, and the fp32 activations of
   :func:`~oases_ds.planner.memory.memory_rows` (checkpoints and autograd-saved
@@ -54,12 +62,21 @@ from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
+from oases_ds.planner.accuracy import round_order
+from oases_ds.planner.costmodel import (
+    BlockTiming,
+    OpCosts,
+    collective_overhead_ms,
+    exposed_comm_ms,
+    pipelined_comm_ms,
+    simulate_step,
+)
 from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
 from oases_ds.planner.memory import memory_rows
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
+from oases_ds.schedule.instructions import StartAsync
 
 PROFILE_DTYPE_BYTES = 4
 """The profiler runs fp32 (CPU); its memory rows count 4-byte activations."""
@@ -81,7 +98,10 @@ class ProfileSpec:
         link: emulated link (``None``: this machine as it is).
         cluster: label of the machine / link in the key.
         warmup / repeats: steps discarded, then steps whose median is kept.
-        exposed: where the exposed-comm node cost comes from, see module doc.
+        exposed: where the exposed-comm node cost comes from, see module doc.  With
+            ``"measured"`` the Sync waits already hold the part of the collective overhead
+            that is a late partner, so that part is counted twice (the default, ``"model"``,
+            prices the link alone and leaves all of it to the overhead).
         seed: weights and data.
     """
 
@@ -208,12 +228,92 @@ def _timed_collective(comm: Any, tensor: torch.Tensor, group: Any, repeats: int,
     return _median([(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)])
 
 
+class _LayerRun:
+    """One degree's one-layer model, batch and executor on this rank, and what its timed steps saw.
+
+    Why a class: the degrees' steps are interleaved (:func:`_profile_rank`), so each degree's
+    state lives across the loop over steps."""
+
+    def __init__(self, spec: ProfileSpec, ctx: ParallelContext, degree: int) -> None:
+        cfg, device = spec.model, ctx.device
+        self.degree, self.sub = degree, spec.sub_batches
+        self.group = ctx.sub_group(degree)
+        self.share = spec.micro_batch * degree // spec.devices
+        gen = torch.Generator().manual_seed(spec.seed + ctx.rank // degree)
+        seq = torch.randint(0, cfg.vocab_size, (self.share, cfg.seq_len + 1), generator=gen).to(device)
+        self.batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+        self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed).to(device)
+        self.executor = Executor.for_schedule(self.model, spec.schedule, spec.link, RNGTracker(spec.seed))
+        self.block_of = [op.block for op in self.model.ops]
+        self.clock = clock_for(device)
+        self.per_rep: dict[str, list[float]] = {}
+        self.op_ms: dict[str, list[float]] = {}
+        self.op_ms_reps: list[dict[str, float]] = []
+        self.step_marks: list[Any] = []
+
+    def step(self, timed: bool) -> None:
+        """Run one step (all ranks together); keep its timeline when ``timed``."""
+        dist.barrier()
+        start = self.clock.mark()
+        self.executor.run(self.batch)
+        end = self.clock.mark()
+        self.model.zero_grad(set_to_none=True)
+        if not timed:
+            return
+        self.step_marks += [start, end]
+        sums: dict[str, float] = {}
+        ops_this_rep: dict[str, float] = {}
+        for event in self.executor.timeline.events:
+            ms = (event.end - event.start) * 1e3
+            if event.lane == "compute" and (m := _COMPUTE_EVENT.match(event.name)):
+                letter, op = m.group(1), int(m.group(2))
+                phase = {"F": "fwd", "f": "fwd", "R": "recompute", "B": "bwd"}[letter]
+                key = f"{op}:{'B' if phase == 'bwd' else 'F'}" if phase != "recompute" else f"{op}:R"
+                ops_this_rep[key] = ops_this_rep.get(key, 0.0) + ms
+                if self.block_of[op] in BLOCK_KINDS:
+                    name = f"{self.block_of[op]}.{phase}"
+                    sums[name] = sums.get(name, 0.0) + ms
+            elif event.lane == "wait" and (m := _WAIT_EVENT.match(event.name)):
+                op = int(m.group(2))
+                if self.block_of[op] in BLOCK_KINDS:
+                    name = f"{self.block_of[op]}.{'exposed_fwd' if m.group(1) == '' else 'exposed_bwd'}"
+                    sums[name] = sums.get(name, 0.0) + ms
+        for kind in BLOCK_KINDS:
+            for part in ("fwd", "recompute", "bwd", "exposed_fwd", "exposed_bwd"):
+                self.per_rep.setdefault(f"{kind}.{part}", []).append(sums.get(f"{kind}.{part}", 0.0))
+        for key, ms in ops_this_rep.items():
+            self.op_ms.setdefault(key, []).append(ms / self.sub)  # per sub-batch, as the simulator takes it
+        self.op_ms_reps.append({key: ms / self.sub for key, ms in ops_this_rep.items()})
+
+    def result(self) -> dict[str, Any]:
+        """Medians of the timed steps, every step's wall and per-op times, and collective counts."""
+        result: dict[str, Any] = {name: _median(values) for name, values in self.per_rep.items()}
+        result["op_ms"] = {key: _median(values) for key, values in self.op_ms.items()}
+        seconds = self.clock.resolve(self.step_marks)
+        result["step_ms_reps"] = [(seconds[i + 1] - seconds[i]) * 1e3 for i in range(0, len(seconds), 2)]
+        result["op_ms_reps"] = self.op_ms_reps  # per step: the simulator replays each against its own wall time
+        # The collectives the simulator puts on the link: the schedule's StartAsyncs, among > 1 rank
+        # only (at degree 1 each is an identity).  Those inside an op (the loss's) are in its compute.
+        starts = [self.block_of[ins.op] for ins in self.executor.schedule.instructions if isinstance(ins, StartAsync)]
+        result["collectives"] = len(starts) if self.degree > 1 else 0
+        for kind in BLOCK_KINDS:
+            result[f"{kind}.collectives_per_step"] = starts.count(kind) if self.degree > 1 else 0
+            ops = [op for op in self.model.ops if isinstance(op, CommOp) and op.block == kind]
+            result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
+            result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
+        return result
+
+
 def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
-    """Profile every degree on this rank; returns per-degree measurements."""
+    """Profile every degree on this rank; returns per-degree measurements.
+
+    The degrees' steps are interleaved, one step of each per round and each round starting
+    one degree later (:func:`~oases_ds.planner.accuracy.round_order`), as the accuracy study
+    interleaves plans: profiled one degree after the other, a burst of load on the machine
+    fell on one degree only and biased every plan's prediction that used it."""
     T = spec.devices
     ctx = ParallelContext.build(tensor_parallel_size=T)
     rank, device = ctx.rank, ctx.device  # layer, batch and payloads live where training would put them
-    one_layer = dataclasses.replace(spec.model, num_layers=1)
     # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
     replica_group: dict[int, Any] = {}
     for degree in spec.degrees():
@@ -226,63 +326,23 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
 
     cfg = spec.model
     sub = spec.sub_batches
+    degrees = spec.degrees()
+    runs = [_LayerRun(spec, ctx, degree) for degree in degrees]
+    for rep in range(spec.warmup + spec.repeats):
+        for i in round_order(len(runs), rep):
+            runs[i].step(timed=rep >= spec.warmup)
     out: dict[str, Any] = {"rank": rank, "degrees": {}}
-    for degree in spec.degrees():
-        group = ctx.sub_group(degree)
-        share = spec.micro_batch * degree // T
-        gen = torch.Generator().manual_seed(spec.seed + rank // degree)
-        seq = torch.randint(0, cfg.vocab_size, (share, cfg.seq_len + 1), generator=gen).to(device)
-        batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
-        model = OperatorModel(one_layer, group=group, seed=spec.seed).to(device)
-        executor = Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(spec.seed))
-        block_of = [op.block for op in model.ops]
-
-        per_rep: dict[str, list[float]] = {}
-        op_ms: dict[str, list[float]] = {}
-        for rep in range(spec.warmup + spec.repeats):
-            dist.barrier()
-            executor.run(batch)
-            model.zero_grad(set_to_none=True)
-            if rep < spec.warmup:
-                continue
-            sums: dict[str, float] = {}
-            ops_this_rep: dict[str, float] = {}
-            for event in executor.timeline.events:
-                ms = (event.end - event.start) * 1e3
-                if event.lane == "compute" and (m := _COMPUTE_EVENT.match(event.name)):
-                    letter, op = m.group(1), int(m.group(2))
-                    phase = {"F": "fwd", "f": "fwd", "R": "recompute", "B": "bwd"}[letter]
-                    key = f"{op}:{'B' if phase == 'bwd' else 'F'}" if phase != "recompute" else f"{op}:R"
-                    ops_this_rep[key] = ops_this_rep.get(key, 0.0) + ms
-                    if block_of[op] in BLOCK_KINDS:
-                        name = f"{block_of[op]}.{phase}"
-                        sums[name] = sums.get(name, 0.0) + ms
-                elif event.lane == "wait" and (m := _WAIT_EVENT.match(event.name)):
-                    op = int(m.group(2))
-                    if block_of[op] in BLOCK_KINDS:
-                        name = f"{block_of[op]}.{'exposed_fwd' if m.group(1) == '' else 'exposed_bwd'}"
-                        sums[name] = sums.get(name, 0.0) + ms
-            for kind in BLOCK_KINDS:
-                for part in ("fwd", "recompute", "bwd", "exposed_fwd", "exposed_bwd"):
-                    per_rep.setdefault(f"{kind}.{part}", []).append(sums.get(f"{kind}.{part}", 0.0))
-            for key, ms in ops_this_rep.items():
-                op_ms.setdefault(key, []).append(ms / sub)  # per sub-batch, as the simulator takes it
-        result: dict[str, Any] = {name: _median(values) for name, values in per_rep.items()}
-        result["op_ms"] = {key: _median(values) for key, values in op_ms.items()}
-
+    for degree, run in zip(degrees, runs):
+        result = run.result()
         # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
         comm = Communicator(spec.link)
-        payload = torch.zeros(share // sub, cfg.seq_len, cfg.hidden_size, device=device)
+        payload = torch.zeros(run.share // sub, cfg.seq_len, cfg.hidden_size, device=device)
         result["allreduce_bytes"] = payload.numel() * payload.element_size()
-        result["allreduce_ms"] = _timed_collective(comm, payload, group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+        result["allreduce_ms"] = _timed_collective(comm, payload, run.group, spec.repeats, spec.warmup) if degree > 1 else 0.0
         result["latency_ms"] = (
-            _timed_collective(comm, torch.zeros(1, device=device), group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+            _timed_collective(comm, torch.zeros(1, device=device), run.group, spec.repeats, spec.warmup)
+            if degree > 1 else 0.0
         )
-        for kind in BLOCK_KINDS:
-            ops = [op for op in model.ops if isinstance(op, CommOp) and op.block == kind]
-            result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
-            result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
-
         # Memory and gradient sync from parameter shapes.
         numel = layer_parameter_counts(cfg, degree)
         for kind in BLOCK_KINDS:
@@ -309,6 +369,8 @@ def table_from_measurements(
 ) -> CostTable:
     """Cost table from every rank's measurements; times are the slowest rank's."""
     sub = spec.sub_batches
+    link = _table_link(spec, per_rank)
+    overhead, overhead_evidence = _collective_overheads(spec, per_rank, link)
     memory = memory_rows(spec.model, spec.schedule, spec.devices, spec.micro_batch, spec.degrees(), PROFILE_DTYPE_BYTES)
     blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
     evidence: dict[str, Any] = {}
@@ -341,6 +403,7 @@ def table_from_measurements(
                 grad_sync_ms=get("grad_sync_ms"),
                 comm_fwd_last_ms=exposed[2],
                 comm_bwd_last_ms=exposed[3],
+                overhead_ms=rank0[f"{kind}.collectives_per_step"] * overhead[degree],
             )
             evidence[str(degree)]["blocks"][kind] = {
                 **dataclasses.asdict(timing),
@@ -349,18 +412,6 @@ def table_from_measurements(
                 "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule)),
                 "params_per_device": rank0[f"{kind}.params"],
             }
-    top = spec.devices
-    if spec.link is not None:
-        bandwidth, latency = spec.link.bandwidth_gbps, spec.link.latency_us
-    elif top > 1:  # effective bandwidth of this machine from the largest measured AllReduce
-        ar_ms = _slowest(per_rank, top, "allreduce_ms")
-        wire = 2 * (top - 1) / top * per_rank[0]["degrees"][str(top)]["allreduce_bytes"]
-        latency_ms = _slowest(per_rank, top, "latency_ms")
-        transfer_s = max(ar_ms - latency_ms, 1e-6) * 1e-3  # the latency share is not bandwidth
-        bandwidth = min(wire * 8 / transfer_s / 1e9, 1e4)
-        latency = latency_ms * 1e3
-    else:
-        bandwidth, latency = 1e3, 0.0
     m = spec.model
     return CostTable(
         model=spec.model_label(),
@@ -371,11 +422,12 @@ def table_from_measurements(
         blocks=blocks,
         layers=layers,
         reshard_bytes=float(spec.micro_batch // sub * m.seq_len * m.hidden_size * PROFILE_DTYPE_BYTES),
-        bandwidth_gbps=bandwidth,
-        latency_us=latency,
+        bandwidth_gbps=link.bandwidth_gbps,
+        latency_us=link.latency_us,
         sub_batches=sub,
         fixed_bytes=memory.fixed_bytes,
         stage_fixed_bytes=memory.stage_fixed_bytes,
+        collective_overhead_ms={degree: overhead[degree] for degree in spec.degrees() if degree > 1},
         measurements={
             "memory": memory.evidence,
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -386,21 +438,91 @@ def table_from_measurements(
             "link_emulated": spec.link is not None,
             "bandwidth_source": "link model" if spec.link is not None else "measured AllReduce at degree T",
             "grad_sync_source": "measured AllReduce on the replica group",
+            "collective_overhead": overhead_evidence,
             "times": "median over repeats; slowest rank; ms per micro-batch share per device",
             "degrees": evidence,
         },
     )
 
 
+def _table_link(spec: ProfileSpec, per_rank: list[dict[str, Any]]) -> LinkModel:
+    """The link the table prices collectives on: the emulated one, else this machine's effective
+    bandwidth and latency from the AllReduces measured at degree T."""
+    top = spec.devices
+    if spec.link is not None:
+        return LinkModel(spec.link.bandwidth_gbps, spec.link.latency_us)
+    if top == 1:
+        return LinkModel(1e3, 0.0)
+    ar_ms = _slowest(per_rank, top, "allreduce_ms")
+    wire = 2 * (top - 1) / top * per_rank[0]["degrees"][str(top)]["allreduce_bytes"]
+    latency_ms = _slowest(per_rank, top, "latency_ms")
+    transfer_s = max(ar_ms - latency_ms, 1e-6) * 1e-3  # the latency share is not bandwidth
+    return LinkModel(min(wire * 8 / transfer_s / 1e9, 1e4), latency_ms * 1e3)
+
+
+def _collective_overheads(
+    spec: ProfileSpec, per_rank: list[dict[str, Any]], link: LinkModel
+) -> tuple[dict[int, float], dict[str, Any]]:
+    """Per degree, one collective's overhead (:func:`~oases_ds.planner.costmodel.collective_overhead_ms`)
+    and the evidence behind it.
+
+    Each profiled step's wall time is set against the simulation of the same step's per-op
+    compute (a sum of per-op medians would fall short of a noisy step's median and leave
+    that shortfall in the residual).  Of the ranks, the smallest residual is kept: that
+    rank's compute set the step and the other waited for it, as the table keeps the
+    slowest rank's compute.  The median over steps is the degree's residual."""
+    ops = OperatorModel(dataclasses.replace(spec.model, num_layers=1)).ops  # same sequence at every degree
+    schedule = build_schedule(spec.schedule, ops)
+    residual: dict[int, float] = {}
+    collectives: dict[int, int] = {}
+    evidence: dict[str, Any] = {}
+    for degree in spec.degrees():
+        results = [rank["degrees"][str(degree)] for rank in per_rank]
+        per_step, walls, sims = [], [], []
+        for step in range(len(results[0]["step_ms_reps"])):
+            pairs = []
+            for result in results:
+                costs = _op_costs(ops, result["op_ms_reps"][step], result["allreduce_bytes"], degree)
+                wall, sim = result["step_ms_reps"][step], simulate_step(schedule, ops, costs, link).step_ms
+                pairs.append((wall - sim, wall, sim))
+            kept = min(pairs)
+            per_step.append(kept[0])
+            walls.append(kept[1])
+            sims.append(kept[2])
+        residual[degree] = _median(per_step)
+        collectives[degree] = int(results[0]["collectives"])
+        evidence[str(degree)] = {"measured_step_ms": _median(walls), "simulated_step_ms": _median(sims),
+                                 "residual_ms": residual[degree], "collectives_per_step": collectives[degree]}
+    overhead = collective_overhead_ms(residual, collectives)
+    for degree in spec.degrees():
+        evidence[str(degree)]["overhead_per_collective_ms"] = overhead[degree]
+    return overhead, evidence
+
+
+def _op_costs(ops: list[Any], op_ms: dict[str, float], payload_bytes: int, degree: int) -> OpCosts:
+    """Simulator inputs from the profiler's per-op times (``"<op>:F|R|B"``, per sub-batch)."""
+    def by_letter(letter: str) -> dict[int, float]:
+        return {int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":" + letter)}
+
+    return OpCosts(
+        forward_ms=by_letter("F"),
+        backward_ms=by_letter("B"),
+        recompute_ms=by_letter("R"),
+        comm_bytes={i: payload_bytes for i, op in enumerate(ops) if isinstance(op, CommOp)},
+        default_ranks=degree,
+    )
+
+
 def profile_rows(table: CostTable) -> list[str]:
     """Human-readable per-degree profile, for the CLI."""
-    lines = [f"{'block':5} {'t':>3} {'fwd ms':>8} {'bwd ms':>8} {'exp.comm':>9} {'gradsync':>9} {'state MiB':>10} {'act MiB':>8}"]
+    lines = [f"{'block':5} {'t':>3} {'fwd ms':>8} {'bwd ms':>8} {'exp.comm':>9} {'coll.ovh':>9} {'gradsync':>9} "
+             f"{'state MiB':>10} {'act MiB':>8}"]
     for kind in BLOCK_KINDS:
         for degree in table.degrees:
             c = table.blocks[kind][degree]
             lines.append(
                 f"{kind:5} {degree:>3} {c.fwd_ms:8.3f} {c.bwd_ms:8.3f} {c.comm_fwd_ms + c.comm_bwd_ms:9.3f} "
-                f"{c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
+                f"{c.overhead_ms:9.3f} {c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
             )
     return lines
 
@@ -420,11 +542,5 @@ def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, l
     if options_text:
         raise ValueError(f"simulate_profiled_layer supports default schedule options only, got {table.schedule!r}")
     ops = OperatorModel(dataclasses.replace(model, num_layers=1)).ops  # same sequence at every degree
-    op_ms = evidence["op_ms_rank0"]
-    costs = OpCosts(
-        forward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":F")},
-        backward_ms={int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":B")},
-        comm_bytes={i: evidence["allreduce_bytes"] for i, op in enumerate(ops) if isinstance(op, CommOp)},
-        default_ranks=degree,
-    )
+    costs = _op_costs(ops, evidence["op_ms_rank0"], evidence["allreduce_bytes"], degree)
     return simulate_step(build_schedule(ScheduleSpec(name), ops), ops, costs, link)

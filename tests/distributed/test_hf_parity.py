@@ -5,7 +5,10 @@ ranks writes back the very tensors that were read.
 
 LLaMA: grouped-query attention, rope_theta 5e5, llama3 RoPE scaling; with one k/v head
 at TMP 2 the head is replicated (each rank holds it whole; its gradient is summed over the group).  GPT-2: tied
-embeddings, tanh GELU and a 63-token vocabulary, which TMP 2 and 4 must pad (64).
+embeddings, tanh GELU and a 63-token vocabulary, which TMP 2 and 4 must pad (64).  BERT
+(``BertForMaskedLM``): post-LN, token types, a batch with a padding mask and an attended
+``[PAD]`` (whose row gets no lookup gradient), the decoder tied to the embedding with its
+own bias, the masked-LM transform, and the same odd vocabulary padded at TMP 2 and 4.
 Tolerance: fp32, the same as the reference-model parity tests; the zero-in-exact-
 arithmetic key-bias gradient is measured against a norm floor (``hf_workers.rel_err``).
 """
@@ -17,7 +20,7 @@ import hf_workers
 from oases_ds.launcher import launch
 
 TOL = 1e-5
-RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4)]
+RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("bert", 1), ("bert", 2), ("bert", 4)]
 
 
 @pytest.mark.distributed

@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from oases_ds.planner.accuracy import Setup, candidate_plans, mixed_spearman, spearman, summary_markdown
+from oases_ds.planner.accuracy import (
+    Setup,
+    candidate_plans,
+    mixed_spearman,
+    round_order,
+    spearman,
+    split_half_spearman,
+    summary_markdown,
+)
 from oases_ds.planner.plan import Plan
 from support import ROOT, plan_cli
 from support import random_table
@@ -81,16 +89,33 @@ def test_mixed_spearman_ranks_only_the_mixes():
     assert mixed_spearman(ROWS[:4]) == (None, 2)  # two mixes always rank +-1: not reported
 
 
+def test_rounds_rotate_so_each_plan_takes_every_position():
+    assert [round_order(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    positions = {plan: sorted(round_order(5, r).index(plan) for r in range(5)) for plan in range(5)}
+    assert positions == {plan: [0, 1, 2, 3, 4] for plan in range(5)}
+
+
+def test_split_half_spearman_by_hand():
+    # Medians of even rounds (0, 2, 4) and odd rounds (1, 3): plan a 10 / 11, b 20 / 19, c 30 / 5.
+    times = [[10, 11, 10, 11, 10], [20, 19, 20, 19, 20], [30, 5, 30, 5, 30]]
+    # even ranks a<b<c, odd ranks c<a<b: d = (1-2, 2-3, 3-1) -> sum d^2 = 6 -> 1 - 6*6/(3*8) = -0.5
+    assert split_half_spearman(times) == pytest.approx(-0.5)
+    assert split_half_spearman([[1.0, 2.0], [3.0, 4.0]]) is None  # two plans always rank +-1
+    assert split_half_spearman([[1.0], [2.0], [3.0]]) is None  # one round has no halves
+
+
 def test_summary_reports_each_setup_against_the_target():
     result = {"rows": ROWS, "spearman": 1 - 12 / 210, "p_value": 0.005, "spearman_mixed": 0.8, "mixed_plans": 4,
+              "split_half_spearman": 0.75, "split_half_spearman_mixed": None,
+              "spearman_without_overhead": 0.5, "spearman_without_overhead_mixed": 0.25,
               "table_key": "k", "time": "t", "machine": {"cpu_count": 2}, "git_commit": "abc", "config": {}}
     entries = [(Setup("all", "nothing", ()), "a.json", result),
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | - | `c.json` missing |" in text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
 
@@ -106,7 +131,7 @@ def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (report,) = reports.iterdir()
     text = report.read_text()
-    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes |" in text
+    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - | - |" in text
     assert "| tmp4 | T=4: degrees 1, 2 and 4" in text and "planner_accuracy-tmp4.json` missing |" in text
 
 
@@ -127,3 +152,36 @@ def test_accuracy_mode_measures_eight_plans(tmp_path):
     # The reported number is the rank correlation of the rows it reports, recomputed here by hand.
     assert result["spearman"] == pytest.approx(pearson(ranks(predicted), ranks(measured)))
     assert "Spearman rank correlation predicted vs measured" in proc.stdout
+
+
+def test_report_scores_the_same_steps_with_and_without_the_overhead():
+    """One layer, T=2; degree 1: attn 10, mlp 11 ms; degree 2: 8 ms each plus a 4 ms collective
+    overhead; 1 ms per reshard AllGather (2 sub-batches, slice 0.005 ms, link time 0).
+    With the overhead: uniform 2 = 24; uniform 1 = 21 + 2 boundary reshards x 2.01 = 25.02;
+    attn 1 / mlp 2 = 22 + 2 reshards = 26.02; attn 2 / mlp 1 = 27.02 -- the measured order, rho 1.
+    Without: 16, 21.02, 18.02, 19.02: ranks 4,1,2,3 against 2,1,3,4, rho = 1 - 6*6/(4*15) = 0.4."""
+    import dataclasses
+
+    from oases_ds.planner.accuracy import report, without_overhead
+    from oases_ds.planner.costs import BlockCost, CostTable
+
+    def cost(ms: float, overhead: float) -> BlockCost:
+        return BlockCost(fwd_ms=ms, bwd_ms=0.0, comm_fwd_ms=0.0, comm_bwd_ms=0.0, state_bytes=0.0, act_bytes=0.0,
+                         grad_sync_ms=0.0, overhead_ms=overhead)
+
+    table = CostTable(model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+                      blocks={"attn": {1: cost(10, 0), 2: cost(8, 4)}, "mlp": {1: cost(11, 0), 2: cost(8, 4)}},
+                      layers=1, reshard_bytes=0.0, bandwidth_gbps=8.0, latency_us=0.0,
+                      collective_overhead_ms={2: 1.0})
+    plans = [Plan.uniform(2, 1, 1), Plan.uniform(2, 1, 2), Plan.from_block_degrees([1, 2], 2),
+             Plan.from_block_degrees([2, 1], 2)]
+    times = [[25, 26, 25, 26], [24, 25, 24, 25], [26, 27, 26, 27], [27, 28, 27, 28]]
+    result = report(table, plans, times)
+    assert [r["predicted_ms"] for r in result["rows"]] == pytest.approx([25.02, 24, 26.02, 27.02])
+    assert [r["predicted_without_overhead_ms"] for r in result["rows"]] == pytest.approx([21.02, 16, 18.02, 19.02])
+    assert result["spearman"] == pytest.approx(1.0) and result["spearman_without_overhead"] == pytest.approx(0.4)
+    assert result["split_half_spearman"] == pytest.approx(1.0)  # even medians 25,24,26,27; odd 26,25,27,28
+    assert result["spearman_without_overhead_mixed"] is None  # two mixes rank +-1 whatever the model
+    assert result["cost_table"]["collective_overhead_ms"] == {"2": 1.0}
+    assert without_overhead(table).collective_overhead_ms == {} and dataclasses.asdict(
+        without_overhead(table).blocks["mlp"][2])["overhead_ms"] == 0.0

@@ -104,6 +104,8 @@ def test_train_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path,
     (["data=mmap", "data.path={in}/wide.bin"],
      "error: model.vocab_size=256 is smaller than token id 1999 in data.path='{in}/wide.bin'; set model.vocab_size=2000"),
     (["data=text", "model.vocab_size=64"], "error: model.vocab_size=64 is smaller than token id"),
+    (["model=bert_small", "model.vocab_size=2000", "data=mmap", "data.path={in}/wide.bin"],
+     "error: data.path='{in}/wide.bin' has no sidecar {in}/wide.bin.json, so its [MASK] id is unknown"),
 ])
 def test_train_refuses_bad_data_before_launching(capsys, monkeypatch, tmp_path, files, args, start):
     line = refused(capsys, monkeypatch, tmp_path, train, *(a.format(**{"in": files}) for a in args))

@@ -1,6 +1,7 @@
 """Starting from a Hugging Face model: ``oases-train model=hf model.path=DIR`` on a
-checkpoint built by ``examples/make_tiny_hf.py`` (no download), ``export_hf=DIR`` after
-training, and ``oases_ds.initialize(model=<transformers model>)``; real gloo ranks.
+checkpoint built by ``examples/make_tiny_hf.py`` (no download; LLaMA, and BERT with its
+WordPiece tokenizer through ``oases-data``), ``export_hf=DIR`` after training, and
+``oases_ds.initialize(model=<transformers model>)``; real gloo ranks.
 
 Tolerance 1e-5 relative: fp32 on both sides, as the import parity tests
 (tests/distributed/test_hf_parity.py).
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 import hf_workers
 import lightning_workers
-from oases_ds.data import DataConfig, TokenBatches
+from oases_ds.data import DataConfig, MaskedLM, TokenBatches, TokenFileMeta
 from oases_ds.launcher import launch
 from oases_ds.models.operator_model import IGNORE_INDEX
 
@@ -37,6 +38,56 @@ def checkpoint(tmp_path_factory) -> str:
     proc = _python("examples/make_tiny_hf.py", "--out", str(out), "--corpus-bytes", "60000", "--seq-len", "32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory) -> tuple[str, str]:
+    """A tiny BertForMaskedLM + WordPiece tokenizer, and its corpus tokenized by oases-data."""
+    out = tmp_path_factory.mktemp("hf") / "tiny_bert"
+    proc = _python("examples/make_tiny_hf.py", "--kind", "bert", "--out", str(out), "--corpus-bytes", "60000",
+                   "--seq-len", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = out / "tokens.bin"
+    proc = _python("-m", "oases_ds.cli.data", "--tokenizer", str(out / "tokenizer.json"), "--out", str(tokens),
+                   "--eval-fraction", "0.25", str(out / "corpus.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out), str(tokens)
+
+
+@pytest.mark.distributed
+def test_bert_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, bert_checkpoint):
+    """Masked-LM batches take [MASK], the special ids and the random tokens' vocabulary from
+    the tokenizer (the token file's sidecar); the trained BERT, exported, gives the engine's
+    eval loss in transformers on the same masked held-out batch."""
+    checkpoint, tokens = bert_checkpoint
+    export, stats = tmp_path / "export", tmp_path / "stats.json"
+    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "data=mmap",
+                   f"data.path={tokens}", "tensor_parallel_size=2", "nprocs=2", "steps=3", f"micro_batch={MICRO}",
+                   "log_every=1", f"export_hf={export}", f"stats_out={stats}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "oases-train: bert h=64 L=2 | 2 ranks = TMP 2 x DP 1" in proc.stdout
+    summary = json.loads(stats.read_text())["summary"]
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(checkpoint, "tokenizer.json"))
+    mask_id = tok.convert_tokens_to_ids("[MASK]")
+    meta = TokenFileMeta.read(tokens)
+    assert (meta.mask_id, meta.pad_id) == (mask_id, tok.convert_tokens_to_ids("[PAD]")) and mask_id != 0
+    assert set(meta.special_ids) == set(tok.convert_tokens_to_ids(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+
+    model = transformers.BertForMaskedLM.from_pretrained(export, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings and model.config.pad_token_id == 0
+    trained, initial = load_file(export / "model.safetensors"), load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert sorted(trained) == sorted(initial)
+    assert not torch.equal(trained["cls.predictions.bias"], initial["cls.predictions.bias"])  # the trained weights
+
+    data = TokenBatches(DataConfig("mmap", tokens), model.config.vocab_size, model.config.max_position_embeddings,
+                        masked_lm=True)
+    assert data.masked_lm == MaskedLM(mask_id, meta.special_ids, vocab_size=len(tok))
+    batch = data.eval_batch(0, 1, 0, MICRO)
+    assert (batch["tokens"] == mask_id).any()
+    with torch.no_grad():
+        loss = float(model(input_ids=batch["tokens"], labels=batch["labels"]).loss)
+    assert abs(loss - summary["eval_loss"]) <= 1e-5 * abs(loss), (loss, summary["eval_loss"])
 
 
 @pytest.mark.distributed
@@ -77,16 +128,20 @@ def test_bad_model_path_is_one_line_before_launching(overrides, says):
     assert proc.stderr.strip().splitlines()[-1].startswith(says), proc.stderr[-2000:]
 
 
-def test_unsupported_checkpoint_and_unexportable_model_are_one_line(tmp_path, checkpoint):
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+def _classifier():
+    """A transformers model of a class Oases does not convert."""
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
-    bert.save_pretrained(tmp_path / "bert")
+
+
+SUPPORTED = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+
+
+def test_unsupported_checkpoint_and_unexportable_model_are_one_line(tmp_path, checkpoint):
+    _classifier().save_pretrained(tmp_path / "bert")
     proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={tmp_path / 'bert'}", timeout=120)
     assert proc.returncode == 2
-    assert "'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel" in proc.stderr.strip().splitlines()[-1]
-    proc = _python("-m", "oases_ds.cli.train", "model=bert_small", f"export_hf={tmp_path / 'out'}", timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: export_hf={tmp_path / 'out'}: save_hf: family 'bert' cannot be exported")
+    assert f"'BertForSequenceClassification' is not supported; {SUPPORTED}" in proc.stderr.strip().splitlines()[-1]
     proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "model.rotary=interleaved",
                    f"export_hf={tmp_path / 'out'}", timeout=120)
     assert proc.returncode == 2
@@ -94,30 +149,29 @@ def test_unsupported_checkpoint_and_unexportable_model_are_one_line(tmp_path, ch
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
 def test_initialize_converts_a_transformers_model(kind):
     per_rank = launch(hf_workers.initialize_from_transformers_worker, 2, (kind,), timeout_s=600)
     for rank, r in enumerate(per_rank):
         assert r["loss_err"] <= 1e-5, f"rank {rank}: eval loss rel err {r['loss_err']:.2e}"
         assert r["refused"].startswith("model: Oases needs an oases_ds.ModelConfig, an OperatorModel or a Hugging "
-                                       "Face model (GPT2LMHeadModel, LlamaForCausalLM), got Linear"), r["refused"]
+                                       "Face model (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM), got Linear"), \
+            r["refused"]
 
 
 def test_initialize_refuses_an_unsupported_transformers_model_in_one_line():
     import oases_ds
 
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
     cfg = {"train_micro_batch_size_per_gpu": 2, "oases": {"enabled": True, "tensor_parallel_size": 1}}
     with pytest.raises(oases_ds.OasesConfigError) as e:
-        oases_ds.initialize(model=bert, config=cfg)
-    assert str(e.value) == ("model: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) and "
-                            "LlamaForCausalLM (llama)")
+        oases_ds.initialize(model=_classifier(), config=cfg)
+    assert str(e.value) == f"model: BertForSequenceClassification is not supported; {SUPPORTED}"
 
 
 @pytest.mark.distributed
-def test_lightning_module_takes_a_transformers_model():
-    per_rank = launch(lightning_workers.hf_validate_run, 2, ("llama",), timeout_s=600, threads_per_rank=1)
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_lightning_module_takes_a_transformers_model(kind):
+    per_rank = launch(lightning_workers.hf_validate_run, 2, (kind,), timeout_s=600, threads_per_rank=1)
     for rank, r in enumerate(per_rank):
         assert abs(r["val_loss"] - r["ref"]) <= 1e-5 * abs(r["ref"]), f"rank {rank}: {r}"
 
@@ -125,9 +179,6 @@ def test_lightning_module_takes_a_transformers_model():
 def test_lightning_module_refuses_an_unsupported_transformers_model_in_one_line():
     from lightning_strategy import OasesLightningModule
 
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
     with pytest.raises(TypeError) as e:
-        OasesLightningModule(bert)
-    assert str(e.value) == ("OasesLightningModule: BertForMaskedLM is not supported; supported: GPT2LMHeadModel (gpt2) "
-                            "and LlamaForCausalLM (llama)")
+        OasesLightningModule(_classifier())
+    assert str(e.value) == f"OasesLightningModule: BertForSequenceClassification is not supported; {SUPPORTED}"

@@ -1,10 +1,19 @@
 """Cost model of the overlapped schedule and the step simulator, against hand-drawn timelines."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.costmodel import BlockTiming, OpCosts, exposed_comm_ms, pipelined_comm_ms, simulate_step
+from oases_ds.planner.costmodel import (
+    BlockTiming,
+    OpCosts,
+    collective_overhead_ms,
+    exposed_comm_ms,
+    pipelined_comm_ms,
+    simulate_step,
+)
 from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
 from oases_ds.planner.objective import brute_force, predict_step_ms
 from oases_ds.planner.plan import Plan
@@ -230,3 +239,85 @@ def test_sub_batches_survive_json_and_an_older_table_reads_as_two(tmp_path):
     del data["sub_batches"]  # written before the field existed: the paper's 2 was hard-coded then
     path.write_text(json.dumps(data))
     assert CostTable.from_json(path).sub_batches == 2
+
+
+# -- cost model v4: what a collective costs beyond its link time -------------------
+def test_collective_overhead_is_the_residual_above_degree_one_per_collective():
+    # degree 1: 2 ms the simulator does not see (executor overhead, no collective);
+    # degree 2: 26 ms over 12 collectives -> (26 - 2) / 12 = 2; degree 4 below degree 1 -> 0, not negative.
+    overhead = collective_overhead_ms({1: 2.0, 2: 26.0, 4: 1.0}, {1: 0, 2: 12, 4: 24})
+    assert overhead == pytest.approx({1: 0.0, 2: 2.0, 4: 0.0})
+    assert collective_overhead_ms({1: 2.0, 2: 5.0}, {2: 0}) == {1: 0.0, 2: 0.0}  # no collective: nothing to divide
+    with pytest.raises(ValueError, match="needs the degree-1 residual"):
+        collective_overhead_ms({2: 5.0}, {2: 4})
+
+
+def test_recompute_times_replace_forward_times_in_the_simulator():
+    """The Megatron timeline of test_megatron_timeline_by_hand with R1 and R3 at 1 ms
+    instead of their forward's 2: two ms less compute, the same three blocking waits."""
+    ops = block_ops()
+    base = costs(2, 4, 2)
+    faster = OpCosts(base.forward_ms, base.backward_ms, base.comm_bytes, recompute_ms={1: 1.0, 3: 1.0})
+    result = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, faster, LINK)
+    assert result.step_ms == pytest.approx(32)
+    assert result.compute_ms == pytest.approx(26)
+    assert result.exposed_comm_ms == pytest.approx(6)
+
+
+def test_overhead_is_in_the_node_cost_and_in_every_reshard_all_gather():
+    """two_layer_table with a block overhead on the degree-2 blocks and 0.5 ms per collective
+    among 2 ranks.  Per sub-batch a reshard is 2.105 + 0.5 ms."""
+    base = two_layer_table(2)
+    blocks = {kind: {d: dataclasses.replace(c, overhead_ms=(2.0 if d == 2 else 0.0)) for d, c in by.items()}
+              for kind, by in base.blocks.items()}
+    table = dataclasses.replace(base, blocks=blocks, collective_overhead_ms={2: 0.5})
+    assert table.blocks["attn"][2].step_ms == pytest.approx(8 + 2)  # fwd 2 + bwd 4 + comm 1 + 1 + overhead 2
+    assert reshard_ms(table, 1, 2) == pytest.approx(2 * (RESHARD_PER_SUB_BATCH + 0.5))
+    # plan attn 2,1 / mlp 2,2 at s=2 (see test_edge_costs_use_the_tables_sub_batches): 45 + 7.5 + 4 x 2.105 + 10 + 7,
+    # plus 3 degree-2 blocks x 2 ms and 2 reshards x 2 sub-batches x 0.5 ms.
+    plan = Plan.from_block_degrees([2, 2, 1, 2], 2)
+    assert predict_step_ms(table, plan) == pytest.approx(45 + 7.5 + 4 * 2.105 + 10 + 7 + 3 * 2.0 + 4 * 0.5)
+
+
+def test_collective_overheads_survive_json_and_bad_ones_are_named(tmp_path):
+    import json
+
+    path = tmp_path / "t.json"
+    dataclasses.replace(two_layer_table(2), collective_overhead_ms={2: 0.25}).to_json(path)
+    assert CostTable.from_json(path).collective_overhead_ms == {2: 0.25}
+    with pytest.raises(ValueError, match=r"CostTable.collective_overhead_ms must map group sizes >= 1 to finite ms >= 0"):
+        dataclasses.replace(two_layer_table(2), collective_overhead_ms={2: -1.0})
+    data = json.loads(path.read_text())
+    data["collective_overhead_ms"] = {"two": 1.0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="collective_overhead_ms must map group sizes"):
+        CostTable.from_json(path)
+
+
+def test_profiler_overhead_keeps_the_rank_that_set_each_step_and_the_median_step():
+    """Synthetic profile of a tiny GPT layer: no compute, so the simulator's step is the link
+    time alone; each step's wall time is that plus a known extra.  Per step the smaller
+    residual of the two ranks counts (the other rank waited for it), then the median:
+    degree 1 extras (1, 1, 1) -> 1; degree 2 min(5, 9), min(7, 3), min(100, 8) = 5, 3, 8 -> 5;
+    12 collectives -> (5 - 1) / 12 per collective."""
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.planner.profile import ProfileSpec, _collective_overheads, _op_costs
+
+    tiny = ModelConfig(family="gpt", vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, seq_len=8)
+    link = LinkModel(bandwidth_gbps=1.0, latency_us=50.0)
+    spec = ProfileSpec(model=tiny, devices=2, micro_batch=4, link=link)
+    ops = OperatorModel(tiny).ops
+    payload = 2 * 8 * 32 * 4
+    link_only = simulate_step(build_schedule(spec.schedule, ops), ops, _op_costs(ops, {}, payload, 2), link).step_ms
+    assert link_only > 0
+
+    def rank(extras_1, extras_2):
+        def degree(extras, base, collectives):
+            return {"op_ms_reps": [{}] * 3, "allreduce_bytes": payload, "collectives": collectives,
+                    "step_ms_reps": [base + e for e in extras]}
+        return {"degrees": {"1": degree(extras_1, 0.0, 0), "2": degree(extras_2, link_only, 12)}}
+
+    overhead, evidence = _collective_overheads(spec, [rank((1, 1, 1), (5, 7, 100)), rank((1, 1, 1), (9, 3, 8))], link)
+    assert overhead == pytest.approx({1: 0.0, 2: 4 / 12})
+    assert evidence["2"]["residual_ms"] == pytest.approx(5) and evidence["2"]["collectives_per_step"] == 12

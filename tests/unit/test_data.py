@@ -283,3 +283,61 @@ def test_a_long_txt_is_streamed_in_pieces_and_stays_one_document(corpus, monkeyp
     report = tokenize_corpus(CorpusSpec((str(corpus / "long.txt"),), str(corpus / "tok.json"), str(out), batch_docs=3))
     assert report.documents == 1
     assert np.fromfile(out, np.uint16).tolist() == expected_ids(tok, [text], tok.token_to_id("</s>"))
+
+
+# -- masked-LM ids come from the tokenizer, through the sidecar ---------------------------------------
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def bert_word_tokenizer(path):
+    """A WordLevel tokenizer with BERT's special tokens (ids 0-4; [MASK] = 4)."""
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=BERT_SPECIALS))
+    tok.save(str(path))
+    return tok
+
+
+def test_sidecar_records_the_tokenizers_mask_and_special_ids_and_masked_lm_batches_use_them(corpus):
+    tok = bert_word_tokenizer(corpus / "tok.json")
+    (corpus / "c.txt").write_text(" ".join(SENTENCES * 40))
+    out = corpus / "tokens.bin"
+    tokenize_corpus(CorpusSpec((str(corpus / "c.txt"),), str(corpus / "tok.json"), str(out)))
+    meta = TokenFileMeta.read(str(out))
+    mask, pad = tok.token_to_id("[MASK]"), tok.token_to_id("[PAD]")
+    assert (meta.mask_id, meta.pad_id, meta.eos_id) == (mask, pad, tok.token_to_id("[SEP]")) and mask != 0
+    assert meta.special_ids == tuple(sorted(tok.token_to_id(t) for t in BERT_SPECIALS))
+    # a model vocabulary far above the tokenizer's: random replacements still come from the tokenizer's
+    vocab = tok.get_vocab_size()
+    data = TokenBatches(DataConfig("mmap", str(out)), vocab_size=4 * vocab, seq_len=16, masked_lm=True)
+    assert data.masked_lm == MaskedLM(mask, meta.special_ids, vocab_size=vocab)
+    fed, picked = [], []
+    for step in range(40):
+        b = data.batch(step, 1, 0, 8)
+        fed.append(b["tokens"])
+        picked.append(b["labels"] != -100)
+        assert not torch.isin(b["labels"][picked[-1]], torch.tensor(meta.special_ids)).any()
+    fed, picked = torch.cat(fed), torch.cat(picked)
+    assert 0.7 < (fed[picked] == mask).float().mean() < 0.9  # [MASK] is the tokenizer's, not id 0
+    assert int(fed.max()) < vocab
+
+
+def test_a_masked_lm_run_without_a_mask_id_is_one_line(corpus):
+    tok = word_tokenizer(corpus / "tok.json")  # no [MASK]
+    (corpus / "c.txt").write_text(" ".join(SENTENCES * 10))
+    out = corpus / "tokens.bin"
+    tokenize_corpus(CorpusSpec((str(corpus / "c.txt"),), str(corpus / "tok.json"), str(out)))
+    vocab = tok.get_vocab_size()
+    check_data(DataConfig("mmap", str(out)), vocab, 4)  # a causal model needs no [MASK]
+    with pytest.raises(ValueError, match=r"has no \[MASK\] id: its tokenizer .*tok.json has none of \[MASK\], <mask>.*"
+                                         r"rerun oases-data with --mask-token TOKEN") as err:
+        check_data(DataConfig("mmap", str(out)), vocab, 4, masked_lm=True)
+    assert "\n" not in str(err.value)
+    tokenize_corpus(CorpusSpec((str(corpus / "c.txt"),), str(corpus / "tok.json"), str(out), mask_token="[UNK]"))
+    assert TokenFileMeta.read(str(out)).mask_id == tok.token_to_id("[UNK]")
+    check_data(DataConfig("mmap", str(out)), vocab, 4, masked_lm=True)
+    with pytest.raises(ValueError, match="--mask-token '<m>' is not in the tokenizer's vocabulary"):
+        tokenize_corpus(CorpusSpec((str(corpus / "c.txt"),), str(corpus / "tok.json"), str(out), mask_token="<m>"))
+    os.remove(corpus / "tokens.bin.json")  # a plain uint16 file: nothing says which id is [MASK]
+    with pytest.raises(ValueError, match=r"has no sidecar .*tokens.bin.json, so its \[MASK\] id is unknown"):
+        check_data(DataConfig("mmap", str(out)), vocab, 4, masked_lm=True)

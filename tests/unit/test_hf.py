@@ -17,7 +17,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.layers import rotary_inverse_frequencies
 
-KINDS = ["llama", "gpt2"]
+KINDS = ["llama", "gpt2", "bert", "bert_untied"]
 
 
 def _saved(tmp_path, kind: str):
@@ -51,7 +51,7 @@ def test_loss_and_gradients_match_transformers_in_process(tmp_path, kind):
     """TMP 1 eager forward; the gloo test covers TMP 2 and 4 and the schedules."""
     _, src = _saved(tmp_path, kind)
     model = load_hf(src)
-    batch = hf_workers.batch_for(model.cfg.vocab_size, 2, model.cfg.seq_len)
+    batch = hf_workers.batch_of(model.cfg, 2)
     ref_loss, ref_grads = hf_workers.hf_loss_and_grads(str(src), batch)
     loss = model(batch)
     loss.backward()
@@ -69,6 +69,51 @@ def test_config_mapping_reads_every_option():
         "llama", 2, 500000.0, "llama3", 8.0, 4, "half", 1e-6, 48)
     gpt = config_from_hf(hf_workers.tiny_hf_model("gpt2").config, seq_len=4)
     assert (gpt.family, gpt.tie_embeddings, gpt.mlp_act, gpt.vocab_size, gpt.seq_len) == ("gpt", True, "gelu_tanh", 63, 4)
+    bert = config_from_hf(hf_workers.tiny_hf_model("bert").config)
+    assert (bert.family, bert.tie_embeddings, bert.type_vocab_size, bert.pad_token_id, bert.eps, bert.mlp_act, bert.ffn,
+            bert.seq_len, bert.dropout) == ("bert", True, 2, hf_workers.BERT_PAD, 1e-12, "gelu", 48, 8, 0.0)
+    # a sparse config.json reads as transformers reads it: BertConfig's defaults
+    sparse = config_from_hf({"architectures": ["BertForMaskedLM"], "vocab_size": 30522, "hidden_size": 64,
+                             "num_attention_heads": 4, "num_hidden_layers": 2})
+    assert (sparse.pad_token_id, sparse.type_vocab_size, sparse.tie_embeddings, sparse.seq_len, sparse.ffn) == (
+        0, 2, True, 512, 3072)
+    sparse.check_tp(4)  # 30522 rows are padded to 30524 at TMP 4, not refused
+    assert sparse.padded_vocab(4) == 30524
+
+
+def test_a_bert_of_our_own_exports_and_gives_the_same_loss_in_transformers(tmp_path):
+    """No token types and an untied decoder (``bert_small``'s shape): the export adds a zero
+    token-type row and writes ``cls.predictions.bias`` equal to the decoder's bias."""
+    cfg = ModelConfig(family="bert", vocab_size=61, hidden_size=32, num_heads=4, num_layers=2, ffn_size=64, seq_len=8,
+                      dropout=0.0, norm_eps=1e-12, activation="gelu")
+    model = OperatorModel(cfg, seed=5)
+    save_hf(model, tmp_path / "out")
+    back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert back.config.tie_word_embeddings is False and back.config.type_vocab_size == 1
+    batch = hf_workers.masked_lm_batch(61, 2, 8, pad=60)
+    del batch["token_types"]
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(hf_workers.hf_logits(back, batch).flatten(0, 1),
+                                                batch["labels"].flatten(), ignore_index=-100)
+        loss = model.eval()(batch)
+    assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    assert config_from_hf(back.config, type_vocab_size=0) == cfg
+
+
+def test_pad_row_gets_no_lookup_gradient_but_its_decoder_gradient():
+    """``pad_token_id``: the lookup leaves the [PAD] row alone (HF's ``padding_idx``); with a
+    tied head the decoder still trains it."""
+    batch = hf_workers.masked_lm_batch(63, 2, 8, pad=61)
+    for tied in (False, True):
+        cfg = ModelConfig(family="bert", vocab_size=63, hidden_size=32, num_heads=4, num_layers=1, seq_len=8,
+                          dropout=0.0, pad_token_id=61, type_vocab_size=2, tie_embeddings=tied)
+        model = OperatorModel(cfg, seed=1)
+        model(batch).backward()
+        row = model.embed.word.weight.grad[61]
+        assert (float(row.abs().max()) > 0) == tied
+        unpadded = OperatorModel(dataclasses.replace(cfg, pad_token_id=None), seed=1)
+        unpadded(batch).backward()
+        assert float(unpadded.embed.word.weight.grad[61].abs().max()) > 0  # attended [PAD]: a lookup gradient
 
 
 def test_rope_scaling_frequencies_match_transformers():
@@ -125,16 +170,19 @@ def _one_line(excinfo) -> str:
     return msg
 
 
+SUPPORTED_LINE = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+
+
 def test_unsupported_architecture_says_what_is_supported(tmp_path):
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+    classifier = transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError) as e:
-        load_hf(bert)
-    assert "BertForMaskedLM is not supported; supported: GPT2LMHeadModel" in _one_line(e)
-    bert.save_pretrained(tmp_path / "bert")
+        load_hf(classifier)
+    assert f"BertForSequenceClassification is not supported; {SUPPORTED_LINE}" in _one_line(e)
+    classifier.save_pretrained(tmp_path / "bert")
     with pytest.raises(ValueError) as e:
         load_hf(tmp_path / "bert")
-    assert "'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel" in _one_line(e)
+    assert f"'BertForSequenceClassification' is not supported; {SUPPORTED_LINE}" in _one_line(e)
 
 
 def test_directory_errors(tmp_path):
@@ -148,16 +196,22 @@ def test_directory_errors(tmp_path):
     assert "has no model.safetensors" in _one_line(e)
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
-    ("attention_bias", True, "attention_bias or mlp_bias is not supported"),
+@pytest.mark.parametrize("kind,field,value,words", [
+    ("llama", "hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+    ("llama", "attention_bias", True, "attention_bias or mlp_bias is not supported"),
+    ("bert", "hidden_act", "relu", "BERT hidden_act='relu' is not supported"),
+    ("bert", "is_decoder", True, "BERT with is_decoder=True (causal attention) is not supported"),
+    ("bert", "attention_probs_dropout_prob", 0.2, "differs from attention_probs_dropout_prob=0.2; Oases has one "
+                                                  "dropout probability: pass model.dropout=P"),
 ])
-def test_llama_features_we_cannot_reproduce_are_refused(field, value, words):
-    cfg = hf_workers.tiny_hf_model("llama").config
+def test_features_we_cannot_reproduce_are_refused(kind, field, value, words):
+    cfg = hf_workers.tiny_hf_model(kind).config
     setattr(cfg, field, value)
     with pytest.raises(ValueError) as e:
         config_from_hf(cfg)
     assert words in _one_line(e)
+    if field == "attention_probs_dropout_prob":  # a chosen dropout resolves it
+        assert config_from_hf(cfg, dropout=0.1).dropout == 0.1
 
 
 def test_unknown_rope_type_and_gpt2_activation_are_refused():
@@ -174,7 +228,6 @@ def test_unknown_rope_type_and_gpt2_activation_are_refused():
 
 
 @pytest.mark.parametrize("cfg,words", [
-    (ModelConfig(family="bert"), "family 'bert' cannot be exported; supported: GPT2LMHeadModel"),
     (ModelConfig(family="llama"), "train with model.rotary='half' to export"),
     (ModelConfig(family="gpt", num_kv_heads=2), "model.num_kv_heads must equal num_heads"),
 ])
@@ -205,7 +258,8 @@ def test_save_refuses_what_is_not_a_model(tmp_path):
     (dict(family="llama", rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
      "must be > 0 and below model.rope_high_freq_factor"),
     (dict(type_vocab_size=2), "model.type_vocab_size=2 applies to bert only"),
-    (dict(family="bert", tie_embeddings=True), "model.tie_embeddings is supported for gpt and llama"),
+    (dict(pad_token_id=256), "model.pad_token_id=256 is not a token of model.vocab_size=256"),
+    (dict(pad_token_id=-1), "model.pad_token_id=-1 is not a token"),
     (dict(norm_eps=0.0), "model.norm_eps must be > 0"),
 ])
 def test_model_option_errors_name_the_field(fields, words):
