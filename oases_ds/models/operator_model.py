@@ -377,7 +377,7 @@ class OperatorModel(nn.Module):
             return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=active, key_mask=key_mask))
 
         def proj(c: OpContext, a: Acts) -> Acts:
-            return (a[0], layer.attn.o.partial(a[1]))
+            return (a[0], layer.attn.o.partial(a[1], values=c.outputs_needed))
 
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
@@ -396,9 +396,10 @@ class OperatorModel(nn.Module):
             x, h = a
             if cfg.family == "llama":
                 inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
-                return (x, layer.mlp.down.partial(inner))
+                return (x, layer.mlp.down.partial(inner, values=c.outputs_needed))
             approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"
-            return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)))
+            inner = F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)
+            return (x, layer.mlp.fc2.partial(inner, values=c.outputs_needed))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a

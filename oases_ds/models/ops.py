@@ -109,6 +109,12 @@ class OpContext:
         comm: communicator for collectives issued inside an operator (the loss).
         phase: "forward" or "recompute", for accounting those collectives.
         training: dropout on/off.
+        outputs_needed: ``False`` while the executor runs a Recompute whose outputs no
+            later instruction reads (the op right before a forward collective that a
+            fine-grained recomputation does not re-run): the op must still build the
+            autograd graph its Backward runs but may skip computing its outputs' values
+            (``RowParallelLinear.partial(values=False)``).  Placeholders then stand in for
+            them, which nothing may read.
     """
 
     batch: dict[str, torch.Tensor]
@@ -119,6 +125,7 @@ class OpContext:
     comm: Communicator
     phase: str = "forward"
     training: bool = True
+    outputs_needed: bool = True
 
 
 @dataclass(eq=False)

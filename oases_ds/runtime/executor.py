@@ -115,6 +115,14 @@ class Executor:
         self.record = record
         self.timeline = Timeline()
         self._frees = last_reads(schedule.instructions, self.ops)
+        self.unread_recomputes = frozenset(
+            ins for ins, frees in zip(schedule.instructions, self._frees)
+            if isinstance(ins, Recompute) and ("act", ins.op + 1, ins.sub) in frees
+        )
+        """Recomputes whose output no instruction reads (each op is recomputed at most once per
+        sub-batch, so the instruction names one): fine-grained recomputation's last op before a
+        forward AllReduce that is not re-run.  They run with ``OpContext.outputs_needed``
+        off, building only the graph their Backward needs (no output GEMM)."""
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
@@ -264,6 +272,7 @@ class Executor:
             return
         ctx = self._ctx[ins.sub]
         ctx.phase = phase
+        ctx.outputs_needed = ins not in self.unread_recomputes
         key = (ins.op, ins.sub)
         if phase == "forward":
             self._rng_states[key] = self.rng.capture()
