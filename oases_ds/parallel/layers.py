@@ -218,10 +218,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target = all_reduce(target, dist.ReduceOp.SUM)
-        exp = shifted.exp()
+        # In place from here on: ``shifted`` is this function's own (b, s, vocab/t) buffer, and
+        # each full-size temporary saved is an allocation and a pass over the largest
+        # activation of the model (the same values, bit for bit, as out of place).
+        exp = shifted.exp_()
         sum_exp = all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM)
         loss = sum_exp.log() - target
-        softmax = exp / sum_exp.unsqueeze(-1)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)
         return loss
 
@@ -229,9 +232,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         softmax, local, outside = ctx.saved_tensors
         grad = softmax.clone()
-        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1), 1.0)
-        grad -= onehot * (~outside).unsqueeze(-1).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        # softmax minus one-hot: subtract 1 at each in-range target (0 for a token outside this
+        # rank's slice); a scatter, not a full-size one-hot tensor and its product.
+        inside = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local.unsqueeze(-1), inside.neg_())
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
