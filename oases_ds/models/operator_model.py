@@ -328,8 +328,9 @@ class OperatorModel(nn.Module):
         kv_local = layer.attn.k.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
-        def add(name: str, block: str, fn, saves_nothing: bool = False) -> None:
-            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing))
+        def add(name: str, block: str, fn, saves_nothing: bool = False, graph_only_recompute: bool = False) -> None:
+            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing,
+                                 graph_only_recompute=graph_only_recompute))
 
         # Post-LN: the previous layer's output norm runs here (see module doc); before
         # layer 0, the embedding's norm and dropout.
@@ -411,14 +412,14 @@ class OperatorModel(nn.Module):
         out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
         add("qkv", "attn", qkv)
         add("core", "attn", core)
-        add("proj", "attn", proj)
+        add("proj", "attn", proj, graph_only_recompute=True)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
         add("attn_out", "attn", attn_out, saves_nothing=pre_ln or attn_norm_deferred)
         out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
-        add("mlp", "mlp", mlp)
+        add("mlp", "mlp", mlp, graph_only_recompute=True)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
         add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out

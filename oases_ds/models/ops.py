@@ -142,6 +142,11 @@ class ComputeOp:
             keyed dropout, residual add), so autograd saves nothing for it.  The
             Oases schedule then keeps its graph from forward instead of cutting a
             checkpoint before it (see ``fine_grained_segments``).
+        graph_only_recompute: in a recompute whose outputs nobody reads
+            (``OpContext.outputs_needed`` off) it computes no output values, only the
+            graph its Backward runs; its new outputs are then placeholders holding no
+            memory (the memory model counts them so).  The row-parallel products
+            feeding a forward AllReduce (``proj``, ``mlp``).
     """
 
     name: str
@@ -150,6 +155,7 @@ class ComputeOp:
     fn: Callable[[OpContext, Acts], Acts]
     is_loss: bool = False
     saves_nothing: bool = False
+    graph_only_recompute: bool = False
     kind: str = field(default="compute", init=False)
 
 
