@@ -331,8 +331,9 @@ class OperatorModel(nn.Module):
         kv_local = layer.attn.k.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
-        def add(name: str, block: str, fn, saves_nothing: bool = False) -> None:
-            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing))
+        def add(name: str, block: str, fn, saves_nothing: bool = False, graph_only_recompute: bool = False) -> None:
+            out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing,
+                                 graph_only_recompute=graph_only_recompute))
 
         # Post-LN: the previous layer's output norm runs here (see module doc); before
         # layer 0, the embedding's norm and dropout.
@@ -380,7 +381,7 @@ class OperatorModel(nn.Module):
             return (x, attention_core(q, k, v, causal=cfg.family != "bert", dropout=active, key_mask=key_mask))
 
         def proj(c: OpContext, a: Acts) -> Acts:
-            return (a[0], layer.attn.o.partial(a[1]))
+            return (a[0], layer.attn.o.partial(a[1], values=c.outputs_needed))
 
         def attn_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
@@ -399,9 +400,10 @@ class OperatorModel(nn.Module):
             x, h = a
             if cfg.family == "llama":
                 inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
-                return (x, layer.mlp.down.partial(inner))
+                return (x, layer.mlp.down.partial(inner, values=c.outputs_needed))
             approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"
-            return (x, layer.mlp.fc2.partial(F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)))
+            inner = F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)
+            return (x, layer.mlp.fc2.partial(inner, values=c.outputs_needed))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
@@ -413,14 +415,14 @@ class OperatorModel(nn.Module):
         out.append(CommOp(f"L{i}.attn_copy", i, "attn", 1, None, "all_reduce", attn_group))
         add("qkv", "attn", qkv)
         add("core", "attn", core)
-        add("proj", "attn", proj)
+        add("proj", "attn", proj, graph_only_recompute=True)
         out.append(CommOp(f"L{i}.attn_reduce", i, "attn", 1, "all_reduce", None, attn_group))
         add("attn_out", "attn", attn_out, saves_nothing=pre_ln or attn_norm_deferred)
         out.extend(self._reshard(f"L{i}.reshard_mlp", i, "mlp", attn_layout.degree, mlp_layout.degree))
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
-        add("mlp", "mlp", mlp)
+        add("mlp", "mlp", mlp, graph_only_recompute=True)
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
         add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out

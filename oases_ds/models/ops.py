@@ -109,6 +109,12 @@ class OpContext:
         comm: communicator for collectives issued inside an operator (the loss).
         phase: "forward" or "recompute", for accounting those collectives.
         training: dropout on/off.
+        outputs_needed: ``False`` while the executor runs a Recompute whose outputs no
+            later instruction reads (the op right before a forward collective that a
+            fine-grained recomputation does not re-run): the op must still build the
+            autograd graph its Backward runs but may skip computing its outputs' values
+            (``RowParallelLinear.partial(values=False)``).  Placeholders then stand in for
+            them, which nothing may read.
     """
 
     batch: dict[str, torch.Tensor]
@@ -119,6 +125,7 @@ class OpContext:
     comm: Communicator
     phase: str = "forward"
     training: bool = True
+    outputs_needed: bool = True
 
 
 @dataclass(eq=False)
@@ -135,6 +142,11 @@ class ComputeOp:
             keyed dropout, residual add), so autograd saves nothing for it.  The
             Oases schedule then keeps its graph from forward instead of cutting a
             checkpoint before it (see ``fine_grained_segments``).
+        graph_only_recompute: in a recompute whose outputs nobody reads
+            (``OpContext.outputs_needed`` off) it computes no output values, only the
+            graph its Backward runs; its new outputs are then placeholders holding no
+            memory (the memory model counts them so).  The row-parallel products
+            feeding a forward AllReduce (``proj``, ``mlp``).
     """
 
     name: str
@@ -143,6 +155,7 @@ class ComputeOp:
     fn: Callable[[OpContext, Acts], Acts]
     is_loss: bool = False
     saves_nothing: bool = False
+    graph_only_recompute: bool = False
     kind: str = field(default="compute", init=False)
 
 

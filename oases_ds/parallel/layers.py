@@ -125,6 +125,34 @@ class ReplicatedHeadLinear(nn.Module):
         return self.partial(copy_to_tensor_parallel(x, self.group))
 
 
+class _GraphOnlyLinear(torch.autograd.Function):
+    """Forward: saves ``x`` and ``weight`` and returns a zero-stride placeholder shaped
+    like ``F.linear(x, weight)`` -- no product is computed.  Backward: exactly the input
+    and weight gradients of ``F.linear(x, weight)``.
+
+    Why: a fine-grained recomputation ends right before a forward AllReduce it does not
+    re-run (paper eq. 1), so the row-parallel product feeding that AllReduce is
+    recomputed only for its autograd graph; its value is never read.  The graph of a
+    linear needs ``x`` and the weight, not the output, so the GEMM (a third of the
+    MLP's forward, a quarter of the attention projections') can be skipped.  The
+    placeholder is an expanded scalar: it costs no memory and must not be read.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # as mm's backward does: (x^T g)^T over the flattened tokens
+            grad_w = x.reshape(-1, x.shape[-1]).t().mm(grad.reshape(-1, grad.shape[-1])).t()
+        return grad_x, grad_w
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by input columns; ``partial`` returns this
     rank's summand (bias excluded), which an AllReduce completes.  The bias is
@@ -137,7 +165,11 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, self.in_local), 1)
         self.bias = _param((out_features,), None) if bias else None
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, values: bool = True) -> torch.Tensor:
+        """This rank's summand.  ``values=False``: only its autograd graph, for a
+        recomputation whose output nobody reads (see :class:`_GraphOnlyLinear`)."""
+        if not values and torch.is_grad_enabled():
+            return _GraphOnlyLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
@@ -204,10 +236,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target = all_reduce(target, dist.ReduceOp.SUM)
-        exp = shifted.exp()
+        # In place from here on: ``shifted`` is this function's own (b, s, vocab/t) buffer, and
+        # each full-size temporary saved is an allocation and a pass over the largest
+        # activation of the model (the same values, bit for bit, as out of place).
+        exp = shifted.exp_()
         sum_exp = all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM)
         loss = sum_exp.log() - target
-        softmax = exp / sum_exp.unsqueeze(-1)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)
         return loss
 
@@ -215,9 +250,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         softmax, local, outside = ctx.saved_tensors
         grad = softmax.clone()
-        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1), 1.0)
-        grad -= onehot * (~outside).unsqueeze(-1).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        # softmax minus one-hot: subtract 1 at each in-range target (0 for a token outside this
+        # rank's slice); a scatter, not a full-size one-hot tensor and its product.
+        inside = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local.unsqueeze(-1), inside.neg_())
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

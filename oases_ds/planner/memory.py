@@ -56,7 +56,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.ops import CommOp, ComputeOp, Op
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
-from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads
+from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
 
@@ -245,6 +245,8 @@ def activation_replay(
         raise ValueError(f"micro_batch={micro_batch} must be a positive multiple of the schedule's {subs} sub-batches")
     schedule = build_schedule(spec, ops)
     frees = last_reads(schedule.instructions, ops)
+    graph_only = {ins for ins in unread_recomputes(schedule.instructions, ops, frees)
+                  if getattr(ops[ins.op], "graph_only_recompute", False)}  # placeholders: no bytes
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
     neighbours = _neighbours(ops, op_degrees)
     table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
@@ -257,6 +259,7 @@ def activation_replay(
     buffers: dict[tuple, tuple[int, ...]] = {buf: () for buf in initial_buffers(subs)}
     kind: dict[tuple, str] = {}
     graph_inputs: dict[tuple[int, int], tuple[int, ...]] = {}
+    graph_outputs: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def new(nbytes: float, term: str | None = None) -> int:
         tid = next(ids)
@@ -278,7 +281,7 @@ def activation_replay(
                 outputs: tuple[int, ...] = ()
                 for o in mem.outputs:
                     if isinstance(o, float):
-                        outputs += (new(o * tokens[i]),)
+                        outputs += (new(0.0 if ins in graph_only else o * tokens[i]),)
                     else:
                         outputs += (outputs[-1] if o == SAME_AS_PREVIOUS else inputs[o],)
                 buffers[("act", i + 1, sub)] = outputs
@@ -286,6 +289,7 @@ def activation_replay(
                     saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
                     buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *outputs, saved)
                     graph_inputs[(i, sub)] = inputs
+                    graph_outputs[(i, sub)] = outputs
                     kind[("graph", i, sub)] = "kept" if isinstance(ins, Forward) else "transient"
             if isinstance(ins, Forward) and i in checkpoint_ops:
                 kind[("act", i, sub)] = "checkpoint"
@@ -294,6 +298,9 @@ def activation_replay(
                 buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
             else:
                 buffers[("grad", i, sub)] = tuple(new(size[t]) for t in graph_inputs[(i, sub)])
+                # Autograd frees what the op saved as its backward runs (no retain_graph); the
+                # executor's graph buffer holds only the outputs until it is dropped after this.
+                buffers[("graph", i, sub)] = graph_outputs[(i, sub)]
         elif isinstance(ins, StartAsync):
             src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
             held = buffers[src]

@@ -31,7 +31,7 @@ from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.timeline import Timeline, clock_for, op_label
 from oases_ds.schedule.checker import check
-from oases_ds.schedule.dataflow import last_reads
+from oases_ds.schedule.dataflow import last_reads, unread_recomputes
 from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 
@@ -115,6 +115,10 @@ class Executor:
         self.record = record
         self.timeline = Timeline()
         self._frees = last_reads(schedule.instructions, self.ops)
+        self.unread_recomputes = unread_recomputes(schedule.instructions, self.ops, self._frees)
+        """Recomputes whose output no instruction reads (:func:`~oases_ds.schedule.dataflow.unread_recomputes`).
+        They run with ``OpContext.outputs_needed`` off: an op marked ``graph_only_recompute``
+        builds only the graph its Backward needs (no output GEMM)."""
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
@@ -264,6 +268,7 @@ class Executor:
             return
         ctx = self._ctx[ins.sub]
         ctx.phase = phase
+        ctx.outputs_needed = ins not in self.unread_recomputes
         key = (ins.op, ins.sub)
         if phase == "forward":
             self._rng_states[key] = self.rng.capture()

@@ -70,6 +70,20 @@ def last_reads(instructions: Sequence[Instruction], ops: Sequence[Op]) -> list[l
     return frees
 
 
+def unread_recomputes(instructions: Sequence[Instruction], ops: Sequence[Op],
+                      frees: Sequence[Sequence[Buffer]] | None = None) -> frozenset[Instruction]:
+    """Recomputes whose output no later instruction reads: fine-grained recomputation's last
+    op before a forward collective that is not re-run (its output would feed only that
+    collective), or a layer's last op under Megatron's (the next layer's input is a
+    checkpoint already).  Such an op is recomputed for its autograd graph alone; an op
+    marked ``ComputeOp.graph_only_recompute`` then skips computing its outputs' values.
+    Each op is recomputed at most once per sub-batch, so the instruction names one.
+    ``frees``: :func:`last_reads` of the same list, if already at hand."""
+    frees = last_reads(instructions, ops) if frees is None else frees
+    return frozenset(ins for ins, dying in zip(instructions, frees)
+                     if isinstance(ins, Recompute) and ("act", ins.op + 1, ins.sub) in dying)
+
+
 def peak_live(instructions: Sequence[Instruction], ops: Sequence[Op], sub_batches: int) -> dict[str, int]:
     """Most buffers of each kind alive at once when the executor runs ``instructions``
     (it frees exactly what :func:`last_reads` says).  ``graph`` counts operators whose

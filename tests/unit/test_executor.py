@@ -82,3 +82,55 @@ def test_a_failing_hook_aborts_the_run():
     tokens = torch.randint(0, 32, (2, 8))
     with pytest.raises(RuntimeError, match="probe failed"):
         ex.run({"tokens": tokens, "labels": tokens})
+
+
+def test_unread_recomputes_are_the_ops_feeding_a_collective_that_is_not_rerun():
+    """Oases' fine-grained recomputation stops before each forward AllReduce, so the op
+    feeding it (embedding lookup, attention projection, MLP) is recomputed for its graph
+    only.  Megatron re-runs the AllReduces, so it reads those outputs; only each layer's
+    last op (whose output, the next layer's input, is a checkpoint already) goes unread."""
+    model = OperatorModel(CFG, seed=1)
+    oases = Executor.for_schedule(model, ScheduleSpec("oases"))
+    names = {model.ops[ins.op].name for ins in oases.unread_recomputes}
+    assert names == {"embed"} | {f"L{i}.{op}" for i in range(CFG.num_layers) for op in ("proj", "mlp")}
+    assert {ins.sub for ins in oases.unread_recomputes} == {0, 1}
+    megatron = Executor.for_schedule(model, ScheduleSpec("megatron")).unread_recomputes
+    assert {model.ops[ins.op].name for ins in megatron} == {f"L{i}.mlp_out" for i in range(CFG.num_layers)}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_graph_only_recompute_gives_the_gradients_of_no_recompute(family):
+    """Same weights, batch and dropout keys: the fine-grained schedule (row-parallel GEMMs
+    skipped in recompute) and ``none`` give the same loss and gradients, to 1e-5 relative
+    (fp32; only the order of a few float sums differs)."""
+    cfg = ModelConfig(family=family, hidden_size=32, num_heads=4, num_layers=2, seq_len=8, vocab_size=64, dropout=0.1)
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    grads, losses = {}, {}
+    for name in ("none", "oases"):
+        model = OperatorModel(cfg, seed=3)
+        losses[name] = Executor.for_schedule(model, ScheduleSpec(name)).run({"tokens": tokens, "labels": tokens})
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert torch.allclose(losses["oases"], losses["none"], rtol=1e-5, atol=0)
+    for n, g in grads["none"].items():
+        err = (grads["oases"][n] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err <= 1e-5, f"{n}: rel err {err:.2e}"
+
+
+def test_graph_only_linear_backpropagates_like_f_linear():
+    """``RowParallelLinear.partial(values=False)`` computes no product but its gradients
+    equal ``F.linear``'s (fp32, 1e-6 relative: the same GEMMs)."""
+    from oases_ds.parallel.layers import RowParallelLinear
+
+    layer = RowParallelLinear(6, 5, None, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(2, 3, 6, requires_grad=True)
+    grad = torch.randn(2, 3, 5)
+    out = layer.partial(x, values=False)
+    assert out.shape == (2, 3, 5) and out.untyped_storage().nbytes() <= 4  # a placeholder, no product
+    out.backward(grad)
+    gx, gw = x.grad.clone(), layer.weight.grad.clone()
+    x.grad, layer.weight.grad = None, None
+    torch.nn.functional.linear(x, layer.weight).backward(grad)
+    assert torch.allclose(gx, x.grad, rtol=1e-6, atol=1e-6) and torch.allclose(gw, layer.weight.grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # without a graph to build, the values are computed
+        assert torch.equal(layer.partial(x, values=False), torch.nn.functional.linear(x, layer.weight))
