@@ -77,19 +77,20 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
-              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None) -> dict:
-    """OasesEngine on this rank's TMP shard and DP share; returns full params after each step."""
+              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True) -> dict:
+    """OasesEngine on this rank's TMP shard and DP share; returns full params after each step,
+    and the global gradient norm DeepSpeed's optimizer clipped with (ZeRO-1; None otherwise)."""
     import oases_ds
     from oases_ds.parallel.collectives import start_all_reduce
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
-               "process_group_timeout_s": 120, **({"plan": plan} if plan else {})}
+               "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {})}
     cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
     engine, *_ = oases_ds.initialize(model=tiny_config(family), optimizer=sgd if optimizer == "sgd" else None, config=cfg)
     ctx = engine.parallel_context
-    params, losses = [], []
+    params, losses, grad_norms = [], [], []
     per_rank = micro * gas
     for step in range(steps):
         full = make_batch(tiny_config(family), per_rank * ctx.dp_size, step)
@@ -99,6 +100,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
                          for a in range(gas)])
         loss = engine.train_batch({k: v[idx] for k, v in full.items()})
         losses.append(float(loss))
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(None if norm is None else float(norm))
         params.append(_full_params(engine, ctx))
     engine.eval()  # DeepSpeedEngine.forward -> the model's eager forward (collectives inline)
     full = make_batch(tiny_config(family), per_rank * ctx.dp_size, 999)
@@ -107,7 +110,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     reducer = engine.dp_reducer
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
-            "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync")}
+            "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
+            "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__}
 
 
 def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:

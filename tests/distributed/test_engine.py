@@ -18,6 +18,7 @@ import engine_workers as ew
 from oases_ds.launcher import launch
 
 TOL = 1e-5
+CLIP = 0.05  # engine_workers.ds_config's gradient_clipping
 STEPS = 3
 GLOBAL_BATCH = 8
 _refs: dict = {}
@@ -196,22 +197,91 @@ def test_dp2_gradient_accumulation_matches_plain_deepspeed(dp2_gas2, tp, zero):
     out = dp2_gas2[(tp, zero)]
     assert_params_match(out, reference())
     assert out["global_steps"] == STEPS
-    # ZeRO 0 reduces per block inside the schedule; ZeRO 1 keeps DeepSpeed's partitioned reducer
-    assert out["dp_overlap"] is (zero == 0)
+    # both stages reduce per block inside the schedule; ZeRO-1 then keeps its partition
+    assert out["dp_overlap"]
+    assert out["optimizer"] == ("DeepSpeedZeroOptimizer" if zero else "SGD")
+    if zero:  # the norm DeepSpeed clipped with (over DP and TMP) is above the clip: clipping was active
+        assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp):
-    log = dp2_gas2[(tp, 0)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
+@pytest.mark.parametrize("tp, zero", [(1, 0), (2, 0), (1, 1), (2, 1)])
+def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp, zero):
+    log = dp2_gas2[(tp, zero)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
     backwards = [i for i, e in enumerate(log) if e.startswith("B")]
     buckets = [i for i, e in enumerate(log) if e.startswith("dp:")]
     assert buckets and buckets[0] < backwards[-1], log
     assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
     assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
-    assert dp2_gas2[(tp, 0)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
+    assert dp2_gas2[(tp, zero)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
 
 
-def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path):
+# bf16 against fp32: bf16 keeps 8 significant bits, so one rounding is off by up to 2^-9
+# relative.  The gathered bf16 weights carry that rounding of the fp32 master weights, and
+# the update they received came from bf16 gradients (a few percent off in the worst element);
+# SGD at lr 0.05 with the 0.05 clip moves the weights by < 1% over three steps, so a
+# parameter's norm-relative error stays below 2^-9 + 0.01 * (a few percent): 2^-7 (0.8%)
+# bounds it with a margin.  Losses: the fp32 loss to 2%, as test_bf16_and_adam_train.
+BF16_PARAM_TOL = 2.0**-7
+
+
+@pytest.fixture(scope="module")
+def zero1_routes():
+    """ZeRO-1, DP 2 x TMP 1 and DP 2 x TMP 2, 2 micro-batches of 2 per step, clipping 0.05:
+    DeepSpeed's own reduction after the schedule (``dp_overlap`` off) in fp32, and bf16 with
+    and without the overlapped reduction."""
+    runs = {}
+    for tp in (1, 2):
+        for bf16, overlap in ((False, False), (True, True), (True, False)):
+            args = ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, 1, "oases", bf16, "sgd", None, overlap)
+            runs[(tp, bf16, overlap)] = launch(ew.oases_run, 2 * tp, args, timeout_s=600)[0]
+    return runs
+
+
+def _worst_rel_err(out, ref, steps=STEPS) -> tuple[float, str]:
+    worst = (0.0, "")
+    for step in range(steps):
+        for name, want in ref["params"][step].items():
+            err = float((out["params"][step][name] - want).norm() / want.norm())
+            worst = max(worst, (err, f"step {step} {name}"))
+    return worst
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero1_overlapped_matches_deepspeeds_own_reduction_fp32(dp2_gas2, zero1_routes, tp):
+    overlapped, own = dp2_gas2[(tp, 1)], zero1_routes[(tp, False, False)]
+    assert overlapped["dp_overlap"] and not own["dp_overlap"] and own["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert_params_match(own, reference())
+    # same sums in the same order (DP 2 divides exactly), only the accumulation fold differs: 1e-6
+    err, where = _worst_rel_err(overlapped, own)
+    assert err <= 1e-6, f"overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
+    assert all(norm > CLIP for norm in own["grad_norms"]) and overlapped["grad_norms"] == pytest.approx(own["grad_norms"], rel=1e-6)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero1_bf16_overlapped_matches_deepspeeds_own_reduction_and_tracks_fp32(zero1_routes, tp):
+    overlapped, own = zero1_routes[(tp, True, True)], zero1_routes[(tp, True, False)]
+    assert overlapped["dp_overlap"] and not own["dp_overlap"]
+    assert overlapped["optimizer"] == own["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert all(norm > CLIP for norm in overlapped["grad_norms"])
+    # The two routes do the same bf16 arithmetic: the fold adds 0.5 * g (exact) to the accumulated
+    # gradient with one rounding as autograd's accumulation does, DeepSpeed divides by DP 2 (exact)
+    # and sums in bf16 as the reducer does.  So they agree to bf16's rounding of one element, 2^-8.
+    err, where = _worst_rel_err(overlapped, own)
+    assert err <= 2.0**-8, f"bf16 overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
+    for out in (overlapped, own):
+        err, where = _worst_rel_err(out, reference())
+        assert err <= BF16_PARAM_TOL, f"bf16 vs the fp32 reference, {where}: rel err {err:.2e}"
+        for lo, hi in zip(out["losses"], reference()["losses"]):
+            assert abs(lo - hi) <= 0.02 * abs(hi)
+
+
+@pytest.fixture(scope="module")
+def reference16():
+    return launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path, reference16, zero):
     """DP 2 x TMP 2 with a plan putting one attention and one MLP block at degree 1 (2
     replicas each): their bucket is one AllReduce over the shard's replicas across DP.
     2 micro-batches of 4 per rank (a replica needs whole samples of a sub-batch), so the
@@ -220,10 +290,11 @@ def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_pat
 
     path = tmp_path / "plan.json"
     Plan((2, 1), (1, 2), devices=2).to_json(path)
-    ref = launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
-    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, 0, "oases", False, "sgd", str(path)), timeout_s=600)[0]
-    assert_params_match(out, ref)
+    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, zero, "oases", False, "sgd", str(path)), timeout_s=600)[0]
+    assert_params_match(out, reference16)
     assert out["dp_overlap"]
+    if zero:
+        assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
     # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
     assert out["grad_sync_calls"] == 6
     assert {"dp:0.mlp", "dp:1.attn"} <= set(out["dp_log"])
