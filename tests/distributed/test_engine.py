@@ -216,12 +216,13 @@ def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp, zero)
 
 
 # bf16 against fp32: bf16 keeps 8 significant bits, so one rounding is off by up to 2^-9
-# relative.  The gathered bf16 weights carry that rounding of the fp32 master weights, and
-# the update they received came from bf16 gradients (a few percent off in the worst element);
-# SGD at lr 0.05 with the 0.05 clip moves the weights by < 1% over three steps, so a
-# parameter's norm-relative error stays below 2^-9 + 0.01 * (a few percent): 2^-7 (0.8%)
-# bounds it with a margin.  Losses: the fp32 loss to 2%, as test_bf16_and_adam_train.
+# (2e-3) relative.  The gathered bf16 weights carry that rounding of the fp32 master weights,
+# and the small updates they received (lr 0.05, clip 0.05, three steps) came from bf16
+# gradients; a zero-initialised bias, made of updates only, is where this shows most
+# (3.2e-3 measured, TMP 1 and 2).  2^-7 (7.8e-3) bounds a parameter's norm-relative error with
+# a 2.4x margin; the loss, one bf16-rounded value of ~4 from bf16 logits, to 2^-9 (measured 4e-5).
 BF16_PARAM_TOL = 2.0**-7
+BF16_LOSS_TOL = 2.0**-9
 
 
 @pytest.fixture(scope="module")
@@ -265,14 +266,14 @@ def test_zero1_bf16_overlapped_matches_deepspeeds_own_reduction_and_tracks_fp32(
     assert all(norm > CLIP for norm in overlapped["grad_norms"])
     # The two routes do the same bf16 arithmetic: the fold adds 0.5 * g (exact) to the accumulated
     # gradient with one rounding as autograd's accumulation does, DeepSpeed divides by DP 2 (exact)
-    # and sums in bf16 as the reducer does.  So they agree to bf16's rounding of one element, 2^-8.
+    # and sums in bf16 as the reducer does.  Measured bit-identical; allowed: one bf16 rounding, 2^-8.
     err, where = _worst_rel_err(overlapped, own)
     assert err <= 2.0**-8, f"bf16 overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
     for out in (overlapped, own):
         err, where = _worst_rel_err(out, reference())
         assert err <= BF16_PARAM_TOL, f"bf16 vs the fp32 reference, {where}: rel err {err:.2e}"
         for lo, hi in zip(out["losses"], reference()["losses"]):
-            assert abs(lo - hi) <= 0.02 * abs(hi)
+            assert abs(lo - hi) <= BF16_LOSS_TOL * abs(hi)
 
 
 @pytest.fixture(scope="module")
