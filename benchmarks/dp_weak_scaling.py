@@ -15,7 +15,8 @@ keeps its half of the flat parameters (where its optimizer partition would updat
 and the halves are AllGathered over the same emulated link, as DeepSpeed's ZeRO-1 step
 ends.  That AllGather is modelled here on the executor (no DeepSpeed optimizer runs) and
 is exposed in both DP 2 variants; DP 1 has none.  The reduction itself is what
-``OasesEngine`` does at ZeRO-1 too: one AllReduce per block, this rank's partition kept.
+``OasesEngine`` does at ZeRO-1 too, and DeepSpeed's ZeRO-1 by default
+(``use_multi_rank_bucket_allreduce``): an AllReduce, this rank's partition kept.
 
 The DP AllReduce goes through an EMULATED link (``LinkEmulator``); ``--bandwidth-gbps
 auto`` picks the bandwidth at which the DP gradient AllReduce takes ``--comm-ratio``

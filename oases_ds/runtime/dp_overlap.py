@@ -18,8 +18,9 @@ the flat copies of the (at most ``max_in_flight``) blocks reducing at once.
 Who consumes the result: with ZeRO 0 the optimizer reads ``.grad`` directly; with
 ZeRO-1 DeepSpeed's optimizer keeps this rank's partition of the reduced ``.grad``
 (``OasesEngine`` hands it over), so each bucket is a full AllReduce whose other
-partitions are dropped, twice the bytes of a reduce-scatter but no DeepSpeed
-internals to re-implement.  The division by the DP size happens where DeepSpeed's
+partitions are dropped: what DeepSpeed's ZeRO-1 does by default too
+(``use_multi_rank_bucket_allreduce``), twice the bytes of a reduce-scatter but no
+DeepSpeed internals to re-implement.  The division by the DP size happens where DeepSpeed's
 own route would do it (``predivide``), so it rounds as that route does.
 
 How long :meth:`DPGradReducer.finish` waits is the exposed part of the reduction;
