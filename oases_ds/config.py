@@ -56,7 +56,7 @@ class OasesConfig(BaseModel):
         link: optional emulated link for benchmarks.
         record_timeline: keep the executor timeline (exposed comm, traces).
         dp_overlap: reduce each block's gradients over DP as its last backward ends,
-            overlapped with the schedule (ZeRO 0 in fp32, ZeRO-1 in fp32 or bf16); off:
+            overlapped with the schedule (ZeRO 0 or 1, fp32 or bf16); off:
             DeepSpeed reduces after the schedule, fully exposed (the baseline).
         plan: JSON plan (from ``oases-plan``) giving each attention / MLP block its
             own TMP degree; default: every block at ``tensor_parallel_size``.

@@ -23,15 +23,16 @@ run after the schedule, fully exposed, so a
 instead starts each block's DP AllReduce as soon as the block's last Backward has
 run, folds the micro-batch into the accumulated gradient (``1/gas``, as DeepSpeed
 scales) and leaves the DP mean in ``.grad``; the surrogate backward is skipped.
-With ZeRO 0 in fp32, ``step`` then clips and updates from ``.grad`` as usual.
+With ZeRO 0, ``step`` then clips and updates from ``.grad`` as usual (in bf16 through
+DeepSpeed's wrapper that keeps fp32 master weights).
 With ZeRO-1 (fp32, or bf16 parameters with fp32 master weights) DeepSpeed's
 optimizer runs its own backward epilogue with nothing left to reduce
 (:meth:`OasesEngine._hand_reduced_grads_to_zero`): it copies this rank's partition
 of the reduced ``.grad`` into its averaged gradients, exactly what its reduction
 would have left there, and ``step`` clips (global norm over DP and TMP) and
-updates the partition.  ``"dp_overlap": false`` keeps DeepSpeed's reducer;
-fp16, ZeRO-1 with fp32 gradient accumulation of bf16 parameters (DeepSpeed's
-``BF16_Optimizer``) and bf16 at ZeRO 0 keep it too.
+updates the partition.  ``"dp_overlap": false`` keeps DeepSpeed's reducer; fp16
+and bf16 parameters with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``)
+keep it too.
 
 DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``DeepSpeedEngine._backward_prologue`` / ``_backward_prologue_per_tensor`` and
@@ -167,12 +168,12 @@ class OasesEngine(DeepSpeedEngine):
         """The per-block DP reduction overlapped with the schedule, where it reproduces
         DeepSpeed's reduction exactly: gradients averaged over DP without a pre-division
         factor, communicated in the gradients' dtype, DeepSpeed counting the micro-batches,
-        and an optimizer that takes them as they are -- ZeRO 0 in fp32 (the optimizer
-        reads ``.grad``) or DeepSpeed's ZeRO-1 optimizer in fp32 or bf16 without fp32
-        gradient accumulation, offload or MoE (:meth:`_zero1_takes_reduced_grads`).
-        Elsewhere (``oases.dp_overlap`` off, fp16, bf16 at ZeRO 0, DeepSpeed's
-        ``BF16_Optimizer``) DeepSpeed's own reducer runs after the schedule; ``None``
-        then, and with one DP rank."""
+        and an optimizer that takes them as they are -- ZeRO 0 in fp32 or bf16 (the
+        optimizer, or DeepSpeed's bf16 wrapper, reads ``.grad``) or DeepSpeed's ZeRO-1
+        optimizer in fp32 or bf16 without fp32 gradient accumulation, offload or MoE
+        (:meth:`_zero1_takes_reduced_grads`).  Elsewhere (``oases.dp_overlap`` off, fp16,
+        DeepSpeed's ``BF16_Optimizer``) DeepSpeed's own reducer runs after the schedule;
+        ``None`` then, and with one DP rank."""
         dtype = next(self.module.parameters()).dtype
         if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.fp16_enabled()
                 or not self.gradient_average or self.gradient_predivide_factor() != 1.0
@@ -180,7 +181,7 @@ class OasesEngine(DeepSpeedEngine):
                 or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
             return None
         if self.zero_optimization_stage() == 0:
-            if self.bfloat16_enabled() or isinstance(self.optimizer, ZeROOptimizer):
+            if isinstance(self.optimizer, ZeROOptimizer):  # BF16_Optimizer: its own fp32 gradient buffers
                 return None
             predivide = not self.postscale_gradients()  # DeepSpeedEngine.allreduce_bucket: 1/dp after the sum by default
         elif self._zero1_takes_reduced_grads():

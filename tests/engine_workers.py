@@ -90,6 +90,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
     engine, *_ = oases_ds.initialize(model=tiny_config(family), optimizer=sgd if optimizer == "sgd" else None, config=cfg)
     ctx = engine.parallel_context
+    ds_reductions = _count_deepspeed_reductions(engine)
     params, losses, grad_norms = [], [], []
     per_rank = micro * gas
     for step in range(steps):
@@ -111,7 +112,28 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
             "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
-            "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__}
+            "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,
+            "deepspeed_reductions": ds_reductions[0]}
+
+
+def _count_deepspeed_reductions(engine) -> list[int]:
+    """Count DeepSpeed's own DP gradient reductions on this engine from now on: its ZeRO 0
+    AllReduce (``buffered_allreduce_fallback``) and its ZeRO-1 bucket reduction
+    (``average_tensor`` with a non-empty bucket).  With the overlapped reduction there must be
+    none: a second reduction of already averaged gradients would leave them unchanged, so
+    parity alone could not tell.  Instance attributes: this engine only."""
+    count = [0]
+
+    def counted(fn, reduces):
+        def wrapper(*args, **kwargs):
+            count[0] += int(reduces(*args, **kwargs))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    engine.buffered_allreduce_fallback = counted(engine.buffered_allreduce_fallback, lambda *a, **k: True)
+    if hasattr(engine.optimizer, "average_tensor"):
+        engine.optimizer.average_tensor = counted(engine.optimizer.average_tensor, lambda tensor, *a, **k: tensor.numel() > 0)
+    return count
 
 
 def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:

@@ -198,7 +198,7 @@ def test_dp2_gradient_accumulation_matches_plain_deepspeed(dp2_gas2, tp, zero):
     assert_params_match(out, reference())
     assert out["global_steps"] == STEPS
     # both stages reduce per block inside the schedule; ZeRO-1 then keeps its partition
-    assert out["dp_overlap"]
+    assert out["dp_overlap"] and out["deepspeed_reductions"] == 0  # DeepSpeed's reducer never ran
     assert out["optimizer"] == ("DeepSpeedZeroOptimizer" if zero else "SGD")
     if zero:  # the norm DeepSpeed clipped with (over DP and TMP) is above the clip: clipping was active
         assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
@@ -226,15 +226,16 @@ BF16_LOSS_TOL = 2.0**-9
 
 
 @pytest.fixture(scope="module")
-def zero1_routes():
-    """ZeRO-1, DP 2 x TMP 1 and DP 2 x TMP 2, 2 micro-batches of 2 per step, clipping 0.05:
-    DeepSpeed's own reduction after the schedule (``dp_overlap`` off) in fp32, and bf16 with
-    and without the overlapped reduction."""
+def dp2_routes():
+    """DP 2 x TMP 1 and DP 2 x TMP 2, 2 micro-batches of 2 per step, clipping 0.05, keyed
+    ``(tp, zero, bf16, dp_overlap)``: ZeRO-1 with DeepSpeed's own reduction after the schedule
+    (``dp_overlap`` off) in fp32, and bf16 at ZeRO-1 and ZeRO 0 with and without the
+    overlapped reduction."""
     runs = {}
     for tp in (1, 2):
-        for bf16, overlap in ((False, False), (True, True), (True, False)):
-            args = ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, 1, "oases", bf16, "sgd", None, overlap)
-            runs[(tp, bf16, overlap)] = launch(ew.oases_run, 2 * tp, args, timeout_s=600)[0]
+        for zero, bf16, overlap in ((1, False, False), (1, True, True), (1, True, False), (0, True, True), (0, True, False)):
+            args = ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero, "oases", bf16, "sgd", None, overlap)
+            runs[(tp, zero, bf16, overlap)] = launch(ew.oases_run, 2 * tp, args, timeout_s=600)[0]
     return runs
 
 
@@ -248,9 +249,10 @@ def _worst_rel_err(out, ref, steps=STEPS) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_zero1_overlapped_matches_deepspeeds_own_reduction_fp32(dp2_gas2, zero1_routes, tp):
-    overlapped, own = dp2_gas2[(tp, 1)], zero1_routes[(tp, False, False)]
+def test_zero1_overlapped_matches_deepspeeds_own_reduction_fp32(dp2_gas2, dp2_routes, tp):
+    overlapped, own = dp2_gas2[(tp, 1)], dp2_routes[(tp, 1, False, False)]
     assert overlapped["dp_overlap"] and not own["dp_overlap"] and own["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert overlapped["deepspeed_reductions"] == 0 and own["deepspeed_reductions"] >= STEPS  # one route each
     assert_params_match(own, reference())
     # same sums in the same order (DP 2 divides exactly), only the accumulation fold differs: 1e-6
     err, where = _worst_rel_err(overlapped, own)
@@ -258,20 +260,39 @@ def test_zero1_overlapped_matches_deepspeeds_own_reduction_fp32(dp2_gas2, zero1_
     assert all(norm > CLIP for norm in own["grad_norms"]) and overlapped["grad_norms"] == pytest.approx(own["grad_norms"], rel=1e-6)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_zero1_bf16_overlapped_matches_deepspeeds_own_reduction_and_tracks_fp32(zero1_routes, tp):
-    overlapped, own = zero1_routes[(tp, True, True)], zero1_routes[(tp, True, False)]
+BF16_ROUTES = [(1, 1), (2, 1), (1, 0), (2, 0)]
+
+
+@pytest.mark.parametrize("tp, zero", BF16_ROUTES)
+def test_bf16_overlapped_matches_deepspeeds_own_reduction(dp2_routes, tp, zero):
+    overlapped, own = dp2_routes[(tp, zero, True, True)], dp2_routes[(tp, zero, True, False)]
     assert overlapped["dp_overlap"] and not own["dp_overlap"]
-    assert overlapped["optimizer"] == own["optimizer"] == "DeepSpeedZeroOptimizer"
-    assert all(norm > CLIP for norm in overlapped["grad_norms"])
+    assert overlapped["deepspeed_reductions"] == 0 and own["deepspeed_reductions"] >= STEPS  # one route each
+    # ZeRO-1: DeepSpeed's ZeRO optimizer; ZeRO 0: its fp16/bf16 wrapper with fp32 master weights
+    assert overlapped["optimizer"] == own["optimizer"] == ("DeepSpeedZeroOptimizer" if zero else "FP16_UnfusedOptimizer")
+    assert all(norm > CLIP for norm in overlapped["grad_norms"]), overlapped["grad_norms"]
     # The two routes do the same bf16 arithmetic: the fold adds 0.5 * g (exact) to the accumulated
     # gradient with one rounding as autograd's accumulation does, DeepSpeed divides by DP 2 (exact)
     # and sums in bf16 as the reducer does.  Measured bit-identical; allowed: one bf16 rounding, 2^-8.
     err, where = _worst_rel_err(overlapped, own)
     assert err <= 2.0**-8, f"bf16 overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
-    for out in (overlapped, own):
+    assert overlapped["grad_norms"] == pytest.approx(own["grad_norms"], rel=2.0**-8)
+
+
+# DeepSpeed 0.19.8's bf16 wrapper at ZeRO 0 (FP16_UnfusedOptimizer) leaves TMP rank > 0's
+# gradients out of the clipping norm (get_weight_norm looks for the model-parallel attribute on
+# the gradient tensors, which never carry it): at TMP 2 it clips with 1.47 where the true norm
+# is 1.64, so its weights leave the reference by 9e-3 -- with either reduction route.
+_DS_BF16_ZERO0_TMP_NORM = pytest.mark.xfail(strict=True, reason="DeepSpeed's bf16 ZeRO-0 wrapper computes the clipping "
+                                            "norm without TMP rank > 0's gradients (see the comment above)")
+
+
+@pytest.mark.parametrize("tp, zero", [r if r != (2, 0) else pytest.param(*r, marks=_DS_BF16_ZERO0_TMP_NORM) for r in BF16_ROUTES])
+def test_bf16_tracks_the_fp32_reference(dp2_routes, tp, zero):
+    for overlap in (True, False):
+        out = dp2_routes[(tp, zero, True, overlap)]
         err, where = _worst_rel_err(out, reference())
-        assert err <= BF16_PARAM_TOL, f"bf16 vs the fp32 reference, {where}: rel err {err:.2e}"
+        assert err <= BF16_PARAM_TOL, f"bf16 (dp_overlap={overlap}) vs the fp32 reference, {where}: rel err {err:.2e}"
         for lo, hi in zip(out["losses"], reference()["losses"]):
             assert abs(lo - hi) <= BF16_LOSS_TOL * abs(hi)
 
@@ -293,7 +314,7 @@ def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_pat
     Plan((2, 1), (1, 2), devices=2).to_json(path)
     out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, zero, "oases", False, "sgd", str(path)), timeout_s=600)[0]
     assert_params_match(out, reference16)
-    assert out["dp_overlap"]
+    assert out["dp_overlap"] and out["deepspeed_reductions"] == 0
     if zero:
         assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
     # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
