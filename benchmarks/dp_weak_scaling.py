@@ -10,6 +10,14 @@ rotated every round) so machine noise hits them alike:
 * ``dp2_overlap``: both ranks, each block's bucket reduced as its backward ends
   (:class:`~oases_ds.runtime.dp_overlap.DPGradReducer`, what ``OasesEngine`` does).
 
+``--zero 1`` adds what ZeRO-1 puts on the DP link: after the reduction each DP 2 rank
+keeps its half of the flat parameters (where its optimizer partition would update them)
+and the halves are AllGathered over the same emulated link, as DeepSpeed's ZeRO-1 step
+ends.  That AllGather is modelled here on the executor (no DeepSpeed optimizer runs) and
+is exposed in both DP 2 variants; DP 1 has none.  The reduction itself is what
+``OasesEngine`` does at ZeRO-1 too, and DeepSpeed's ZeRO-1 by default
+(``use_multi_rank_bucket_allreduce``): an AllReduce, this rank's partition kept.
+
 The DP AllReduce goes through an EMULATED link (``LinkEmulator``); ``--bandwidth-gbps
 auto`` picks the bandwidth at which the DP gradient AllReduce takes ``--comm-ratio``
 times the backward's compute time (measured unlinked at start).  The target is
@@ -17,6 +25,7 @@ times the backward's compute time (measured unlinked at start).  The target is
 The DP 1 and DP 2 steps run in the same processes, so both share this machine's load.
 
     python benchmarks/dp_weak_scaling.py                  # short: 1 warm-up + 5 rounds
+    python benchmarks/dp_weak_scaling.py --zero 1         # with ZeRO-1's parameter AllGather
     python benchmarks/dp_weak_scaling.py --repeats 15 --out benchmarks/results/dp_weak_scaling.json --readme
 
 ``--readme`` replaces the generated line in benchmarks/README.md (between the
@@ -82,6 +91,13 @@ def _worker(args: dict) -> dict:
                             runners["dp2_overlap"].comm, ctx.dp_group)
     runners["dp2_overlap"].add_hook(overlap)
 
+    def zero1_gather(ex: Executor) -> None:
+        """ZeRO-1's step tail on the link: this rank's partition of the flat parameters,
+        AllGathered over DP (padded to a multiple of the DP size, as DeepSpeed aligns)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in ex.model.parameters()])
+        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % ctx.dp_size))
+        ex.comm.all_gather(flat.chunk(ctx.dp_size)[ctx.dp_rank], ctx.dp_group, 0, "grad_sync").wait()
+
     def step(name: str) -> None:
         ex = runners[name]
         ex.model.zero_grad(set_to_none=True)
@@ -89,10 +105,12 @@ def _worker(args: dict) -> dict:
             overlap.arm([(p, None) for p in ex.model.parameters()], 1.0)
             ex.run(batch)
             overlap.finish()
-            return
-        ex.run(batch)
-        if name == "dp2_after":
-            all_reduce_grads(list(ex.model.parameters()), ex.comm, ctx.dp_group, mean=True)
+        else:
+            ex.run(batch)
+            if name == "dp2_after":
+                all_reduce_grads(list(ex.model.parameters()), ex.comm, ctx.dp_group, mean=True)
+        if args["zero"] == 1 and name != "dp1":
+            zero1_gather(ex)
 
     times: dict[str, list[float]] = {n: [] for n in VARIANTS}
     for rnd in range(args["warmup"] + args["repeats"]):
@@ -122,9 +140,10 @@ def summary_line(result: dict, args: dict) -> str:
     verdict = "met" if over <= 1.15 else "NOT met"
     if load > cpus:
         verdict += f"; load average {load:.0f} on {cpus} CPUs: noise exceeds the effect, not conclusive"
+    zero = ", ZeRO-1 (parameter AllGather modelled on the link)" if args.get("zero", 0) == 1 else ""
     return (f"DP weak scaling ({result['date']}, EMULATED link {result['rank0']['bandwidth_gbps']:.3g} Gbit/s = DP AllReduce "
             f"{args['comm_ratio']:g}x backward compute; GPT h={args['hidden']} L={args['layers']} s={args['seq']} "
-            f"b={args['batch']}, TMP 1, {args['repeats']} interleaved rounds): DP2 overlapped / DP1 = "
+            f"b={args['batch']}, TMP 1{zero}, {args['repeats']} interleaved rounds): DP2 overlapped / DP1 = "
             f"**{over:.3f}** ({over_lo:.2f}-{over_hi:.2f}; target <= 1.15, {verdict}); DP2 reduced after the schedule / "
             f"DP1 = {after:.3f} ({after_lo:.2f}-{after_hi:.2f}).  `results/dp_weak_scaling.json`")
 
@@ -143,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--comm-ratio", type=float, default=0.5,
                         help="with --bandwidth-gbps auto: DP AllReduce time / backward compute time")
     parser.add_argument("--latency-us", type=float, default=50.0)
+    parser.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                        help="1: add ZeRO-1's parameter AllGather after each DP 2 step (see the module docstring)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join("runs", f"dp_weak_scaling-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.json"),

@@ -55,6 +55,9 @@ class OasesConfig(BaseModel):
         process_group_timeout_s: every process group's timeout (no hangs on a dead rank).
         link: optional emulated link for benchmarks.
         record_timeline: keep the executor timeline (exposed comm, traces).
+        dp_overlap: reduce each block's gradients over DP as its last backward ends,
+            overlapped with the schedule (ZeRO 0 or 1, fp32 or bf16); off:
+            DeepSpeed reduces after the schedule, fully exposed (the baseline).
         plan: JSON plan (from ``oases-plan``) giving each attention / MLP block its
             own TMP degree; default: every block at ``tensor_parallel_size``.
     """
@@ -70,6 +73,7 @@ class OasesConfig(BaseModel):
     process_group_timeout_s: float = Field(default=300.0, gt=0)
     link: LinkConfig | None = None
     record_timeline: bool = True
+    dp_overlap: bool = True
     plan: str | None = None
 
     @field_validator("plan")

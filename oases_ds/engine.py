@@ -4,9 +4,10 @@ Like DeepSpeed's ``PipelineEngine`` it owns the whole step (``train_batch``),
 because the Oases schedule interleaves forward, recompute and backward of two
 sub-batches -- there is no single ``loss`` tensor to hand to
 ``engine.backward``.  Everything else stays DeepSpeed's: data-parallel gradient
-reduction (over the mpu's DP group only; for ZeRO 0 overlapped, see below), gradient clipping, optimizer and LR
-scheduler step, ZeRO-1 partitioning, bf16 master weights, gradient-accumulation
-boundaries, ``global_steps``, checkpoints.
+reduction (over the mpu's DP group only; where it can, the engine's own, overlapped
+with the schedule, see below), gradient clipping, optimizer and LR scheduler step,
+ZeRO-1 partitioning, bf16 master weights, gradient-accumulation boundaries,
+``global_steps``, checkpoints.
 
 How the executor's gradients enter DeepSpeed: the executor computes this
 micro-batch's parameter gradients ``g`` on its own (any previously accumulated
@@ -15,20 +16,30 @@ surrogate ``sum_p <p, g_p>``, whose gradient is exactly ``g``.  So DeepSpeed's
 backward hooks, gradient-accumulation scaling and reductions see one ordinary
 backward per micro-batch, at the cost of one multiply-add per parameter.
 
-Except on the last micro-batch of an accumulation window with ZeRO 0 in fp32
+Except on the last micro-batch of an accumulation window
 (:meth:`OasesEngine._overlapped_dp_reducer`): there DeepSpeed's reduction would
 run after the schedule, fully exposed, so a
 :class:`~oases_ds.runtime.dp_overlap.DPGradReducer` hooked into the executor
 instead starts each block's DP AllReduce as soon as the block's last Backward has
 run, folds the micro-batch into the accumulated gradient (``1/gas``, as DeepSpeed
-scales) and leaves the DP mean in ``.grad``; the surrogate backward is skipped,
-and ``step`` clips and updates as usual.  ZeRO-1, bf16 and fp16 keep DeepSpeed's
-reducer (their gradients live in the optimizer's own partitioned buffers).
+scales) and leaves the DP mean in ``.grad``; the surrogate backward is skipped.
+With ZeRO 0, ``step`` then clips and updates from ``.grad`` as usual (in bf16 through
+DeepSpeed's wrapper that keeps fp32 master weights).
+With ZeRO-1 (fp32, or bf16 parameters with fp32 master weights) DeepSpeed's
+optimizer runs its own backward epilogue with nothing left to reduce
+(:meth:`OasesEngine._hand_reduced_grads_to_zero`): it copies this rank's partition
+of the reduced ``.grad`` into its averaged gradients, exactly what its reduction
+would have left there, and ``step`` clips (global norm over DP and TMP) and
+updates the partition.  ``"dp_overlap": false`` keeps DeepSpeed's reducer; fp16
+and bf16 parameters with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``)
+keep it too.
 
 DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``DeepSpeedEngine._backward_prologue`` / ``_backward_prologue_per_tensor`` and
 ``deepspeed.runtime.utils.register_output_backward_hooks`` (what
-``DeepSpeedEngine.forward`` registers on a loss), ``save_checkpoint``'s
+``DeepSpeedEngine.forward`` registers on a loss), ``DeepSpeedZeroOptimizer``'s
+``setup_buckets`` / ``overlapping_partition_gradients_reduce_epilogue`` and its
+``ipg_buckets`` (to hand it reduced gradients), ``save_checkpoint``'s
 ``save_latest`` flag (to publish a checkpoint only once it is complete), and the
 ``checkpoint_engine`` attribute every checkpoint read goes through (replaced by
 :class:`~oases_ds.checkpoint.SafeCheckpointEngine`).
@@ -69,6 +80,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_save_tag, prune, publish, read_latest)
@@ -154,20 +166,59 @@ class OasesEngine(DeepSpeedEngine):
 
     def _overlapped_dp_reducer(self) -> DPGradReducer | None:
         """The per-block DP reduction overlapped with the schedule, where it reproduces
-        DeepSpeed's reduction exactly: fp32 gradients held by the module's parameters
-        (ZeRO 0, no bf16/fp16 wrapper), averaged over DP without pre-division, communicated
-        in the gradients' dtype, DeepSpeed counting the micro-batches.  Elsewhere (ZeRO-1, bf16, fp16) DeepSpeed's own reducer
-        runs after the schedule, as before; ``None`` then, and with one DP rank."""
+        DeepSpeed's reduction exactly: gradients averaged over DP without a pre-division
+        factor, communicated in the gradients' dtype, DeepSpeed counting the micro-batches,
+        and an optimizer that takes them as they are -- ZeRO 0 in fp32 or bf16 (the
+        optimizer, or DeepSpeed's bf16 wrapper, reads ``.grad``) or DeepSpeed's ZeRO-1
+        optimizer in fp32 or bf16 without fp32 gradient accumulation, offload or MoE
+        (:meth:`_zero1_takes_reduced_grads`).  Elsewhere (``oases.dp_overlap`` off, fp16,
+        DeepSpeed's ``BF16_Optimizer``) DeepSpeed's own reducer runs after the schedule;
+        ``None`` then, and with one DP rank."""
         dtype = next(self.module.parameters()).dtype
-        if (self.parallel_context.dp_size == 1 or self.zero_optimization_stage() != 0 or self.bfloat16_enabled()
-                or self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or not self.gradient_average
-                or self.gradient_predivide_factor() != 1.0 or self.communication_data_type != dtype
+        if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.fp16_enabled()
+                or not self.gradient_average or self.gradient_predivide_factor() != 1.0
+                or self.communication_data_type != dtype
                 or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
             return None
+        if self.zero_optimization_stage() == 0:
+            if isinstance(self.optimizer, ZeROOptimizer):  # BF16_Optimizer: its own fp32 gradient buffers
+                return None
+            predivide = not self.postscale_gradients()  # DeepSpeedEngine.allreduce_bucket: 1/dp after the sum by default
+        elif self._zero1_takes_reduced_grads():
+            # its average_tensor divides before reducing; its AllReduce route (reduce_scatter off) after, by default
+            predivide = self.optimizer.reduce_scatter or not self.postscale_gradients()
+        else:
+            return None
         ctx = self.parallel_context
-        reducer = DPGradReducer(self.module, self.schedule, self.oases_comm, ctx.dp_group, replica_dp_group=ctx.replica_dp_group)
+        reducer = DPGradReducer(self.module, self.schedule, self.oases_comm, ctx.dp_group,
+                                replica_dp_group=ctx.replica_dp_group, predivide=predivide)
         self.executor.sum_replica_grads = False  # folded into the reducer's AllReduce at the boundary
         return reducer
+
+    def _zero1_takes_reduced_grads(self) -> bool:
+        """Whether the optimizer is DeepSpeed's ZeRO-1 optimizer in the mode whose
+        boundary reduction reads the parameters' ``.grad`` and leaves them in place
+        (:meth:`_hand_reduced_grads_to_zero` relies on it): no gradient partitioning,
+        overlap_comm, CPU offload, separate accumulation dtype or MoE groups."""
+        opt = self.optimizer
+        return (self.zero_optimization_stage() == 1 and isinstance(opt, DeepSpeedZeroOptimizer)
+                and not (opt.partition_gradients or opt.overlap_comm or opt.cpu_offload or opt.use_grad_accum_attribute
+                         or opt.has_moe_layers))
+
+    def _hand_reduced_grads_to_zero(self) -> None:
+        """Give DeepSpeed's ZeRO-1 optimizer the DP-mean gradients the reducer left in
+        ``.grad``: its backward epilogue, run with empty reduction buckets, copies this
+        rank's partition of them into its averaged gradients and drops ``.grad`` --
+        what its own reduction would have done after communicating.  The buckets are
+        checked empty first: a gradient queued there would be reduced a second time."""
+        opt = self.optimizer
+        queued = sum(bucket.elements for bucket in opt.ipg_buckets.values())
+        if queued:
+            raise RuntimeError(f"DeepSpeed's ZeRO-1 optimizer has {queued} gradient elements queued for reduction at the "
+                               "boundary; the overlapped DP reduction would reduce them twice (set oases.dp_overlap=false)")
+        opt.set_gradient_accumulation_boundary(True)
+        opt.setup_buckets()  # what its gradient hooks do before a reduction (empty staging buffers)
+        opt.overlapping_partition_gradients_reduce_epilogue()
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others
@@ -262,6 +313,9 @@ class OasesEngine(DeepSpeedEngine):
         if self.dp_reducer is not None and self.is_gradient_accumulation_boundary():
             # The schedule's hooks reduce each block over DP as its backward ends; DeepSpeed's
             # backward (gas scaling + reduction) is replaced by the reducer's fold, 1/gas each.
+            zero = isinstance(self.optimizer, ZeROOptimizer)
+            if zero:
+                self.optimizer.clear_backward_seen_flag()  # what DeepSpeedEngine.forward does
             self.dp_reducer.arm(list(zip(params, accumulated)), 1.0 / self.gradient_accumulation_steps())
             try:
                 loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
@@ -269,6 +323,8 @@ class OasesEngine(DeepSpeedEngine):
                 self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
                 raise
             self.dp_reducer.finish()
+            if zero:
+                self._hand_reduced_grads_to_zero()
             return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         grads = [p.grad for p in params]

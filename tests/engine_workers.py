@@ -77,19 +77,21 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
-              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None) -> dict:
-    """OasesEngine on this rank's TMP shard and DP share; returns full params after each step."""
+              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True) -> dict:
+    """OasesEngine on this rank's TMP shard and DP share; returns full params after each step,
+    and the global gradient norm DeepSpeed's optimizer clipped with (ZeRO-1; None otherwise)."""
     import oases_ds
     from oases_ds.parallel.collectives import start_all_reduce
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
-               "process_group_timeout_s": 120, **({"plan": plan} if plan else {})}
+               "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {})}
     cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
     engine, *_ = oases_ds.initialize(model=tiny_config(family), optimizer=sgd if optimizer == "sgd" else None, config=cfg)
     ctx = engine.parallel_context
-    params, losses = [], []
+    ds_reductions = _count_deepspeed_reductions(engine)
+    params, losses, grad_norms = [], [], []
     per_rank = micro * gas
     for step in range(steps):
         full = make_batch(tiny_config(family), per_rank * ctx.dp_size, step)
@@ -99,6 +101,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
                          for a in range(gas)])
         loss = engine.train_batch({k: v[idx] for k, v in full.items()})
         losses.append(float(loss))
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(None if norm is None else float(norm))
         params.append(_full_params(engine, ctx))
     engine.eval()  # DeepSpeedEngine.forward -> the model's eager forward (collectives inline)
     full = make_batch(tiny_config(family), per_rank * ctx.dp_size, 999)
@@ -107,7 +111,29 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     reducer = engine.dp_reducer
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
-            "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync")}
+            "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
+            "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,
+            "deepspeed_reductions": ds_reductions[0]}
+
+
+def _count_deepspeed_reductions(engine) -> list[int]:
+    """Count DeepSpeed's own DP gradient reductions on this engine from now on: its ZeRO 0
+    AllReduce (``buffered_allreduce_fallback``) and its ZeRO-1 bucket reduction
+    (``average_tensor`` with a non-empty bucket).  With the overlapped reduction there must be
+    none: a second reduction of already averaged gradients would leave them unchanged, so
+    parity alone could not tell.  Instance attributes: this engine only."""
+    count = [0]
+
+    def counted(fn, reduces):
+        def wrapper(*args, **kwargs):
+            count[0] += int(reduces(*args, **kwargs))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    engine.buffered_allreduce_fallback = counted(engine.buffered_allreduce_fallback, lambda *a, **k: True)
+    if hasattr(engine.optimizer, "average_tensor"):
+        engine.optimizer.average_tensor = counted(engine.optimizer.average_tensor, lambda tensor, *a, **k: tensor.numel() > 0)
+    return count
 
 
 def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:

@@ -15,6 +15,19 @@ the value DeepSpeed's accumulation would have produced.  The accumulation is
 folded in place into the already accumulated ``.grad``; the only extra memory is
 the flat copies of the (at most ``max_in_flight``) blocks reducing at once.
 
+Who consumes the result: with ZeRO 0 the optimizer reads ``.grad`` directly; with
+ZeRO-1 DeepSpeed's optimizer keeps this rank's partition of the reduced ``.grad``
+(``OasesEngine`` hands it over), so each bucket is a full AllReduce whose other
+partitions are dropped: what DeepSpeed's ZeRO-1 does by default too
+(``use_multi_rank_bucket_allreduce``), twice the bytes of a reduce-scatter but no
+DeepSpeed internals to re-implement.  The division by the DP size happens where DeepSpeed's
+own route would do it (``predivide``), so it rounds as that route does.
+
+How long :meth:`DPGradReducer.finish` waits is the exposed part of the reduction;
+it is timed with the clock of the parameters' device
+(:func:`~oases_ds.runtime.timeline.clock_for`): host time means nothing for NCCL,
+whose ``wait`` returns before the collective is done.
+
 Blocks a plan runs as several replicas need their gradients summed over the
 replicas too.  Both sums are linear, so at the boundary one AllReduce over the
 shard's replicas across DP does both (``replica_dp_group``), and the executor
@@ -24,9 +37,8 @@ after each run and those buckets reduce over DP in :meth:`finish`, not overlappe
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +48,7 @@ from oases_ds.parallel.collectives import Pending, group_size
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.grads import copy_from_flat
 from oases_ds.runtime.executor import HookPhase
+from oases_ds.runtime.timeline import Clock, clock_for
 from oases_ds.schedule.generators import Schedule
 from oases_ds.schedule.instructions import Backward, Instruction
 
@@ -93,13 +106,21 @@ class DPGradReducer:
             sums over its replicas and DP in one AllReduce, and the executor must not
             sum replicas itself (``Executor.sum_replica_grads = False``); ``None``: the
             executor sums them after each run and the reducer reduces them over DP after.
+        predivide: divide each rank's contribution by the DP size before the sum, as
+            DeepSpeed's ZeRO-1 reduce-scatter does; ``False``: multiply the sum by
+            ``1 / dp`` after, as its ZeRO 0 AllReduce does.  The same value for a
+            power-of-two DP size; chosen to match DeepSpeed's route at any size.
+        clock: times :attr:`wait_s`; default :func:`clock_for` the parameters' device
+            (CUDA events on a GPU, where host time only sees the kernel launches).
     """
 
     def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None,
-                 max_in_flight: int = 2, replica_dp_group: Callable[[int], dist.ProcessGroup | None] | None = None) -> None:
+                 max_in_flight: int = 2, replica_dp_group: Callable[[int], dist.ProcessGroup | None] | None = None,
+                 predivide: bool = False, clock: Clock | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 (buckets reducing at once), got {max_in_flight}")
-        self.comm, self.dp_group, self.max_in_flight = comm, dp_group, max_in_flight
+        self.comm, self.dp_group, self.max_in_flight, self.predivide = comm, dp_group, max_in_flight, predivide
+        self.clock: Clock = clock or clock_for(next(model.parameters()).device)
         self._in_flight: list[Bucket] = []
         self._started: set[int] = set()  # id() of the buckets started in this boundary run
         self.dp_size = group_size(dp_group)
@@ -134,7 +155,18 @@ class DPGradReducer:
         self._accumulated: dict[int, torch.Tensor | None] | None = None
         self._scale = 1.0
         self.log: list[str] = []  # instruction / bucket order of the last armed run, for tests and traces
-        self.wait_s = 0.0  # how long finish() waited for the buckets: the exposed part of the reduction
+        self._wait_marks: tuple[Any, Any] | None = None  # clock marks around finish()'s wait, resolved when read
+        self._wait_s = 0.0
+
+    @property
+    def wait_s(self) -> float:
+        """How long the last :meth:`finish` waited for the buckets: the exposed part of the
+        reduction (0 before the first).  Read after the step: on CUDA reading waits for the
+        device, so finish() only takes marks."""
+        if self._wait_marks is not None:
+            start, end = self.clock.resolve(list(self._wait_marks))
+            self._wait_s, self._wait_marks = end - start, None
+        return self._wait_s
 
     @property
     def armed(self) -> bool:
@@ -148,7 +180,7 @@ class DPGradReducer:
         self._started = set()
         self._in_flight = []
         self._scale = micro_batch_scale
-        self.wait_s = 0.0  # this window's wait; set by finish()
+        self._wait_marks, self._wait_s = None, 0.0  # this window's wait; set by finish()
         self.log = []
 
     def __call__(self, ins: Instruction, phase: HookPhase) -> None:
@@ -174,6 +206,8 @@ class DPGradReducer:
             p.grad = g
             grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.predivide and self.dp_size > 1:
+            flat.div_(self.dp_size)
         self._started.add(id(bucket))
         bucket.pending = self.comm.all_reduce(flat, bucket.group, "grad_sync")
         self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
@@ -185,7 +219,8 @@ class DPGradReducer:
         assert bucket.pending is not None
         flat = bucket.pending.wait()
         bucket.pending = None
-        flat /= self.dp_size
+        if not self.predivide and self.dp_size > 1:
+            flat.mul_(1.0 / self.dp_size)
         copy_from_flat([p.grad for p in bucket.params], flat)  # _start set every .grad
 
     def finish(self) -> None:
@@ -193,13 +228,13 @@ class DPGradReducer:
         bucket, and put the DP mean into ``.grad``.  Disarms."""
         if self._accumulated is None:
             raise RuntimeError("DPGradReducer.finish without arm: no boundary micro-batch ran")
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         for bucket in self.buckets:
             if id(bucket) not in self._started:
                 self._start(bucket)
         for bucket in self._in_flight:
             self._complete(bucket)
-        self.wait_s = time.perf_counter() - t0
+        self._wait_marks = (t0, self.clock.mark())
         self._in_flight = []
         self._accumulated = None
 

@@ -18,6 +18,7 @@ import engine_workers as ew
 from oases_ds.launcher import launch
 
 TOL = 1e-5
+CLIP = 0.05  # engine_workers.ds_config's gradient_clipping
 STEPS = 3
 GLOBAL_BATCH = 8
 _refs: dict = {}
@@ -196,22 +197,113 @@ def test_dp2_gradient_accumulation_matches_plain_deepspeed(dp2_gas2, tp, zero):
     out = dp2_gas2[(tp, zero)]
     assert_params_match(out, reference())
     assert out["global_steps"] == STEPS
-    # ZeRO 0 reduces per block inside the schedule; ZeRO 1 keeps DeepSpeed's partitioned reducer
-    assert out["dp_overlap"] is (zero == 0)
+    # both stages reduce per block inside the schedule; ZeRO-1 then keeps its partition
+    assert out["dp_overlap"] and out["deepspeed_reductions"] == 0  # DeepSpeed's reducer never ran
+    assert out["optimizer"] == ("DeepSpeedZeroOptimizer" if zero else "SGD")
+    if zero:  # the norm DeepSpeed clipped with (over DP and TMP) is above the clip: clipping was active
+        assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp):
-    log = dp2_gas2[(tp, 0)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
+@pytest.mark.parametrize("tp, zero", [(1, 0), (2, 0), (1, 1), (2, 1)])
+def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp, zero):
+    log = dp2_gas2[(tp, zero)]["dp_log"]  # Backward instructions and bucket starts, in the boundary run's order
     backwards = [i for i, e in enumerate(log) if e.startswith("B")]
     buckets = [i for i, e in enumerate(log) if e.startswith("dp:")]
     assert buckets and buckets[0] < backwards[-1], log
     assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
     assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
-    assert dp2_gas2[(tp, 0)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
+    assert dp2_gas2[(tp, zero)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
 
 
-def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path):
+# bf16 against fp32: bf16 keeps 8 significant bits, so one rounding is off by up to 2^-9
+# (2e-3) relative.  The gathered bf16 weights carry that rounding of the fp32 master weights,
+# and the small updates they received (lr 0.05, clip 0.05, three steps) came from bf16
+# gradients; a zero-initialised bias, made of updates only, is where this shows most
+# (3.2e-3 measured, TMP 1 and 2).  2^-7 (7.8e-3) bounds a parameter's norm-relative error with
+# a 2.4x margin; the loss, one bf16-rounded value of ~4 from bf16 logits, to 2^-9 (measured 4e-5).
+BF16_PARAM_TOL = 2.0**-7
+BF16_LOSS_TOL = 2.0**-9
+
+
+@pytest.fixture(scope="module")
+def dp2_routes():
+    """DP 2 x TMP 1 and DP 2 x TMP 2, 2 micro-batches of 2 per step, clipping 0.05, keyed
+    ``(tp, zero, bf16, dp_overlap)``: ZeRO-1 with DeepSpeed's own reduction after the schedule
+    (``dp_overlap`` off) in fp32, and bf16 at ZeRO-1 and ZeRO 0 with and without the
+    overlapped reduction."""
+    runs = {}
+    for tp in (1, 2):
+        for zero, bf16, overlap in ((1, False, False), (1, True, True), (1, True, False), (0, True, True), (0, True, False)):
+            args = ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero, "oases", bf16, "sgd", None, overlap)
+            runs[(tp, zero, bf16, overlap)] = launch(ew.oases_run, 2 * tp, args, timeout_s=600)[0]
+    return runs
+
+
+def _worst_rel_err(out, ref, steps=STEPS) -> tuple[float, str]:
+    worst = (0.0, "")
+    for step in range(steps):
+        for name, want in ref["params"][step].items():
+            err = float((out["params"][step][name] - want).norm() / want.norm())
+            worst = max(worst, (err, f"step {step} {name}"))
+    return worst
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero1_overlapped_matches_deepspeeds_own_reduction_fp32(dp2_gas2, dp2_routes, tp):
+    overlapped, own = dp2_gas2[(tp, 1)], dp2_routes[(tp, 1, False, False)]
+    assert overlapped["dp_overlap"] and not own["dp_overlap"] and own["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert overlapped["deepspeed_reductions"] == 0 and own["deepspeed_reductions"] >= STEPS  # one route each
+    assert_params_match(own, reference())
+    # same sums in the same order (DP 2 divides exactly), only the accumulation fold differs: 1e-6
+    err, where = _worst_rel_err(overlapped, own)
+    assert err <= 1e-6, f"overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
+    assert all(norm > CLIP for norm in own["grad_norms"]) and overlapped["grad_norms"] == pytest.approx(own["grad_norms"], rel=1e-6)
+
+
+BF16_ROUTES = [(1, 1), (2, 1), (1, 0), (2, 0)]
+
+
+@pytest.mark.parametrize("tp, zero", BF16_ROUTES)
+def test_bf16_overlapped_matches_deepspeeds_own_reduction(dp2_routes, tp, zero):
+    overlapped, own = dp2_routes[(tp, zero, True, True)], dp2_routes[(tp, zero, True, False)]
+    assert overlapped["dp_overlap"] and not own["dp_overlap"]
+    assert overlapped["deepspeed_reductions"] == 0 and own["deepspeed_reductions"] >= STEPS  # one route each
+    # ZeRO-1: DeepSpeed's ZeRO optimizer; ZeRO 0: its fp16/bf16 wrapper with fp32 master weights
+    assert overlapped["optimizer"] == own["optimizer"] == ("DeepSpeedZeroOptimizer" if zero else "FP16_UnfusedOptimizer")
+    assert all(norm > CLIP for norm in overlapped["grad_norms"]), overlapped["grad_norms"]
+    # The two routes do the same bf16 arithmetic: the fold adds 0.5 * g (exact) to the accumulated
+    # gradient with one rounding as autograd's accumulation does, DeepSpeed divides by DP 2 (exact)
+    # and sums in bf16 as the reducer does.  Measured bit-identical; allowed: one bf16 rounding, 2^-8.
+    err, where = _worst_rel_err(overlapped, own)
+    assert err <= 2.0**-8, f"bf16 overlapped vs DeepSpeed's reduction, {where}: rel err {err:.2e}"
+    assert overlapped["grad_norms"] == pytest.approx(own["grad_norms"], rel=2.0**-8)
+
+
+# DeepSpeed 0.19.8's bf16 wrapper at ZeRO 0 (FP16_UnfusedOptimizer) leaves TMP rank > 0's
+# gradients out of the clipping norm (get_weight_norm looks for the model-parallel attribute on
+# the gradient tensors, which never carry it): at TMP 2 it clips with 1.47 where the true norm
+# is 1.64, so its weights leave the reference by 9e-3 -- with either reduction route.
+_DS_BF16_ZERO0_TMP_NORM = pytest.mark.xfail(strict=True, reason="DeepSpeed's bf16 ZeRO-0 wrapper computes the clipping "
+                                            "norm without TMP rank > 0's gradients (see the comment above)")
+
+
+@pytest.mark.parametrize("tp, zero", [r if r != (2, 0) else pytest.param(*r, marks=_DS_BF16_ZERO0_TMP_NORM) for r in BF16_ROUTES])
+def test_bf16_tracks_the_fp32_reference(dp2_routes, tp, zero):
+    for overlap in (True, False):
+        out = dp2_routes[(tp, zero, True, overlap)]
+        err, where = _worst_rel_err(out, reference())
+        assert err <= BF16_PARAM_TOL, f"bf16 (dp_overlap={overlap}) vs the fp32 reference, {where}: rel err {err:.2e}"
+        for lo, hi in zip(out["losses"], reference()["losses"]):
+            assert abs(lo - hi) <= BF16_LOSS_TOL * abs(hi)
+
+
+@pytest.fixture(scope="module")
+def reference16():
+    return launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_path, reference16, zero):
     """DP 2 x TMP 2 with a plan putting one attention and one MLP block at degree 1 (2
     replicas each): their bucket is one AllReduce over the shard's replicas across DP.
     2 micro-batches of 4 per rank (a replica needs whole samples of a sub-batch), so the
@@ -220,10 +312,11 @@ def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_pat
 
     path = tmp_path / "plan.json"
     Plan((2, 1), (1, 2), devices=2).to_json(path)
-    ref = launch(ew.reference_run, 1, ("gpt", STEPS, 16), timeout_s=300)[0]
-    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, 0, "oases", False, "sgd", str(path)), timeout_s=600)[0]
-    assert_params_match(out, ref)
-    assert out["dp_overlap"]
+    out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, 4, 2, zero, "oases", False, "sgd", str(path)), timeout_s=600)[0]
+    assert_params_match(out, reference16)
+    assert out["dp_overlap"] and out["deepspeed_reductions"] == 0
+    if zero:
+        assert all(norm > CLIP for norm in out["grad_norms"]), out["grad_norms"]
     # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
     assert out["grad_sync_calls"] == 6
     assert {"dp:0.mlp", "dp:1.attn"} <= set(out["dp_log"])

@@ -65,6 +65,29 @@ def test_the_step_records_a_cuda_event_timeline_without_syncing():
     assert {e.lane for e in events} >= {"compute", "wait", "comm"}
 
 
+def test_the_dp_reducer_times_its_wait_with_cuda_events_without_syncing():
+    """One GPU, a DP group of one: the reducer's clock is the CUDA one, and arming, the run
+    and finish() make no host synchronisation; the wait is read (resolved) afterwards."""
+    from oases_ds.runtime.dp_overlap import DPGradReducer
+
+    gw.run_schedule("gpt", "oases", CUDA)  # warm-up: CUDA context, kernels
+    model, executor, batch = gw.build("gpt", "oases", CUDA)
+    reducer = DPGradReducer(model, executor.schedule, executor.comm, None)
+    assert isinstance(reducer.clock, CudaClock)
+    executor.add_hook(reducer)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with forbid_host_sync():
+            reducer.arm([(p, None) for p in model.parameters()], 1.0)
+            executor.run(batch)
+            reducer.finish()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert 0 <= reducer.wait_s < 60 and all(p.grad is not None and p.grad.is_cuda for p in model.parameters())
+
+
 def test_the_profiler_measures_a_layer_on_the_gpu():
     model = ModelConfig(family="gpt", hidden_size=64, num_heads=4, num_layers=1, seq_len=32, vocab_size=128)
     table, cached = profile(ProfileSpec(model=model, devices=1, micro_batch=4, schedule=ScheduleSpec("oases"),

@@ -100,3 +100,44 @@ def test_a_replica_group_for_the_full_degree_is_refused_in_one_line():
     assert ctx.replica_dp_group(2) == (0, 2, 4, 6)
     with pytest.raises(ValueError, match=r"^no replica group for TMP degree 4; it must be in \[1, 2\]$"):
         ctx.replica_dp_group(4)
+
+
+class _ScriptedClock:
+    """Marks are counters, resolved to a quarter second each only when asked: shows which
+    clock the reducer times its wait with, and that it reads the clock lazily."""
+
+    def __init__(self) -> None:
+        self.marks = 0
+        self.resolved: list[list[int]] = []
+
+    def mark(self) -> int:
+        self.marks += 1
+        return self.marks
+
+    def resolve(self, marks: list[int]) -> list[float]:
+        self.resolved.append(list(marks))
+        return [0.25 * m for m in marks]
+
+
+def test_the_wait_is_timed_by_the_clock_of_the_parameters_device(monkeypatch):
+    import oases_ds.runtime.dp_overlap as dp_overlap
+    from oases_ds.runtime.timeline import HostClock
+
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"), record=False)
+    assert isinstance(DPGradReducer(model, ex.schedule, ex.comm, None).clock, HostClock)  # CPU parameters
+    asked, clock = [], _ScriptedClock()
+    monkeypatch.setattr(dp_overlap, "clock_for", lambda device: asked.append(torch.device(device)) or clock)
+    reducer = DPGradReducer(model, ex.schedule, ex.comm, None)
+    assert asked == [torch.device("cpu")] and reducer.clock is clock
+    ex.add_hook(reducer)
+    reducer.arm([(p, None) for p in model.parameters()], 1.0)
+    ex.run(_batch(0))
+    assert clock.marks == 0  # only finish() waits
+    reducer.finish()
+    assert clock.marks == 2 and clock.resolved == []  # a mark before and after the wait, not read yet
+    assert reducer.wait_s == 0.25 and clock.resolved == [[1, 2]]  # read once, on demand
+    assert reducer.wait_s == 0.25 and len(clock.resolved) == 1
+    reducer.arm([(p, None) for p in model.parameters()], 1.0)
+    assert reducer.wait_s == 0.0  # a new window forgets the last one's wait
+
