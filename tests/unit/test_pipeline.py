@@ -226,3 +226,24 @@ def test_pipeline_names_and_micro_batches_are_validated():
         build_pipeline("1f1b", ScheduleSpec("none"), ops, 0, 2, 0)
     assert all(isinstance(s.ins, (P2PStart, P2PSync)) or s.ins.op < len(ops)
                for s in build_pipeline("gpipe", ScheduleSpec("oases"), ops, 0, 2, 2).steps)
+
+
+# -- the "oases" section -----------------------------------------------------------------
+def test_pipeline_keys_of_the_oases_section_are_validated_in_one_line():
+    from oases_ds.config import OasesConfigError, parse_oases_section
+
+    oases = parse_oases_section({"enabled": True, "pipeline_stages": 2, "pipeline_layers": [1, 3]})
+    assert [(s.start, s.end) for s in oases.stages(4)] == [(0, 1), (1, 4)]
+    assert [(s.start, s.end) for s in parse_oases_section({"pipeline_stages": 2}).stages(5)] == [(0, 3), (3, 5)]
+    cases = [({"pipeline_stages": 2}, 1, "oases.pipeline_stages=2 exceeds model.num_layers=1"),
+             ({"pipeline_stages": 2, "pipeline_layers": [2, 1]}, 2,
+              "oases.pipeline_layers=[2, 1] sums to 3 but model.num_layers=2"),
+             ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, 2,
+              "oases.pipeline_schedule: Input should be 'gpipe' or '1f1b' (got 'zigzag')"),
+             ({"pipeline_stages": 0}, 2, "oases.pipeline_stages: Input should be greater than or equal to 1"),
+             ({"pipeline_stages": "2"}, 2, "oases.pipeline_stages: Input should be a valid integer")]
+    for section, layers, expected in cases:
+        with pytest.raises(OasesConfigError) as err:
+            parse_oases_section({"enabled": True, **section}).stages(layers)
+        assert str(err.value).startswith(expected), str(err.value)
+        assert "\n" not in str(err.value)
