@@ -152,3 +152,26 @@ def load_refused(save_dir: str, pp: int) -> str:
     except CheckpointError as err:
         return str(err)
     return "loaded"
+
+
+def lightning_pipeline_run(work_dir: str) -> dict:
+    """Trainer(strategy=OasesStrategy(pipeline_stages=2)) on 2 CPU processes (TMP 1), and the
+    same Trainer with TMP 2 and one stage, each 1 epoch of ``accumulate_grad_batches=2``;
+    returns each rank's (this stage's) parameters of both runs and the logged losses."""
+    import lightning_workers as lw
+    from lightning_strategy import OasesStrategy
+
+    TinyGPT, Record = lw._module_class(), lw._recorder()
+    out: dict = {}
+    for name, strategy in (("tmp2", OasesStrategy(tensor_parallel_size=2, seed=lw.SEED)),
+                           ("pp2", OasesStrategy(pipeline_stages=2, seed=lw.SEED))):
+        module = TinyGPT()
+        module.batch_size = lw.MICRO // 2
+        record = Record()
+        trainer = lw._trainer(strategy, record, os.path.join(work_dir, name), epochs=1, accumulate=2)
+        trainer.fit(module)
+        ctx = trainer.strategy.parallel_context
+        out[name] = {"params": lw.full_params(module.model), "losses": record.losses, "val_losses": record.val_losses,
+                     "global_step": trainer.global_step, "layout": (ctx.pp_size, ctx.tp_size, ctx.dp_size),
+                     "sampler": dict(trainer.strategy.distributed_sampler_kwargs)}
+    return out
