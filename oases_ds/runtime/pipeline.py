@@ -223,16 +223,7 @@ class PipelineExecutor(Executor):
 
     def _p2p_sync(self, ins: P2PSync) -> None:
         pending, started = self._buffers[("p2p", ins.kind, ins.op, ins.sub)]
-        if not self.record:
-            result = pending.wait()
-        else:
-            clock = self.timeline.clock
-            t0 = clock.mark()
-            result = pending.wait()
-            t1 = clock.mark()
-            label = "pipeline." + ins.kind
-            self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, "p2p")
-            self.timeline.add(f"P{ins.op}.{ins.sub}:{ins.kind}", "comm", ins.sub, started, t1, label, "p2p")
+        result = self._wait_timed(ins, pending, started, f"P{ins.op}.{ins.sub}:{ins.kind}", "pipeline." + ins.kind, "p2p")
         if ins.kind == "recv_act":
             self._buffers[("act", ins.op, ins.sub)] = (result,)
         elif ins.kind == "recv_grad":
