@@ -152,7 +152,8 @@ class CheckpointMeta:
         if (self.tensor_parallel_size == run.tensor_parallel_size  # else the degrees differ as a consequence
                 and len(self.block_degrees) == len(run.block_degrees)):
             pairs.append(("plan block degrees", list(self.block_degrees), list(run.block_degrees)))
-        pairs.append(("pipeline_layers (layers per stage)", list(self.pipeline_layers), list(run.pipeline_layers)))
+        if sum(self.pipeline_layers) == sum(run.pipeline_layers):  # else model.num_layers differs, named above
+            pairs.append(("pipeline_layers (layers per stage)", list(self.pipeline_layers), list(run.pipeline_layers)))
         pairs.append(("precision", self.precision, run.precision))
         if optimizer_states:
             pairs.append(("zero_stage", self.zero_stage, run.zero_stage))

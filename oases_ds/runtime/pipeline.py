@@ -10,6 +10,13 @@ alone; the point-to-point handlers added here start a send or post a receive to 
 neighbouring stage and wait for it at the matching ``P2PSync``, on the pipeline
 process group (which has the context's timeout, so a dead stage is an error).
 
+Not yet run on NCCL (no multi-GPU machine here): NCCL executes the point-to-point
+operations of one communicator in issue order on one stream, where gloo's channels
+per peer are independent.  The checker's deadlock simulation models the latter; on
+NCCL a steady-state 1F1B send queued before a receive from the same neighbour might
+have to be batched (as Megatron's ``send_forward_recv_backward`` does) -- to be
+confirmed on GPUs.
+
 The loss exists on the last stage only; :meth:`PipelineExecutor.run` broadcasts the
 step's loss over the pipeline group so that every rank reports the same number.
 """
@@ -96,6 +103,7 @@ class PipelineExecutor(Executor):
             self._handlers[kind] = self._p2p_start
         self._handlers[P2PSync] = self._p2p_sync
         self._micros: dict[int, _Micro] = {}
+        self._current: _Micro | None = None  # the micro-batch whose instruction runs now
 
     @classmethod
     def for_pipeline(cls, model: OperatorModel, spec: ScheduleSpec, pipeline: str, micro_batches: int,
