@@ -134,8 +134,8 @@ def initialize(
         try:
             ctx = ParallelContext.build(oases.tensor_parallel_size, oases.process_group_timeout_s,
                                         pipeline_stages=oases.pipeline_stages)
-        except ValueError as err:  # the world does not divide into stages x TMP
-            raise OasesConfigError(f"oases: {err}") from None
+        except ValueError as err:  # the world does not divide into stages x TMP (the message names both keys)
+            raise OasesConfigError(str(err)) from None
     else:
         ctx = parallel_context
     if ctx.tp_size != oases.tensor_parallel_size:

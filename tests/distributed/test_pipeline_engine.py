@@ -68,5 +68,5 @@ def test_a_world_that_does_not_divide_into_stages_is_one_line():
     this one needs the world size."""
     for msg in launch(pw.pipeline_config_error, 2, ({"pipeline_stages": 2, "tensor_parallel_size": 2}, 2),
                       timeout_s=120):
-        assert msg.startswith("oases: pipeline_stages=2 x tensor_parallel_size=2 = 4 does not divide world size 2"), msg
+        assert msg.startswith("pipeline_stages=2 x tensor_parallel_size=2 = 4 does not divide world size 2"), msg
         assert "\n" not in msg
