@@ -89,6 +89,11 @@ class OasesStrategy(DeepSpeedStrategy):
         seed: initial weights and dropout keys; default: the config's, else oases_ds' default.
         plan: a plan JSON (per-block TMP degrees, from the planner); default: every block at
             ``tensor_parallel_size``.
+        pipeline_stages: pipeline stages (each a contiguous range of layers; the world is
+            stages x DP x TMP); default: the config's, else 1.  With stages and no
+            ``tensor_parallel_size``, the TMP degree defaults to ``devices / pipeline_stages``.
+        pipeline_schedule: ``1f1b`` or ``gpipe``: the order of the ``accumulate_grad_batches``
+            micro-batches over the stages; default: the config's, else ``1f1b``.
         config: a full DeepSpeed config (dict or JSON path), optionally with an
             ``"oases"`` section; the arguments above override that section.  Do not
             set ``gradient_accumulation_steps`` (it comes from
@@ -107,6 +112,8 @@ class OasesStrategy(DeepSpeedStrategy):
         sub_batches: Optional[int] = None,
         seed: Optional[int] = None,
         plan: Optional[str] = None,
+        pipeline_stages: Optional[int] = None,
+        pipeline_schedule: Optional[str] = None,
         config: Optional[Any] = None,
         zero_stage: int = 0,
         accelerator: Optional[Any] = None,
@@ -123,7 +130,8 @@ class OasesStrategy(DeepSpeedStrategy):
         section = dict(loaded.get("oases") or {})
         section["enabled"] = True
         for key, value in (("tensor_parallel_size", tensor_parallel_size), ("schedule", schedule),
-                           ("sub_batches", sub_batches), ("seed", seed), ("plan", plan)):
+                           ("sub_batches", sub_batches), ("seed", seed), ("plan", plan),
+                           ("pipeline_stages", pipeline_stages), ("pipeline_schedule", pipeline_schedule)):
             if value is not None:
                 section[key] = value
         self.oases = parse_oases_section(section)  # one-line error on a bad field, before any process starts
@@ -167,10 +175,12 @@ class OasesStrategy(DeepSpeedStrategy):
         # earliest point to take the default TMP degree from the devices, and to refuse
         # one that does not divide the world, before any process is launched.
         if self._tp_from_devices:
-            self.oases = self.oases.model_copy(update={"tensor_parallel_size": self.num_processes})
-            self.config["oases"]["tensor_parallel_size"] = self.num_processes  # what oases_ds.initialize reads
+            tp = max(1, self.num_processes // self.oases.pipeline_stages)
+            self.oases = self.oases.model_copy(update={"tensor_parallel_size": tp})
+            self.config["oases"]["tensor_parallel_size"] = tp  # what oases_ds.initialize reads
         try:
-            Topology(world_size=self.num_nodes * self.num_processes, tp_size=self.oases.tensor_parallel_size)
+            Topology(world_size=self.num_nodes * self.num_processes, tp_size=self.oases.tensor_parallel_size,
+                     pp_size=self.oases.pipeline_stages)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from None
         super()._configure_launcher()
@@ -201,13 +211,16 @@ class OasesStrategy(DeepSpeedStrategy):
         else:
             super().setup_distributed()
         self.parallel_context = ParallelContext.build(
-            self.oases.tensor_parallel_size, self.oases.process_group_timeout_s, device=self.root_device
+            self.oases.tensor_parallel_size, self.oases.process_group_timeout_s, device=self.root_device,
+            pipeline_stages=self.oases.pipeline_stages,
         )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Split data by DP rank only: the TMP ranks of one group must see the same samples."""
-        topo = Topology(world_size=self.world_size, tp_size=self.oases.tensor_parallel_size)
+        """Split data by DP rank only: the TMP ranks of one group, and the stages of one
+        pipeline, must see the same samples."""
+        topo = Topology(world_size=self.world_size, tp_size=self.oases.tensor_parallel_size,
+                        pp_size=self.oases.pipeline_stages)
         return {"num_replicas": topo.dp_size, "rank": topo.coord(self.global_rank).dp}
 
     def init_deepspeed(self) -> None:

@@ -42,13 +42,14 @@ def _load_config(args: Any, config: Any, config_params: Any) -> dict:
 
 def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) -> OperatorModel:
     """This rank's shard of ``model``: every block at the TMP degree, or at the degrees
-    of ``oases.plan``."""
-    if not oases.plan:
-        return OperatorModel(model, group=ctx.tp_group, seed=oases.seed)
+    of ``oases.plan``; with pipeline stages, only this rank's stage's layers."""
+    stage = oases.stages(model.num_layers)[ctx.pp_rank]
     try:
-        return OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed)
+        if not oases.plan:
+            return OperatorModel(model, group=ctx.tp_group, seed=oases.seed, stage=stage)
+        return OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed, stage=stage)
     except ValueError as err:
-        raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
+        raise OasesConfigError(f"oases.plan={oases.plan}: {err}" if oases.plan else f"model: {err}") from None
 
 
 def _hf_checkpoint(model: Any) -> HFCheckpoint | None:
@@ -122,16 +123,28 @@ def initialize(
     from oases_ds.engine import OasesEngine  # local: imports DeepSpeed (see above)
 
     check_deepspeed_section(cfg)
+    if isinstance(model, ModelConfig):
+        oases.stages(model.num_layers)  # more stages than layers, a bad split: one line before any group is made
     if mpu is not None:
         raise OasesConfigError("mpu: Oases builds its own groups from oases.tensor_parallel_size; do not pass mpu")
     ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(), distributed_port=port,
                              dist_init_required=dist_init_required,
                              timeout=datetime.timedelta(seconds=oases.process_group_timeout_s))
-    ctx = parallel_context or ParallelContext.build(oases.tensor_parallel_size, oases.process_group_timeout_s)
+    if parallel_context is None:
+        try:
+            ctx = ParallelContext.build(oases.tensor_parallel_size, oases.process_group_timeout_s,
+                                        pipeline_stages=oases.pipeline_stages)
+        except ValueError as err:  # the world does not divide into stages x TMP (the message names both keys)
+            raise OasesConfigError(str(err)) from None
+    else:
+        ctx = parallel_context
     if ctx.tp_size != oases.tensor_parallel_size:
         raise OasesConfigError(
             f"oases.tensor_parallel_size={oases.tensor_parallel_size} but parallel_context has TMP size {ctx.tp_size}"
         )
+    if ctx.pp_size != oases.pipeline_stages:
+        raise OasesConfigError(
+            f"oases.pipeline_stages={oases.pipeline_stages} but parallel_context has {ctx.pp_size} stage(s)")
     if isinstance(model, ModelConfig):
         model = build_model(model, ctx, oases)
         if checkpoint is not None:
@@ -141,6 +154,9 @@ def initialize(
             f"model: Oases needs an oases_ds.ModelConfig, an OperatorModel or a Hugging Face model "
             f"({', '.join(SUPPORTED)}), got {type(model).__name__}"
         )
+    if (model.stage.index, model.stage.stages) != (ctx.pp_rank, ctx.pp_size):
+        raise OasesConfigError(f"model: built for pipeline stage {model.stage.index} of {model.stage.stages}, but this "
+                               f"rank is stage {ctx.pp_rank} of {ctx.pp_size}; build it with stage=oases.stages(...)[pp_rank]")
     check_batch_section(cfg, ctx.dp_size)
     model_mpu = ctx.mpu()
     config_class = DeepSpeedConfig(cfg, model_mpu)

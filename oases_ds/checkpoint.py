@@ -100,6 +100,9 @@ class CheckpointMeta:
         zero_stage: 0 or 1 (whether optimizer state is partitioned).
         data_parallel_size: DP ranks; compared only when ``zero_stage`` partitions
             the optimizer state across them.
+        pipeline_layers: layers of each pipeline stage (``(num_layers,)``: one stage).
+            Each stage saves its own layers (its own mp-rank files), so a different
+            split cannot read them.
     """
 
     model: dict
@@ -108,14 +111,16 @@ class CheckpointMeta:
     precision: str
     zero_stage: int
     data_parallel_size: int
+    pipeline_layers: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, model: ModelConfig, tensor_parallel_size: int, block_degrees: Sequence[int] | None, bf16: bool,
-              zero_stage: int, data_parallel_size: int) -> CheckpointMeta:
+              zero_stage: int, data_parallel_size: int, pipeline_layers: Sequence[int] | None = None) -> CheckpointMeta:
         """The one constructor the engine (from itself) and ``oases-train`` (from its config) share."""
         degrees = tuple(block_degrees) if block_degrees else (tensor_parallel_size,) * (2 * model.num_layers)
+        layers = tuple(int(n) for n in pipeline_layers) if pipeline_layers else (model.num_layers,)
         return cls(model.to_dict(), tensor_parallel_size, tuple(int(d) for d in degrees), "bf16" if bf16 else "fp32",
-                   int(zero_stage), data_parallel_size)
+                   int(zero_stage), data_parallel_size, layers)
 
     @classmethod
     def read(cls, tag_dir: str) -> CheckpointMeta:
@@ -123,8 +128,10 @@ class CheckpointMeta:
         try:
             with open(path) as f:
                 raw = json.load(f)
-            fields = {k: raw[k] for k in cls.__dataclass_fields__}
+            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k != "pipeline_layers"}
             fields["block_degrees"] = tuple(fields["block_degrees"])
+            # saved before pipeline stages existed: one stage
+            fields["pipeline_layers"] = tuple(raw.get("pipeline_layers") or (raw["model"]["num_layers"],))
             return cls(**fields)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {tag_dir} has no {META_FILE}: it was not saved by oases_ds or not "
@@ -145,6 +152,8 @@ class CheckpointMeta:
         if (self.tensor_parallel_size == run.tensor_parallel_size  # else the degrees differ as a consequence
                 and len(self.block_degrees) == len(run.block_degrees)):
             pairs.append(("plan block degrees", list(self.block_degrees), list(run.block_degrees)))
+        if sum(self.pipeline_layers) == sum(run.pipeline_layers):  # else model.num_layers differs, named above
+            pairs.append(("pipeline_layers (layers per stage)", list(self.pipeline_layers), list(run.pipeline_layers)))
         pairs.append(("precision", self.precision, run.precision))
         if optimizer_states:
             pairs.append(("zero_stage", self.zero_stage, run.zero_stage))

@@ -15,8 +15,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from oases_ds.models.stages import Stage, split_stages
 from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
+from oases_ds.schedule.pipeline import registered_pipelines
+
+PIPELINES = registered_pipelines()
 
 
 class OasesConfigError(ValueError):
@@ -60,6 +64,12 @@ class OasesConfig(BaseModel):
             DeepSpeed reduces after the schedule, fully exposed (the baseline).
         plan: JSON plan (from ``oases-plan``) giving each attention / MLP block its
             own TMP degree; default: every block at ``tensor_parallel_size``.
+        pipeline_stages: pipeline stages; the world is ``pipeline_stages x DP x
+            tensor_parallel_size`` ranks, each stage a contiguous range of layers.
+        pipeline_schedule: the order of micro-batches over stages, ``1f1b`` (at most
+            ``stages - stage`` micro-batches in flight) or ``gpipe`` (all forwards first).
+        pipeline_layers: layers per stage, first stage first (e.g. ``[3, 2]``);
+            default: an even split, the first stages one layer more.
     """
 
     model_config = _STRICT
@@ -75,6 +85,9 @@ class OasesConfig(BaseModel):
     record_timeline: bool = True
     dp_overlap: bool = True
     plan: str | None = None
+    pipeline_stages: int = Field(default=1, ge=1)
+    pipeline_schedule: Literal[PIPELINES] = "1f1b"  # the registered orders
+    pipeline_layers: list[int] | None = None
 
     @field_validator("plan")
     @classmethod
@@ -82,6 +95,15 @@ class OasesConfig(BaseModel):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"plan file {path!r} not found; write one with oases-plan")
         return path
+
+    def stages(self, num_layers: int) -> list[Stage]:
+        """Every pipeline stage's layers for a ``num_layers`` model; a split that does not fit
+        (more stages than layers, counts not summing up) is an :class:`OasesConfigError`
+        naming the field."""
+        try:
+            return split_stages(num_layers, self.pipeline_stages, self.pipeline_layers)
+        except ValueError as err:
+            raise OasesConfigError(f"oases.{err}") from None
 
     def schedule_spec(self) -> ScheduleSpec:
         """The schedule these flat keys describe (the JSON keeps them flat: DeepSpeed users
@@ -126,7 +148,8 @@ def check_deepspeed_section(config: dict) -> None:
     if (config.get("fp16") or {}).get("enabled", False):
         raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
     if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):
-        raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set oases.tensor_parallel_size")
+        raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set "
+                               "oases.tensor_parallel_size / oases.pipeline_stages")
     section = config.get("oases")
     tmp = section.get("tensor_parallel_size", 1) if isinstance(section, dict) else 1
     clip = config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, so absent means clipping

@@ -42,7 +42,9 @@ DeepSpeed internals relied on (tested with deepspeed==0.19.8):
 ``ipg_buckets`` (to hand it reduced gradients), ``save_checkpoint``'s
 ``save_latest`` flag (to publish a checkpoint only once it is complete), and the
 ``checkpoint_engine`` attribute every checkpoint read goes through (replaced by
-:class:`~oases_ds.checkpoint.SafeCheckpointEngine`).
+:class:`~oases_ds.checkpoint.SafeCheckpointEngine`); with pipeline stages,
+``set_gradient_accumulation_boundary`` (``None`` restores the counter) and the
+``micro_steps`` counter (see :meth:`OasesEngine._run_pipeline`).
 
 What the engine refuses instead of doing silently wrong:
 
@@ -91,6 +93,7 @@ from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
+from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.runtime.timeline import clock_for
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
@@ -131,8 +134,15 @@ class OasesEngine(DeepSpeedEngine):
         self.oases = oases
         self.parallel_context = parallel_context
         model = self.module
-        self.executor = Executor.for_schedule(model, oases.schedule_spec(), oases.link.model() if oases.link else None,
-                                              model.rng, record=oases.record_timeline)
+        link = oases.link.model() if oases.link else None
+        self.pipelined = parallel_context.pp_size > 1
+        if self.pipelined:  # all micro-batches of a step through one pipeline schedule
+            self.executor = PipelineExecutor.for_pipeline(
+                model, oases.schedule_spec(), oases.pipeline_schedule, self.gradient_accumulation_steps(),
+                StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline)
+        else:
+            self.executor = Executor.for_schedule(model, oases.schedule_spec(), link, model.rng,
+                                                  record=oases.record_timeline)
         self.schedule = self.executor.schedule
         self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}
@@ -175,7 +185,8 @@ class OasesEngine(DeepSpeedEngine):
         DeepSpeed's ``BF16_Optimizer``) DeepSpeed's own reducer runs after the schedule;
         ``None`` then, and with one DP rank."""
         dtype = next(self.module.parameters()).dtype
-        if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.fp16_enabled()
+        if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.pipelined
+                or self.fp16_enabled()
                 or not self.gradient_average or self.gradient_predivide_factor() != 1.0
                 or self.communication_data_type != dtype
                 or not self.managed_gradient_accumulation()):  # unmanaged: DeepSpeed's step() reduces itself
@@ -260,7 +271,11 @@ class OasesEngine(DeepSpeedEngine):
         # non_blocking: a blocking host-to-device copy waits for the device's queue
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         losses, timelines, tokens = [], [], 0
-        for acc, mb in enumerate(micro_batches):
+        if self.pipelined:
+            losses.append(self._run_pipeline(micro_batches, gas, micro))
+            timelines.append(self.executor.timeline)
+            tokens = sum(mb["tokens"].numel() for mb in micro_batches)
+        for acc, mb in enumerate([] if self.pipelined else micro_batches):
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
             timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device
@@ -276,7 +291,8 @@ class OasesEngine(DeepSpeedEngine):
             "loss": float(loss),
             "step_s": elapsed,
             "tokens_per_s": tokens * ctx.dp_size / elapsed,
-            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items() if phase != "loss")),
+            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items() if phase not in ("loss", "pipeline"))),
+            "pipeline_bytes": float(stats.bytes_in("pipeline")),
             "exposed_comm_s": exposed,
             "exposed_comm_frac": exposed / elapsed,
             "emulated_link": float(self.oases_comm.emulated),
@@ -341,6 +357,43 @@ class OasesEngine(DeepSpeedEngine):
         self.backward(surrogate)
         return loss
 
+    def _run_pipeline(self, micro_batches: list[dict[str, torch.Tensor]], gas: int, micro: int) -> torch.Tensor:
+        """One step's micro-batches through the stage's pipeline schedule, then DeepSpeed's
+        reduction and update as for ``gas`` accumulated micro-batches.
+
+        The schedule leaves the sum of the micro-batches' gradients ``g``; one surrogate
+        backward ``sum_p <p, g_p>`` at a forced accumulation boundary hands it to
+        DeepSpeed, whose backward scales it by ``1/gas`` (as it scales each micro-batch's
+        loss) and reduces it over DP; ``micro_steps`` is advanced by the ``gas - 1``
+        micro-batches it did not see one by one, so its counters read as without stages.
+        Returns the step's mean loss (the last stage's, on every stage)."""
+        ctx = self.parallel_context
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        accumulated = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        offsets = [(acc * ctx.dp_size + ctx.dp_rank) * micro for acc in range(gas)]
+        loss = self.executor.run_step(micro_batches, offsets, gas * ctx.dp_size * micro)
+        grads = [p.grad for p in params]
+        for p, g in zip(params, accumulated):
+            p.grad = g
+        if isinstance(self.optimizer, ZeROOptimizer):
+            self.optimizer.clear_backward_seen_flag()
+        if all(g is None for g in grads):
+            raise RuntimeError("the pipeline schedule produced no parameter gradient on this stage")
+        surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+        register_output_backward_hooks(
+            surrogate, preprocess_once_fn=self._backward_prologue, preprocess_per_tensor_fn=self._backward_prologue_per_tensor
+        )
+        self.micro_steps += gas - 1
+        self.set_gradient_accumulation_boundary(True)
+        try:
+            self.backward(surrogate)
+            self.step()
+        finally:
+            self.set_gradient_accumulation_boundary(None)  # None: back to DeepSpeed's own counting
+        return loss
+
     def _micro_batches(self, batch, data_iter, gas: int, micro: int) -> list[dict[str, torch.Tensor]]:
         if batch is not None:
             n = batch["tokens"].shape[0]
@@ -364,7 +417,7 @@ class OasesEngine(DeepSpeedEngine):
         was_training = self.module.training
         self.module.eval()
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        loss = self.module(batch)
+        loss = self.executor.evaluate(batch) if self.pipelined else self.module(batch)
         self.module.train(was_training)
         return start_all_reduce(loss.float(), self.parallel_context.dp_group).wait() / self.parallel_context.dp_size
 
@@ -373,7 +426,8 @@ class OasesEngine(DeepSpeedEngine):
         """What a checkpoint of this engine must match to be loaded by it."""
         degrees = [layout.degree for pair in self.module.sharding.layouts for layout in pair]
         return CheckpointMeta.build(self.module.cfg, self.parallel_context.tp_size, degrees, self.bfloat16_enabled(),
-                                    self.zero_optimization_stage(), self.parallel_context.dp_size)
+                                    self.zero_optimization_stage(), self.parallel_context.dp_size,
+                                    [len(s.layers) for s in self.oases.stages(self.module.cfg.num_layers)])
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False,
                         keep: int = 0):

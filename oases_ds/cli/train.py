@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import hydra
 import torch
@@ -70,6 +70,9 @@ class TrainSchema:
     data: DataSchema = field(default_factory=DataSchema)
     nprocs: int = 2
     tensor_parallel_size: int = 2
+    pipeline_stages: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_layers: Optional[List[int]] = None
     steps: int = 60
     micro_batch: int = 8
     grad_accum: int = 1
@@ -91,7 +94,7 @@ class TrainSchema:
 
 ConfigStore.instance().store(name="train_schema", node=TrainSchema)
 
-RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "steps": 1, "micro_batch": 1, "grad_accum": 1,
+RANGES: dict[str, float] = {"nprocs": 1, "tensor_parallel_size": 1, "pipeline_stages": 1, "steps": 1, "micro_batch": 1, "grad_accum": 1,
                             "warmup_steps": 0, "log_every": 1, "eval_every": 0, "checkpoint.every": 0, "checkpoint.keep": 0}
 """Smallest value of each numeric key (``lr`` and ``timeout_s`` must be > 0)."""
 
@@ -149,6 +152,9 @@ def ds_config(cfg: dict) -> dict:
             "process_group_timeout_s": cfg["timeout_s"],
             **({"link": schema.link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
+            "pipeline_stages": cfg["pipeline_stages"],
+            "pipeline_schedule": cfg["pipeline_schedule"],
+            **({"pipeline_layers": list(cfg["pipeline_layers"])} if cfg.get("pipeline_layers") else {}),
         },
     }
 
@@ -161,6 +167,9 @@ def validate(cfg: dict) -> None:
 
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
     model = model_config(cfg["model"])
+    if cfg["export_hf"] and cfg["pipeline_stages"] > 1:
+        raise ValueError(f"export_hf={cfg['export_hf']}: not supported with pipeline_stages={cfg['pipeline_stages']} "
+                         f"(each stage holds only its layers); export from a run with pipeline_stages=1")
     if cfg["export_hf"]:
         try:
             hf_config(model)
@@ -173,8 +182,9 @@ def validate(cfg: dict) -> None:
     check_csv(cfg["metrics"]["csv"])
     check_tensorboard(cfg["metrics"]["tensorboard"])
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
-    Topology(world, oases.tensor_parallel_size)
+    Topology(world, oases.tensor_parallel_size, oases.pipeline_stages)
     model.check_tp(oases.tensor_parallel_size)
+    stages = oases.stages(model.num_layers)
     replicas = 1
     if oases.plan:
         try:
@@ -199,7 +209,9 @@ def validate(cfg: dict) -> None:
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
     ckpt = cfg["checkpoint"]
     expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
-                                    cfg["bf16"], cfg["zero_stage"], world // oases.tensor_parallel_size)
+                                    cfg["bf16"], cfg["zero_stage"],
+                                    world // (oases.tensor_parallel_size * oases.pipeline_stages),
+                                    [len(s.layers) for s in stages])
     preflight(ckpt["dir"], ckpt["resume"], expected)
 
 
@@ -222,7 +234,8 @@ def train_rank(cfg: dict) -> dict[str, Any]:
     if is_main:
         label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
         print(f"oases-train: {model_cfg.family} h={model_cfg.hidden_size} L={model_cfg.num_layers} | "
-              f"{torch.distributed.get_world_size()} ranks = TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
+              f"{torch.distributed.get_world_size()} ranks = {f'PP {ctx.pp_size} x ' if ctx.pp_size > 1 else ''}"
+              f"TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
               f"{label} | from step {start_step}", flush=True)
     # Every evaluation reads the same held-out batch (windows no training step reads), so eval losses compare.
     def evaluate() -> float:

@@ -76,6 +76,14 @@ class TransformerLayer(nn.Module):
             self.mlp.fc2 = RowParallelLinear(cfg.ffn, H, mlp_group, bias)
 
 
+class OtherStageLayer(nn.Module):
+    """Stands in for a transformer layer that another pipeline stage holds: no parameters.
+
+    Why a placeholder rather than a shorter list: the ``ModuleList``'s indices stay the
+    global layer indices, so parameter names (``layers.5.attn.q.weight``), initial
+    weights, plans and checkpoints read the same with or without stages."""
+
+
 class Head(nn.Module):
     """Final norm (BERT: the masked-LM transform, dense + activation + norm) and the
     vocab-parallel decoder over the full TMP group (none with ``tie_embeddings``: the loss

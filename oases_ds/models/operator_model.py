@@ -56,10 +56,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oases_ds.models.blocks import Embedding, Head, TransformerLayer
+from oases_ds.models.blocks import Embedding, Head, OtherStageLayer, TransformerLayer
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.ops import Acts, CommOp, ComputeOp, Op, OpContext
 from oases_ds.models.sharding import Sharding, init_full_parameter
+from oases_ds.models.stages import Stage
 from oases_ds.parallel.collectives import Group, group_rank, group_size
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import BlockLayout, ParallelContext
@@ -131,6 +132,13 @@ class OperatorModel(nn.Module):
             heterogeneous plans (see :meth:`for_plan`); default: every block on ``group``.
         reshard_group: ``(small, large) -> group`` moving activations between
             degrees; required when ``layouts`` mix degrees.
+        stage: the pipeline stage this rank holds (default: the whole model).  A stage
+            builds only its layers (the others are :class:`OtherStageLayer`, so names and
+            initial weights stay global), the embedding only on the first stage and the
+            head and loss only on the last; its operator sequence starts from the
+            received residual stream ``(x,)`` and, but on the last stage, ends with the
+            ``(x,)`` it sends.  A post-LN block at a stage boundary applies its own output
+            norm (it cannot be deferred into the next stage's first op).
     """
 
     def __init__(
@@ -140,6 +148,7 @@ class OperatorModel(nn.Module):
         seed: int = 0,
         layouts: list[tuple[BlockLayout, BlockLayout]] | None = None,
         reshard_group: Callable[[int, int], Group] | None = None,
+        stage: Stage | None = None,
     ) -> None:
         super().__init__()
         cfg.check_tp(group_size(group))
@@ -152,11 +161,24 @@ class OperatorModel(nn.Module):
         for attn, mlp in layouts:
             cfg.check_tp(attn.degree)
             cfg.check_tp(mlp.degree)
+        self.stage = stage or Stage(0, 1, 0, cfg.num_layers)
+        if self.stage.end > cfg.num_layers or (self.stage.is_last and self.stage.end != cfg.num_layers):
+            raise ValueError(f"pipeline stage {self.stage.index} holds layers [{self.stage.start}, {self.stage.end}) "
+                             f"of a {cfg.num_layers}-layer model; the stages must cover the layers exactly")
+        if self.stage.stages > 1 and cfg.tie_embeddings:
+            raise ValueError("model.tie_embeddings with pipeline_stages > 1: the embedding (first stage) and the head "
+                             "(last stage) would share one weight across stages, which is not supported; set "
+                             "model.tie_embeddings=false or use one stage")
         self.sharding = Sharding(group, tuple(layouts), reshard_group)
-        self.embed = Embedding(cfg, group)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, a.group, m.group) for a, m in layouts)
+        if self.stage.is_first:
+            self.embed = Embedding(cfg, group)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, a.group, m.group) if self.stage.holds_layer(i) else OtherStageLayer()
+                                    for i, (a, m) in enumerate(layouts))
         self.sharding.mark_replicated_shards(self.layers)
-        self.head = Head(cfg, group)
+        if self.stage.is_last:
+            self.head = Head(cfg, group)
+        if self.stage.stages > 1:
+            self._mark_for_norms()
         self.reset_parameters(seed)
         self.rng = RNGTracker(seed=seed)
         self.ops: list[Op] = self._build_ops()
@@ -170,28 +192,55 @@ class OperatorModel(nn.Module):
 
         The token count stays a tensor on the labels' device (no host sync per call); a
         batch without labelled tokens gives a NaN loss here (:func:`check_labelled_tokens`
-        refuses it before a training step)."""
+        refuses it before a training step).  On a pipeline stage other than the last
+        it returns the stage's output activation; use :meth:`stage_forward` there."""
+        return self.stage_forward(batch, (), sample_offset, global_batch)[0]
+
+    def stage_forward(self, batch: dict[str, torch.Tensor], inputs: Acts = (), sample_offset: int = 0,
+                      global_batch: int | None = None) -> Acts:
+        """This stage's operators in order, eagerly, from ``inputs`` (``()`` on the first
+        stage, the received ``(x,)`` on the others); returns the last op's outputs:
+        ``(loss,)`` on the last stage, the ``(x,)`` to send on the others."""
         labels = batch["labels"]
         loss_scale = (labels != IGNORE_INDEX).sum().to(torch.float32).reciprocal()
         ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], loss_scale, self.rng,
                         Communicator(), training=self.training)
-        acts: Acts = ()
+        acts: Acts = tuple(inputs)
         for op in self.ops:
             if isinstance(op, CommOp):
                 acts = acts[: op.index] + (op.apply(acts[op.index]),) + acts[op.index + 1 :]
             else:
                 acts = op.fn(ctx, acts)
-        return acts[0]
+        return acts
+
+    def _mark_for_norms(self) -> None:
+        """With stages, DeepSpeed sums gradient norms over the model-parallel group (TMP x PP)
+        and counts an unmarked (replicated) parameter only on model-parallel rank 0, which is
+        on the first stage: so each stage's replicated parameters are marked on its TMP
+        rank 0 instead, and every parameter is counted exactly once."""
+        owner = group_rank(self.group) == 0
+        for p in self.parameters():
+            if getattr(p, "tp_dim", None) is None:
+                p.tensor_model_parallel = p.model_parallel = owner  # type: ignore[attr-defined]
+
+    def boundary_shape(self, layer: int, sub_batch: int, seq_len: int) -> tuple[int, int, int]:
+        """Shape of the residual stream leaving layer ``layer`` for a sub-batch of
+        ``sub_batch`` samples: what a stage ending with that layer sends, and the next
+        receives (each replica of a reduced-degree block holds its share of the batch)."""
+        replicas = self.sharding.layouts[layer][1].replicas
+        return (sub_batch // replicas, seq_len, self.cfg.hidden_size)
 
     @classmethod
-    def for_plan(cls, cfg: ModelConfig, ctx: ParallelContext, plan: BlockDegrees, seed: int = 0) -> "OperatorModel":
-        """Build this rank's part of ``cfg`` with the per-block TMP degrees of ``plan``."""
+    def for_plan(cls, cfg: ModelConfig, ctx: ParallelContext, plan: BlockDegrees, seed: int = 0,
+                 stage: Stage | None = None) -> "OperatorModel":
+        """Build this rank's part of ``cfg`` with the per-block TMP degrees of ``plan``
+        (on pipeline ``stage``: its layers, see the class docstring)."""
         if plan.devices != ctx.tp_size:
             raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
         if plan.layers != cfg.num_layers:
             raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
-        return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group)
+        return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group, stage)
 
     # -- weights -----------------------------------------------------------------
     @torch.no_grad()
@@ -219,12 +268,10 @@ class OperatorModel(nn.Module):
         cfg = self.cfg
         pre_ln = cfg.family != "bert"
         ops: list[Op] = []
+        stage = self.stage
 
         def compute(name: str, layer: int, block: str, fn: Callable[[OpContext, Acts], Acts], **kw) -> None:
             ops.append(ComputeOp(name, layer, block, fn, **kw))
-
-        # Embedding: vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT).
-        compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
 
         layouts, full = self.sharding.layouts, self.sharding.full_degree
 
@@ -237,6 +284,9 @@ class OperatorModel(nn.Module):
         # degree of each block boundary's producer and consumer: embed -> L0.attn -> L0.mlp -> ... -> head
         exits = [defers(layouts[i][1].degree, layouts[i + 1][0].degree if i + 1 < cfg.num_layers else full)
                  for i in range(cfg.num_layers)]
+        for boundary in (stage.start - 1, stage.end - 1):  # a stage boundary: the norm runs before the send
+            if 0 <= boundary < cfg.num_layers - 1:
+                exits[boundary] = False
         embed_defers = defers(full, layouts[0][0].degree)
 
         def embed_out(c: OpContext, a: Acts) -> Acts:
@@ -252,8 +302,10 @@ class OperatorModel(nn.Module):
                 x = self.embed.norm(x)
             return (self._dropout(c, x, SITE_EMBED),)
 
-        ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
-        compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers)
+        if stage.is_first:  # vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT)
+            compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
+            ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
+            compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
             inv_freq = rotary_inverse_frequencies(
@@ -265,13 +317,17 @@ class OperatorModel(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
             cos_sin = True
 
-        degree = self.sharding.full_degree
-        for i, layer in enumerate(self.layers):
+        # the degree the residual stream arrives at: the embedding's, or the previous stage's last block's
+        degree = self.sharding.full_degree if stage.is_first else layouts[stage.start - 1][1].degree
+        for i in stage.layers:
+            layer = self.layers[i]
             attn, mlp = self.sharding.layouts[i]
             ops.extend(self._reshard(f"L{i}.reshard_attn", i, "attn", degree, attn.degree))
             entry = embed_defers if i == 0 else exits[i - 1]
             ops.extend(self._layer_ops(i, layer, attn, mlp, pre_ln, cos_sin, entry, exits[i], defers(attn.degree, mlp.degree)))
             degree = mlp.degree
+        if not stage.is_last:
+            return ops
         ops.extend(self._reshard("head_reshard", cfg.num_layers, "head", degree, self.sharding.full_degree))
 
         def head_in(c: OpContext, a: Acts) -> Acts:
@@ -337,7 +393,9 @@ class OperatorModel(nn.Module):
 
         # Post-LN: the previous layer's output norm runs here (see module doc); before
         # layer 0, the embedding's norm and dropout.
-        entry_norm = None if pre_ln else self.embed.norm if i == 0 else self.layers[i - 1].mlp_norm
+        entry_norm = None
+        if entry_norm_here:  # never across a stage boundary (see _build_ops), so the module is on this stage
+            entry_norm = self.embed.norm if i == 0 else self.layers[i - 1].mlp_norm
 
         def attn_in(c: OpContext, a: Acts) -> Acts:
             x = a[0]

@@ -111,6 +111,8 @@ class Sharding:
         every TMP rank and an unmarked one only on TMP rank 0, so marking the shards
         on replica 0 only makes every shard count exactly once."""
         for i, layer in enumerate(layers):
+            if not hasattr(layer, "attn"):  # held by another pipeline stage
+                continue
             for layout, module in zip(self.layouts[i], (layer.attn, layer.mlp)):
                 if layout.replicas > 1:
                     for p in module.parameters():
@@ -122,6 +124,8 @@ class Sharding:
         block (each copy saw only its share of the batch), with the group of those copies."""
         out = []
         for i, layer in enumerate(layers):
+            if not hasattr(layer, "attn"):  # held by another pipeline stage
+                continue
             for layout, kind, module in zip(self.layouts[i], ("attn", "mlp"), (layer.attn, layer.mlp)):
                 if layout.replicas > 1:
                     params = list(module.parameters())

@@ -75,6 +75,26 @@ def start_all_gather(tensor: torch.Tensor, group: Group, dim: int) -> Pending:
     return Pending(work, lambda: torch.cat(parts, dim=dim))
 
 
+def start_send(tensor: torch.Tensor, dst: int, group: Group) -> Pending:
+    """Send ``tensor`` to global rank ``dst`` of ``group`` asynchronously (pipeline stages).
+
+    The tensor is sent as it is now: a contiguous detached copy is what travels, and
+    ``wait()`` (which returns it) must come before that copy may be dropped.  No tag:
+    NCCL matches point-to-point messages in issue order only, so a gloo run that relies
+    on issue order too proves the order the schedule gives (see the pipeline checker)."""
+    src = tensor.detach().contiguous()
+    work = dist.isend(src, dst, group=group)
+    return Pending(work, lambda: src)
+
+
+def start_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, group: Group) -> Pending:
+    """Post the receive of a ``shape`` tensor from global rank ``src`` of ``group``;
+    ``wait()`` returns it once it has arrived."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    work = dist.irecv(buf, src, group=group)
+    return Pending(work, lambda: buf)
+
+
 def split_for_rank(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """This rank's equal slice of ``tensor`` along ``dim``."""
     size = group_size(group)

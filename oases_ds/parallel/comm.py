@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from oases_ds.parallel.collectives import Group, Pending, group_size, start_all_gather, start_all_reduce
+from oases_ds.parallel.collectives import (Group, Pending, group_size, start_all_gather, start_all_reduce, start_recv,
+                                           start_send)
 from oases_ds.parallel.link import LinkEmulator, LinkModel
 
-PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync")
+PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync", "pipeline")
 
 
 @dataclass
@@ -75,6 +76,18 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor, group: Group, dim: int, phase: str) -> Pending:
         return self._wrap("all_gather", tensor, group, phase, start_all_gather(tensor, group, dim))
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Group) -> Pending:
+        """Point-to-point send to the neighbouring pipeline stage ``dst`` (counted under
+        phase ``pipeline``; never held to the emulated link, which models collectives)."""
+        self.stats.add("pipeline", "send", tensor.numel() * tensor.element_size())
+        return start_send(tensor, dst, group)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, group: Group) -> Pending:
+        """Post the receive from the neighbouring pipeline stage ``src`` (see :meth:`send`)."""
+        pending = start_recv(shape, dtype, device, src, group)
+        self.stats.add("pipeline", "recv", torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        return pending
 
     def _wrap(self, kind: str, tensor: torch.Tensor, group: Group, phase: str, pending: Pending) -> Pending:
         ranks = group_size(group)

@@ -48,7 +48,13 @@ NewGroup = Callable[..., "dist.ProcessGroup | None"]
 
 @dataclass
 class ParallelContext:
-    """Process groups and coordinates of this rank in the DP x TMP grid.
+    """Process groups and coordinates of this rank in the PP x DP x TMP grid.
+
+    With pipeline stages (``topology.pp_size > 1``) the context also holds this rank's
+    pipeline group (the ranks at its (DP, TMP) coordinate, one per stage), the
+    model-parallel group (TMP x PP: where a global gradient norm is summed) and its
+    neighbours' global ranks, :attr:`prev_rank` / :attr:`next_rank`, which the
+    pipeline executor sends to and receives from.  Nothing about them is global.
 
     Only the TMP and DP groups exist from the start.  The groups a plan needs
     (one replica of a block at a smaller TMP degree, the ranks that reshard
@@ -69,6 +75,8 @@ class ParallelContext:
         topology: the pure rank arithmetic.
         rank: this process's global rank.
         tp_group / dp_group: process groups containing this rank.
+        pp_group: this rank's pipeline group (``None`` with one stage).
+        model_group: TMP x PP group of this rank (the TMP group with one stage).
         device: where this rank's tensors live.
         timeout_s: every group's timeout, so a dead peer is an error, not a hang.
         new_group: ``torch.distributed.new_group``-shaped factory (tests count calls).
@@ -82,15 +90,19 @@ class ParallelContext:
     timeout_s: float = DEFAULT_TIMEOUT_S
     new_group: NewGroup = field(default=dist.new_group, repr=False)
     _plan_groups: dict[tuple, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    pp_group: dist.ProcessGroup | None = None
+    model_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(
-        cls, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None
+        cls, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
+        pipeline_stages: int = 1,
     ) -> "ParallelContext":
-        """Create this rank's TMP and DP groups.  Every rank must call it (each blocks
-        until the members of its two groups have)."""
+        """Create this rank's TMP and DP groups (and with ``pipeline_stages > 1`` its
+        pipeline and model-parallel groups).  Every rank must call it (each blocks until
+        the members of its groups have)."""
         init_distributed(timeout_s)
-        topo = Topology(world_size=dist.get_world_size(), tp_size=tensor_parallel_size)
+        topo = Topology(world_size=dist.get_world_size(), tp_size=tensor_parallel_size, pp_size=pipeline_stages)
         return cls.for_rank(topo, dist.get_rank(), timeout_s, device or default_device())
 
     @classmethod
@@ -103,6 +115,11 @@ class ParallelContext:
         ctx = cls(topology, rank, None, None, device or torch.device("cpu"), timeout_s, new_group)
         ctx.tp_group = ctx._create(topology.group_containing(rank, topology.tp_group_ranks()))
         ctx.dp_group = ctx._create(topology.group_containing(rank, topology.dp_group_ranks()))
+        if topology.pp_size > 1:  # every rank agrees on pp_size, so all create the same number of groups
+            ctx.pp_group = ctx._create(topology.group_containing(rank, topology.pp_group_ranks()))
+            ctx.model_group = ctx._create(topology.group_containing(rank, topology.model_group_ranks()))
+        else:
+            ctx.model_group = ctx.tp_group
         return ctx
 
     def _create(self, ranks: list[int]) -> dist.ProcessGroup | None:
@@ -140,9 +157,41 @@ class ParallelContext:
     def dp_rank(self) -> int:
         return self.coord.dp
 
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.coord.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank this stage receives activations from (``None`` on the first stage)."""
+        return self.topology.prev_stage_rank(self.rank)
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank this stage sends activations to (``None`` on the last stage)."""
+        return self.topology.next_stage_rank(self.rank)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of the last stage at this rank's (DP, TMP) coordinate: where the loss is."""
+        return self.topology.rank(Coord(dp=self.dp_rank, tp=self.tp_rank, pp=self.pp_size - 1))
+
     def tp_src_rank(self) -> int:
         """Global rank of TMP index 0 in this rank's TMP group."""
-        return self.topology.rank(Coord(dp=self.dp_rank, tp=0))
+        return self.topology.rank(Coord(dp=self.dp_rank, tp=0, pp=self.pp_rank))
 
     def sub_group(self, degree: int) -> dist.ProcessGroup | None:
         """Group sharding one replica of a layer planned at TMP ``degree`` (created on first use)."""
@@ -201,8 +250,9 @@ class MPUAdapter:
     """Megatron ``mpu`` interface that DeepSpeed queries, answered from a context.
 
     DeepSpeed uses it to (a) broadcast initial parameters only within the DP
-    group, so TMP shards are not overwritten by rank 0's, and (b) reduce
-    gradients over the DP group only.
+    group, so TMP shards are not overwritten by rank 0's, (b) reduce
+    gradients over the DP group only, and (c) name checkpoint files and sum
+    gradient norms by the model-parallel (TMP x PP) rank and group.
     """
 
     def __init__(self, ctx: ParallelContext) -> None:
@@ -220,10 +270,20 @@ class MPUAdapter:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._ctx.tp_src_rank()
 
-    get_model_parallel_group = get_tensor_model_parallel_group
-    get_model_parallel_rank = get_tensor_model_parallel_rank
-    get_model_parallel_world_size = get_tensor_model_parallel_world_size
-    get_model_parallel_src_rank = get_tensor_model_parallel_src_rank
+    # Megatron's "model parallel" is TMP x PP: the ranks holding one copy of the model.
+    # DeepSpeed names checkpoint files by this rank (so each stage saves its own layers)
+    # and sums gradient norms over this group; with one stage it is the TMP group.
+    def get_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self._ctx.model_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self._ctx.pp_rank * self._ctx.tp_size + self._ctx.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._ctx.pp_size * self._ctx.tp_size
+
+    def get_model_parallel_src_rank(self) -> int:
+        return self._ctx.topology.rank(Coord(dp=self._ctx.dp_rank, tp=0, pp=0))
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self._ctx.dp_group
@@ -235,7 +295,10 @@ class MPUAdapter:
         return self._ctx.dp_size
 
     def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
+        return self._ctx.pp_size
 
     def get_pipeline_model_parallel_rank(self) -> int:
-        return 0
+        return self._ctx.pp_rank
+
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup | None:
+        return self._ctx.pp_group

@@ -1,10 +1,17 @@
-"""Pure rank arithmetic for a (data-parallel x tensor-parallel) grid.
+"""Pure rank arithmetic for a (pipeline x data-parallel x tensor-parallel) grid.
 
 Kept free of ``torch.distributed`` so that the mapping can be unit-tested and
 reasoned about without processes (STYLE lesson 5).  The layout follows Megatron:
-tensor-parallel ranks are adjacent (``rank = dp * tp_size + tp``), so a TMP group
-is a contiguous block of ranks and lands on one node when nodes hold whole TMP
-groups -- the fast links are spent on the chatty TMP collectives.
+tensor-parallel ranks are adjacent, then data-parallel, then pipeline stages::
+
+    rank = pp * (dp_size * tp_size) + dp * tp_size + tp
+
+so a TMP group is a contiguous block of ranks and lands on one node when nodes hold
+whole TMP groups -- the fast links are spent on the chatty TMP collectives -- and a
+pipeline stage is a contiguous block of ``dp_size * tp_size`` ranks, so with one
+stage per node only the point-to-point activations of the stage boundary (one
+``[b, s, h]`` tensor per micro-batch each way) cross the slow inter-node link.
+With ``pp_size = 1`` (the default) this is the old ``rank = dp * tp_size + tp``.
 """
 from __future__ import annotations
 
@@ -13,55 +20,97 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Coord:
-    """Position of one rank in the grid."""
+    """Position of one rank in the grid (``pp``: its pipeline stage)."""
 
     dp: int
     tp: int
+    pp: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """A ``world_size = dp_size * tp_size`` grid of ranks.
+    """A ``world_size = pp_size * dp_size * tp_size`` grid of ranks.
 
     Attributes:
         world_size: total number of ranks.
         tp_size: tensor-model-parallel degree (ranks that share one layer).
+        pp_size: pipeline stages (each holds a contiguous range of layers).
     """
 
     world_size: int
     tp_size: int
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.tp_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tp_size}")
-        if self.world_size % self.tp_size:
+        if self.pp_size < 1:
+            raise ValueError(f"pipeline_stages must be >= 1, got {self.pp_size}")
+        if self.world_size % (self.tp_size * self.pp_size):
+            if self.pp_size == 1:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tp_size} does not divide world size {self.world_size}; "
+                    f"launch a multiple of {self.tp_size} processes or change tensor_parallel_size"
+                )
+            model = self.tp_size * self.pp_size
             raise ValueError(
-                f"tensor_parallel_size={self.tp_size} does not divide world size {self.world_size}; "
-                f"launch a multiple of {self.tp_size} processes or change tensor_parallel_size"
+                f"pipeline_stages={self.pp_size} x tensor_parallel_size={self.tp_size} = {model} does not divide "
+                f"world size {self.world_size}; launch a multiple of {model} processes or change either"
             )
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage (``dp_size * tp_size``, contiguous)."""
+        return self.dp_size * self.tp_size
 
     def coord(self, rank: int) -> Coord:
         self._check_rank(rank)
-        return Coord(dp=rank // self.tp_size, tp=rank % self.tp_size)
+        within = rank % self.stage_size
+        return Coord(dp=within // self.tp_size, tp=within % self.tp_size, pp=rank // self.stage_size)
 
     def rank(self, coord: Coord) -> int:
-        if not (0 <= coord.dp < self.dp_size and 0 <= coord.tp < self.tp_size):
-            raise ValueError(f"{coord} outside a {self.dp_size}x{self.tp_size} grid")
-        return coord.dp * self.tp_size + coord.tp
+        if not (0 <= coord.dp < self.dp_size and 0 <= coord.tp < self.tp_size and 0 <= coord.pp < self.pp_size):
+            raise ValueError(f"{coord} outside a {self.pp_size}x{self.dp_size}x{self.tp_size} grid")
+        return coord.pp * self.stage_size + coord.dp * self.tp_size + coord.tp
 
     def tp_group_ranks(self) -> list[list[int]]:
-        """Every TMP group, each a list of global ranks (one group per DP index)."""
-        return [[d * self.tp_size + t for t in range(self.tp_size)] for d in range(self.dp_size)]
+        """Every TMP group, each a list of global ranks (one group per (stage, DP index))."""
+        return [[p * self.stage_size + d * self.tp_size + t for t in range(self.tp_size)]
+                for p in range(self.pp_size) for d in range(self.dp_size)]
 
     def dp_group_ranks(self) -> list[list[int]]:
-        """Every DP group, each a list of global ranks (one group per TMP index)."""
-        return [[d * self.tp_size + t for d in range(self.dp_size)] for t in range(self.tp_size)]
+        """Every DP group, each a list of global ranks (one group per (stage, TMP index))."""
+        return [[p * self.stage_size + d * self.tp_size + t for d in range(self.dp_size)]
+                for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        """Every pipeline group: the ranks at one (DP, TMP) coordinate, stage 0 first.
+        Activations travel between neighbours of such a group."""
+        return [[p * self.stage_size + d * self.tp_size + t for p in range(self.pp_size)]
+                for d in range(self.dp_size) for t in range(self.tp_size)]
+
+    def model_group_ranks(self) -> list[list[int]]:
+        """Every model-parallel group (Megatron's "model parallel" = TMP x PP): the ranks
+        holding one full copy of the model between them, one group per DP index.  A global
+        gradient norm is summed over such a group."""
+        return [[p * self.stage_size + d * self.tp_size + t for p in range(self.pp_size) for t in range(self.tp_size)]
+                for d in range(self.dp_size)]
+
+    def next_stage_rank(self, rank: int) -> int | None:
+        """The rank at the same (DP, TMP) coordinate one stage later (``None`` on the last stage)."""
+        c = self.coord(rank)
+        return None if c.pp == self.pp_size - 1 else self.rank(Coord(c.dp, c.tp, c.pp + 1))
+
+    def prev_stage_rank(self, rank: int) -> int | None:
+        """The rank at the same (DP, TMP) coordinate one stage earlier (``None`` on the first stage)."""
+        c = self.coord(rank)
+        return None if c.pp == 0 else self.rank(Coord(c.dp, c.tp, c.pp - 1))
 
     def sub_tp_group_ranks(self, degree: int) -> list[list[int]]:
         """Groups of ``degree`` adjacent ranks inside each TMP group.
@@ -103,7 +152,8 @@ class Topology:
         replica.  One AllReduce over such a group sums a replicated block's gradient over
         its replicas and over DP at once."""
         first = [ranks for ranks in self.reshard_group_ranks(small, large) if max(ranks) < self.tp_size]
-        return [sorted(d * self.tp_size + t for d in range(self.dp_size) for t in ranks) for ranks in first]
+        return [sorted(p * self.stage_size + d * self.tp_size + t for d in range(self.dp_size) for t in ranks)
+                for p in range(self.pp_size) for ranks in first]
 
     def degrees(self) -> list[int]:
         """The TMP degrees a plan may give a block: powers of two dividing ``tp_size``."""

@@ -325,19 +325,24 @@ class Executor:
         pending = op.start(self.comm, acts[op.index], direction, ins.phase)
         self._buffers[("comm", ins.op, ins.sub, ins.phase)] = (pending, acts, t0)
 
+    def _wait_timed(self, ins: Instruction, pending, started, comm_name: str, label: str, phase: str) -> torch.Tensor:
+        """``pending.wait()``; when recording, the wait goes on the ``wait`` lane (exposed
+        communication) and the transfer, from ``started`` to its end, on the ``comm`` lane."""
+        if not self.record:
+            return pending.wait()
+        clock = self.timeline.clock
+        t0 = clock.mark()
+        result = pending.wait()
+        t1 = clock.mark()  # on CUDA: fires once the compute stream may go on, i.e. the transfer is done
+        self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, phase)
+        self.timeline.add(comm_name, "comm", ins.sub, started, t1, label, phase)
+        return result
+
     def _sync(self, ins: Sync) -> None:
         op = self.ops[ins.op]
         pending, acts, started = self._buffers[("comm", ins.op, ins.sub, ins.phase)]
-        if not self.record:
-            result = pending.wait()
-        else:
-            clock = self.timeline.clock
-            t0 = clock.mark()
-            result = pending.wait()
-            t1 = clock.mark()  # on CUDA: fires once the compute stream may go on, i.e. the collective is done
-            label, phase = self._labels[ins.op], _COMM_PHASE[ins.phase]
-            self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, phase)
-            self.timeline.add(f"C{ins.op}.{ins.sub}:{ins.phase}", "comm", ins.sub, started, t1, label, phase)
+        result = self._wait_timed(ins, pending, started, f"C{ins.op}.{ins.sub}:{ins.phase}", self._labels[ins.op],
+                                  _COMM_PHASE[ins.phase])
         dst = ("grad", ins.op, ins.sub) if ins.phase == "backward" else ("act", ins.op + 1, ins.sub)
         self._buffers[dst] = _replace(acts, op.index, result)
 

@@ -5,6 +5,12 @@ disagreeing on collective order), compute garbage (a buffer read before it was
 written) or silently cost more than it claims (a collective inside a
 fine-grained recomputation).  Generators are tested against this checker, and
 the checker is tested against hand-broken schedules.
+
+Pipeline schedules (:mod:`oases_ds.schedule.pipeline`) are checked per stage -- each
+micro-batch's instructions satisfy the invariants above, with the stage boundary's
+buffers received rather than given -- and across stages: every send is matched by a
+receive on the neighbour in the same order, and an abstract run of all stages
+together, where a wait blocks until its partner has started, ends (no deadlock).
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ from typing import Sequence
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
 from oases_ds.schedule.dataflow import effects, initial_buffers
 from oases_ds.schedule.generators import Schedule
-from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
+from oases_ds.schedule.instructions import (Backward, Forward, Instruction, P2PStart, P2PSync, Recompute, StartAsync,
+                                            Sync)
+from oases_ds.schedule.pipeline import PipelineSchedule, transfers
 
 
 class ScheduleError(ValueError):
@@ -37,12 +45,12 @@ def check(schedule: Schedule, ops: Sequence[Op]) -> None:
 def _check_pairs(instructions: Sequence[Instruction]) -> None:
     open_: set[tuple] = set()
     for pos, ins in enumerate(instructions):
-        key = (ins.op, ins.sub, getattr(ins, "phase", None))
-        if isinstance(ins, StartAsync):
+        key = (ins.op, ins.sub, getattr(ins, "phase", None), getattr(ins, "kind", None))
+        if isinstance(ins, (StartAsync, P2PStart)):
             if key in open_:
                 raise ScheduleError(f"#{pos} {ins}: started again before its Sync")
             open_.add(key)
-        elif isinstance(ins, Sync):
+        elif isinstance(ins, (Sync, P2PSync)):
             if key not in open_:
                 raise ScheduleError(f"#{pos} {ins}: Sync without a matching StartAsync")
             open_.remove(key)
@@ -50,17 +58,19 @@ def _check_pairs(instructions: Sequence[Instruction]) -> None:
         raise ScheduleError(f"StartAsync never synced: {sorted(open_)}")
 
 
-def _check_dataflow(instructions: Sequence[Instruction], ops: Sequence[Op], subs: int) -> None:
-    live = initial_buffers(subs)
+def _check_dataflow(instructions: Sequence[Instruction], ops: Sequence[Op], subs: int,
+                    live: set | None = None) -> None:
+    live = initial_buffers(subs) if live is None else live
     for pos, ins in enumerate(instructions):
-        if not (0 <= ins.op < len(ops)) or not (0 <= ins.sub < subs):
+        p2p = isinstance(ins, (P2PStart, P2PSync))
+        if (ins.op not in (0, len(ops)) if p2p else not 0 <= ins.op < len(ops)) or not (0 <= ins.sub < subs):
             raise ScheduleError(f"#{pos} {ins}: op or sub-batch out of range")
         reads, writes = effects(ins, ops)
         for buf in reads:
             if buf not in live:
                 raise ScheduleError(f"#{pos} {ins}: reads {buf} before it is written")
         for buf in reads:
-            if buf[0] in ("graph", "comm"):  # consumed by their one reader
+            if buf[0] in ("graph", "comm", "p2p"):  # consumed by their one reader
                 live.discard(buf)
         live.update(writes)
 
@@ -71,6 +81,8 @@ def _check_complete(instructions: Sequence[Instruction], ops: Sequence[Op], subs
     fwd: Counter = Counter()
     bwd: Counter = Counter()
     for pos, ins in enumerate(instructions):
+        if isinstance(ins, (P2PStart, P2PSync)):
+            continue
         op = ops[ins.op]
         if isinstance(ins, Forward) or (isinstance(ins, StartAsync) and ins.phase == "forward"):
             if isinstance(ins, Forward) and forward_collective(op):
@@ -90,3 +102,95 @@ def _check_complete(instructions: Sequence[Instruction], ops: Sequence[Op], subs
                 raise ScheduleError(
                     f"op {i} ({ops[i].name}) sub-batch {sub}: {fwd[(i, sub)]} forwards, {bwd[(i, sub)]} backwards"
                 )
+
+
+# -- pipeline schedules ----------------------------------------------------------------
+def check_pipeline(pipe: PipelineSchedule, ops: Sequence[Op]) -> None:
+    """Raise :class:`ScheduleError` unless every micro-batch of one stage's pipeline
+    schedule is a valid schedule of its own: each half once, forward first; transfers
+    paired with their waits; nothing read before it is written or received (the first
+    stage starts from its empty input, the others from nothing); every op forward and
+    backward once per sub-batch; and only the transfers the stage's position allows."""
+    subs, body = pipe.sub_batches, pipe.body
+    allowed = {"recv_act": not body.first, "send_grad": not body.first, "send_act": not body.last,
+               "recv_grad": not body.last}
+    for half in ("F", "B"):
+        micros = [m for h, m in pipe.order if h == half]
+        if micros != list(range(pipe.micro_batches)):
+            raise ScheduleError(f"stage {pipe.stage}: the {half} halves run micro-batches {micros}; each must run "
+                                f"once, in micro-batch order")
+    for m in range(pipe.micro_batches):
+        if pipe.order.index(("F", m)) > pipe.order.index(("B", m)):
+            raise ScheduleError(f"stage {pipe.stage}: micro-batch {m}'s backward runs before its forward")
+    for step in pipe.steps:
+        if isinstance(step.ins, (P2PStart, P2PSync)) and not allowed[step.ins.kind]:
+            raise ScheduleError(f"stage {pipe.stage} of {pipe.stages}: {step}: no {step.ins.kind} on this stage")
+    for m in range(pipe.micro_batches):
+        instructions = [s.ins for s in pipe.steps if s.micro == m]
+        live = initial_buffers(subs) if body.first else set()
+        try:
+            _check_pairs(instructions)
+            _check_dataflow(instructions, ops, subs, live)
+            _check_complete(instructions, ops, subs)
+        except ScheduleError as err:
+            raise ScheduleError(f"stage {pipe.stage} micro-batch {m}: {err}") from None
+    if body.schedule.fine_grained:
+        for step in pipe.steps:
+            if isinstance(step.ins, StartAsync) and step.ins.phase == "recompute":
+                raise ScheduleError(f"{step}: collective inside a fine-grained recomputation")
+
+
+_PARTNER = {"send_act": ("recv_act", +1), "recv_act": ("send_act", -1),
+            "send_grad": ("recv_grad", -1), "recv_grad": ("send_grad", +1)}
+
+
+def check_pipeline_links(pipes: Sequence[PipelineSchedule]) -> None:
+    """Raise :class:`ScheduleError` unless the stages' schedules (stage 0 first) fit together.
+
+    1. On each link every send has a receive on the neighbour, in the same order
+       (NCCL matches point-to-point messages in issue order).
+    2. No deadlock: an abstract run of all stages, where a receive's wait blocks until the
+       neighbour started the matching send and -- conservatively, as a rendezvous
+       transport may -- a send's wait until the neighbour posted the receive, and
+       everything else runs (collectives stay inside one stage, whose TMP ranks all run
+       the same list), reaches the end of every stage's list.
+    """
+    if [p.stage for p in pipes] != list(range(len(pipes))) or any(p.stages != len(pipes) for p in pipes):
+        raise ScheduleError(f"expected the schedules of stages 0..{len(pipes) - 1} in order")
+    if len({p.micro_batches for p in pipes}) > 1:
+        raise ScheduleError(f"stages disagree on micro-batches: {[p.micro_batches for p in pipes]}")
+    for s in range(len(pipes) - 1):
+        a, b = pipes[s], pipes[s + 1]
+        for sender, kind, receiver, partner in ((a, "send_act", b, "recv_act"), (b, "send_grad", a, "recv_grad")):
+            sent, received = transfers(sender, kind), transfers(receiver, partner)
+            if sent != received:
+                first = next((i for i, (x, y) in enumerate(zip(sent, received)) if x != y), min(len(sent), len(received)))
+                raise ScheduleError(
+                    f"link {s}-{s + 1}: stage {sender.stage} sends {kind} (micro, sub) {sent[first:first + 3]} where stage "
+                    f"{receiver.stage} receives {received[first:first + 3]} (transfer #{first}); both sides must use one order")
+    _simulate(pipes)
+
+
+def _simulate(pipes: Sequence[PipelineSchedule]) -> None:
+    pos = [0] * len(pipes)
+    started: list[set[tuple]] = [set() for _ in pipes]  # (kind, micro, sub) started on each stage
+    while True:
+        moved = False
+        for s, pipe in enumerate(pipes):
+            while pos[s] < len(pipe.steps):
+                step = pipe.steps[pos[s]]
+                ins = step.ins
+                if isinstance(ins, P2PSync):
+                    partner, direction = _PARTNER[ins.kind]
+                    if (partner, step.micro, ins.sub) not in started[s + direction]:
+                        break
+                elif isinstance(ins, P2PStart):
+                    started[s].add((ins.kind, step.micro, ins.sub))
+                pos[s] += 1
+                moved = True
+        if all(p == len(pipe.steps) for p, pipe in zip(pos, pipes)):
+            return
+        if not moved:
+            blocked = ", ".join(f"stage {s} at #{p} {pipe.steps[p]}" for s, (p, pipe) in enumerate(zip(pos, pipes))
+                                if p < len(pipe.steps))
+            raise ScheduleError(f"deadlock: {blocked}")

@@ -10,13 +10,15 @@ Buffers, per operator index ``i`` and sub-batch ``sub``:
 * ``("grad", i, sub)``  gradient w.r.t. that input
 * ``("graph", i, sub)`` op ``i``'s autograd graph (inputs that require grad + outputs)
 * ``("comm", i, sub, phase)`` an in-flight collective
+* ``("p2p", kind, i, sub)`` an in-flight point-to-point transfer with a neighbouring
+  pipeline stage (``i``: 0 for the stage's input, the op count for its output)
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from oases_ds.models.ops import CommOp, Op
-from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
+from oases_ds.schedule.instructions import Backward, Forward, Instruction, P2PStart, P2PSync, Recompute, StartAsync, Sync
 
 Buffer = tuple
 
@@ -29,6 +31,8 @@ def initial_buffers(sub_batches: int) -> set[Buffer]:
 def effects(ins: Instruction, ops: Sequence[Op]) -> tuple[list[Buffer], list[Buffer]]:
     """(reads, writes) of one instruction."""
     i, sub = ins.op, ins.sub
+    if isinstance(ins, (P2PStart, P2PSync)):
+        return p2p_effects(ins)
     op = ops[i]
     is_compute = not isinstance(op, CommOp)
     if isinstance(ins, (Forward, Recompute)):
@@ -48,6 +52,19 @@ def effects(ins: Instruction, ops: Sequence[Op]) -> tuple[list[Buffer], list[Buf
         dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
         return [("comm", i, sub, ins.phase)], [dst]
     raise TypeError(f"unknown instruction {ins!r}")
+
+
+def p2p_effects(ins: P2PStart | P2PSync) -> tuple[list[Buffer], list[Buffer]]:
+    """(reads, writes) of a point-to-point instruction: a send reads the boundary buffer
+    and its sync nothing more; a receive's sync writes it."""
+    i, sub = ins.op, ins.sub
+    flight = ("p2p", ins.kind, i, sub)
+    boundary = {"recv_act": ("act", i, sub), "send_act": ("act", i, sub),
+                "recv_grad": ("grad", i, sub), "send_grad": ("grad", i, sub)}[ins.kind]
+    sending = ins.kind.startswith("send")
+    if isinstance(ins, P2PStart):
+        return ([boundary] if sending else []), [flight]
+    return [flight], ([] if sending else [boundary])
 
 
 def last_reads(instructions: Sequence[Instruction], ops: Sequence[Op]) -> list[list[Buffer]]:

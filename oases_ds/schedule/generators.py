@@ -225,10 +225,11 @@ def _cut(ops: Sequence[Op], starts: list[int], recompute: Callable[[int, int], b
 
 def layer_segments(ops: Sequence[Op]) -> list[Segment]:
     """Megatron full recomputation: one recomputed segment per transformer layer;
-    embedding and head kept (the head holds the loss and is backpropagated at once)."""
+    embedding and head kept (the head holds the loss and is backpropagated at once).
+    A pipeline stage may hold no embedding or no head; its layers are cut the same way."""
     layers = sorted({op.layer for op in ops if op.layer >= 0 and op.block in ("attn", "mlp")})
     starts = [next(i for i, op in enumerate(ops) if op.layer == layer) for layer in layers]
-    starts.append(next(i for i, op in enumerate(ops) if op.block == "head"))
+    starts += [i for i, op in enumerate(ops) if op.block == "head"][:1]
     in_layer = {i for i, op in enumerate(ops) if op.block in ("attn", "mlp")}
     return _cut(ops, starts, lambda a, b: a in in_layer, fine=False)
 
@@ -370,8 +371,12 @@ def _checked(spec: ScheduleSpec) -> ScheduleSpec:
     return spec
 
 
-def build_schedule(spec: ScheduleSpec, ops: Sequence[Op]) -> Schedule:
+def build_schedule(spec: ScheduleSpec, ops: Sequence[Op], ends_with_loss: bool = True) -> Schedule:
     """The instruction list of ``spec``'s schedule over ``ops`` (the registered generators below).
+
+    ``ends_with_loss=False``: ``ops`` are a pipeline stage before the last, whose output
+    is sent on and whose backward starts from the gradient received for it
+    (:mod:`oases_ds.schedule.pipeline` adds the transfers).
 
     ``none``                no recomputation, one batch, synchronous collectives.
     ``megatron``            full per-layer recomputation, synchronous; the recompute
@@ -383,8 +388,9 @@ def build_schedule(spec: ScheduleSpec, ops: Sequence[Op]) -> Schedule:
                             ``cross_pass`` / ``fine_grained_recompute`` switch each off.
     """
     entry = _REGISTRY[_checked(spec).name]
-    if not ops or not getattr(ops[-1], "is_loss", False):
-        raise ValueError("operator sequence must end with the loss operator")
+    if not ops or bool(getattr(ops[-1], "is_loss", False)) != ends_with_loss:
+        raise ValueError("operator sequence must end with the loss operator" if ends_with_loss else
+                         "a pipeline stage before the last must not hold the loss operator")
     return entry.generate(ops, entry.segments(ops, spec), spec)
 
 
