@@ -52,6 +52,29 @@ def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) ->
         raise OasesConfigError(f"oases.plan={oases.plan}: {err}" if oases.plan else f"model: {err}") from None
 
 
+def with_planned_stages(oases: OasesConfig, prefix: str = "oases.") -> OasesConfig:
+    """``oases`` with the stage split its plan carries.
+
+    ``oases-plan pipeline_stages=P`` balances the stages by the profiled costs and writes the
+    split into the plan (``Plan.stage_layers``); a run given that plan takes the split unless
+    ``oases.pipeline_layers`` names one, and a plan made for another stage count is refused
+    in one line (its degrees and memory were chosen for other stages).  ``prefix`` is how the
+    error names the keys: ``oases.`` in a DeepSpeed JSON, nothing on the ``oases-train`` line."""
+    if not oases.plan:
+        return oases
+    try:
+        plan = Plan.from_json(oases.plan)
+    except (OSError, ValueError):
+        return oases  # build_model / the CLI report an unreadable plan in one line
+    if plan.stages != oases.pipeline_stages:
+        raise OasesConfigError(f"{prefix}plan={oases.plan} was planned for {plan.stages} pipeline stages; this run has "
+                               f"{prefix}pipeline_stages={oases.pipeline_stages}: plan again with pipeline_stages="
+                               f"{oases.pipeline_stages} or run with pipeline_stages={plan.stages}")
+    if oases.pipeline_layers is None and plan.stage_layers is not None:
+        return oases.model_copy(update={"pipeline_layers": list(plan.stage_layers)})
+    return oases
+
+
 def _hf_checkpoint(model: Any) -> HFCheckpoint | None:
     """``model`` as a Hugging Face checkpoint to convert, if it is one (a ``transformers``
     model object or an :class:`HFCheckpoint`); an unsupported class is one line."""
@@ -101,7 +124,7 @@ def initialize(
     from deepspeed.runtime.config import DeepSpeedConfig
 
     cfg = _load_config(args, config, config_params)
-    oases = parse_oases_section(cfg.pop("oases", None))
+    oases = with_planned_stages(parse_oases_section(cfg.pop("oases", None)))
     check_batch_section(cfg)
     avoid_cpu_jit_builds(cfg)
     if args is not None and getattr(args, "deepspeed_config", None):

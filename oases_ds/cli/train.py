@@ -34,7 +34,7 @@ import oases_ds
 from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
 from oases_ds.cli.schema import ClusterSchema, DataSchema, MetricsSchema, ScheduleSchema, unset_schema_of
-from oases_ds.config import check_deepspeed_section, parse_oases_section
+from oases_ds.config import OasesConfigError, check_deepspeed_section, parse_oases_section
 from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
@@ -196,11 +196,10 @@ def validate(cfg: dict) -> None:
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
-        stages = cfg.get("pipeline_stages", 1)  # the key arrives with the pipeline runtime (issue 15)
-        if plan.stages != stages:
-            raise ValueError(f"plan={oases.plan} was planned for {plan.stages} pipeline stages; this run has "
-                             f"pipeline_stages={stages}: plan again with pipeline_stages={stages} or run with "
-                             f"pipeline_stages={plan.stages}")
+        try:
+            stages = oases_ds.with_planned_stages(oases, prefix="").stages(model.num_layers)
+        except OasesConfigError as err:
+            raise ValueError(str(err)) from None
         replicas = plan.devices // min(plan.block_degrees())
     sub_batches = oases.schedule_spec().effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):

@@ -247,3 +247,24 @@ def test_pipeline_keys_of_the_oases_section_are_validated_in_one_line():
             parse_oases_section({"enabled": True, **section}).stages(layers)
         assert str(err.value).startswith(expected), str(err.value)
         assert "\n" not in str(err.value)
+
+
+def test_a_staged_plan_gives_its_split_unless_pipeline_layers_names_one(tmp_path):
+    """``oases-plan pipeline_stages=2`` writes its balanced split into the plan; a run given
+    the plan takes it (``oases_ds.with_planned_stages``), an explicit ``pipeline_layers`` wins,
+    and a plan made for other stages is one line."""
+    import oases_ds
+    from oases_ds.config import OasesConfig, OasesConfigError
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "staged.json"
+    Plan((2, 2, 2, 2), (2, 2, 2, 2), 2, stage_layers=(1, 3)).to_json(path)
+    base = dict(enabled=True, tensor_parallel_size=2, plan=str(path))
+    planned = oases_ds.with_planned_stages(OasesConfig(**base, pipeline_stages=2))
+    assert [len(s.layers) for s in planned.stages(4)] == [1, 3]
+    explicit = oases_ds.with_planned_stages(OasesConfig(**base, pipeline_stages=2, pipeline_layers=[2, 2]))
+    assert [len(s.layers) for s in explicit.stages(4)] == [2, 2]
+    with pytest.raises(OasesConfigError, match=r"^oases.plan=.* was planned for 2 pipeline stages; this run has "
+                                               r"oases.pipeline_stages=1: plan again with pipeline_stages=1 or run with "
+                                               r"pipeline_stages=2$"):
+        oases_ds.with_planned_stages(OasesConfig(**base, pipeline_stages=1))
