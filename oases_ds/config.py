@@ -150,17 +150,6 @@ def check_deepspeed_section(config: dict) -> None:
     if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):
         raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set "
                                "oases.tensor_parallel_size / oases.pipeline_stages")
-    section = config.get("oases")
-    tmp = section.get("tensor_parallel_size", 1) if isinstance(section, dict) else 1
-    clip = config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, so absent means clipping
-    if (config.get("bf16") or {}).get("enabled", False) and stage == 0 and isinstance(tmp, int) and tmp > 1 and clip:
-        # DeepSpeed 0.19.8's bf16 wrapper at ZeRO 0 (FP16_UnfusedOptimizer) leaves TMP rank > 0's
-        # gradients out of the clipping norm (it looks for the model-parallel attribute on the
-        # gradient tensors, which never carry it): measured, it clipped with 1.47 where the true
-        # norm was 1.64 (tests/distributed/test_engine.py).  ZeRO 1 computes the norm correctly.
-        raise OasesConfigError(f"bf16 with zero_optimization.stage=0, oases.tensor_parallel_size={tmp} and "
-                               f"gradient_clipping={clip}: DeepSpeed's bf16 ZeRO-0 optimizer computes a wrong clipping "
-                               "norm under TMP; set zero_optimization.stage=1 (or gradient_clipping=0)")
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -175,24 +175,3 @@ def test_comm_op_accepts_the_four_region_patterns(forward, backward):
     x = torch.arange(4.0)
     assert torch.equal(op.apply(x), x)  # a group of one: every collective is an identity
 
-
-@pytest.mark.parametrize("config, refused", [
-    ({"bf16": {"enabled": True}, "oases": {"tensor_parallel_size": 2}}, True),  # clipping defaults to 1.0
-    ({"bf16": {"enabled": True}, "oases": {"tensor_parallel_size": 2}, "gradient_clipping": 0.5}, True),
-    ({"bf16": {"enabled": True}, "oases": {"tensor_parallel_size": 2}, "gradient_clipping": 0.0}, False),
-    ({"bf16": {"enabled": True}, "oases": {"tensor_parallel_size": 2}, "zero_optimization": {"stage": 1}}, False),
-    ({"bf16": {"enabled": True}, "oases": {"tensor_parallel_size": 1}}, False),
-    ({"oases": {"tensor_parallel_size": 2}}, False),
-])
-def test_bf16_zero0_clipping_under_tmp_is_refused(config, refused):
-    """DeepSpeed 0.19.8's bf16 ZeRO-0 optimizer leaves TMP rank > 0's gradients out of the
-    clipping norm (measured in tests/distributed/test_engine.py before this refusal); the
-    error names the fix."""
-    from oases_ds.config import OasesConfigError, check_deepspeed_section
-
-    if refused:
-        with pytest.raises(OasesConfigError, match=r"set zero_optimization.stage=1 \(or gradient_clipping=0\)") as err:
-            check_deepspeed_section(config)
-        assert "\n" not in str(err.value)
-    else:
-        check_deepspeed_section(config)
