@@ -18,9 +18,9 @@ profiles one layer per schedule on this machine (the planner's profiler, cached 
 ``.oases/profiles``), learns for every PP the stage split and each stage's TMP degrees
 from those measured costs (:func:`oases_ds.planner.stages.plan_stages`), and tabulates
 PP x TMP x DP: the 1F1B step plus the DP gradient reduction of the largest stage.  All
-of it SIMULATED.  The measured PP 2 x TMP 2 point needs the pipeline runtime;
-:func:`measured_pipeline_steps` is the hook that puts such oases-bench records (with
-``pipeline_stages``) beside the simulated rows once they exist.
+of it SIMULATED.  The measured points (``oases-bench --multirun experiment=weak_scaling_stages``:
+PP 1 and 2 x TMP 2, EMULATED link) sit beside the simulated rows through
+:func:`measured_pipeline_steps`, only when they ran the same model, micro-batch and m.
 
     python benchmarks/weak_scaling_sim.py --stages --pp 1,2,4 --dp 1,2,4,8,16,32,64
 """
@@ -151,15 +151,25 @@ def main(argv: list[str] | None = None) -> None:
 
 # -- stages: PP x TMP x DP, SIMULATED from measured per-layer costs ------------------------------
 STAGE_REPORT = "weak_scaling_stages_simulated"
-MEASURED_HOOK = ("measured PP x TMP x DP steps: oases-bench records (benchmarks/results/bench.jsonl) with "
-                 "`pipeline_stages` set, written once the pipeline runtime (issue 15) runs them; "
-                 "none yet -> the column says so")
+MEASURED_HOOK = ("the measured column: median steps of oases-bench records with `pipeline_stages` "
+                 "(`oases-bench --multirun experiment=weak_scaling_stages`) of the same model, micro-batch and m, "
+                 "on this 2-core machine with an EMULATED link -- \"not measured\" where none ran")
 
 
-def measured_pipeline_steps(path: str) -> dict[tuple[str, int, int], float]:
-    """The hook for the measured points: (schedule, PP, DP) -> median step s of every
-    oases-bench record that ran with ``pipeline_stages`` (none until the pipeline runtime
-    lands; then its weak-scaling records appear beside the simulated rows unchanged)."""
+def record_dims(record: dict, variant: dict) -> dict:
+    """What a measured step must share with a simulated row to stand beside it."""
+    model = record.get("config", {}).get("model", {})
+    return {"family": model.get("family"), "hidden_size": model.get("hidden_size"),
+            "num_layers": model.get("num_layers"), "seq_len": model.get("seq_len"),
+            "tmp": record.get("tensor_parallel_size"), "micro_batch": variant.get("micro_batch"),
+            "micro_batches": record.get("pipeline_micro_batches")}
+
+
+def measured_pipeline_steps(path: str, dims: dict | None = None) -> dict[tuple[str, int, int], float]:
+    """The measured points: (schedule, PP, DP) -> median step s of every oases-bench record
+    that says how many ``pipeline_stages`` it ran (records from before the pipeline runtime
+    do not, and ran one micro-batch per step); with ``dims``, only records whose
+    :func:`record_dims` agree with it on every key it names.  A later record wins."""
     found: dict[tuple[str, int, int], float] = {}
     if not os.path.exists(path):
         return found
@@ -170,6 +180,9 @@ def measured_pipeline_steps(path: str) -> dict[tuple[str, int, int], float]:
             if not stages:
                 continue
             for name, variant in record.get("variants", {}).items():
+                have = record_dims(record, variant)
+                if dims and any(have[k] != v for k, v in dims.items()):
+                    continue
                 found[name, int(stages), int(record.get("data_parallel_size", 1))] = variant["median_s"]
     return found
 
@@ -214,8 +227,11 @@ def stages_main(args: argparse.Namespace) -> None:
         print(f"{name}: {'reused' if reused else 'profiled'} {tables[name].key()}", flush=True)
     pp_list = [int(x) for x in args.pp.split(",")]
     dp_list = [int(x) for x in args.dp.split(",")]
+    dims = {"family": model.family, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
+            "seq_len": model.seq_len, "tmp": args.tmp, "micro_batch": args.micro_batch,
+            "micro_batches": args.micro_batches}
     rows = stage_rows(tables, pp_list, dp_list, args.micro_batches, args.micro_batch, model.seq_len, link,
-                      measured_pipeline_steps(args.results))
+                      measured_pipeline_steps(args.results, dims))
     today = date.today().isoformat()
     load = os.getloadavg()[0]
     lines = [
@@ -243,7 +259,7 @@ def stages_main(args: argparse.Namespace) -> None:
     for r in rows:
         first = base[r["schedule"], r["pp"]]
         eff = r["tokens_per_s"] / (r["dp"] / first["dp"] * first["tokens_per_s"])
-        measured = "not yet (pipeline runtime)" if r["measured_step_s"] is None else f"{r['measured_step_s']:.3f}"
+        measured = "not measured" if r["measured_step_s"] is None else f"{r['measured_step_s']:.3f}"
         lines.append(f"| {r['schedule']} | {r['pp']} x {r['tmp']} x {r['dp']} | {r['devices']} | {r['split']} | "
                      f"{', '.join(f'{t:.1f}' for t in r['stage_ms'])} | {r['pipeline_ms']:.1f} | {r['reduce_s']:.3f} | "
                      f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {eff:.0%} | {measured} |")
@@ -252,6 +268,14 @@ def stages_main(args: argparse.Namespace) -> None:
             f"{a['pp']}x{a['tmp']}x{a['dp']} {b['step_s'] / a['step_s']:.2f}x"
             for a in rows if a["schedule"] == "oases"
             for b in rows if b["schedule"] == "megatron" and (b["pp"], b["dp"]) == (a["pp"], a["dp"]))]
+    points = sorted({(r["pp"], r["dp"]) for r in rows if r["measured_step_s"] is not None})
+    if "oases" in tables and "megatron" in tables and points:
+        step = {(r["schedule"], r["pp"], r["dp"]): r["measured_step_s"] for r in rows}
+        lines += ["", f"MEASURED on this machine (EMULATED link, {os.cpu_count()} shared CPUs; `{args.results}`), "
+                  "Oases vs Megatron median step ratio: " + ", ".join(
+                      f"{pp}x{args.tmp}x{dp} {step['megatron', pp, dp] / step['oases', pp, dp]:.2f}x "
+                      f"({step['megatron', pp, dp]:.3f} s / {step['oases', pp, dp]:.3f} s)"
+                      for pp, dp in points if step.get(("megatron", pp, dp)) and step.get(("oases", pp, dp)))]
     lines.append("")
     path = os.path.join(args.out_dir, f"{STAGE_REPORT}-{today}.md")
     write_text_atomic(path, "\n".join(lines))

@@ -182,3 +182,37 @@ def lightning_pipeline_run(work_dir: str) -> dict:
                      "global_step": trainer.global_step, "layout": (ctx.pp_size, ctx.tp_size, ctx.dp_size),
                      "sampler": dict(trainer.strategy.distributed_sampler_kwargs)}
     return out
+
+
+def pipeline_link_worker(bandwidth_gbps: float, steps: int, micro_batches: int, micro: int,
+                         schedule: str = "oases") -> dict:
+    """PP 2 x TMP 1 (2 ranks): the same ``steps`` SGD steps without a link and with an
+    emulated one of ``bandwidth_gbps``; each run's step times, losses and final
+    parameters, and the activation bytes stage 1 received per step."""
+    import time
+
+    from oases_ds.parallel.link import LinkModel
+
+    ctx = ParallelContext.build(tensor_parallel_size=1, timeout_s=120, pipeline_stages=2)
+    cfg = tiny_config("gpt", 0.1, num_layers=2, seq_len=16, hidden_size=64)
+    stage = split_stages(cfg.num_layers, 2, None)[ctx.pp_rank]
+    out: dict = {"stage": ctx.pp_rank}
+    for name, link in (("plain", None), ("link", LinkModel(bandwidth_gbps, sharing="ring"))):
+        model = OperatorModel(cfg, group=ctx.tp_group, seed=7, stage=stage)
+        ex = PipelineExecutor.for_pipeline(model, ScheduleSpec(schedule), "1f1b", micro_batches,
+                                           StageLinks.of(ctx), link, rng=RNGTracker(seed=11))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        times, losses = [], []
+        for step in range(steps):
+            mbs, offsets = step_micro_batches(make_batch(cfg, micro * micro_batches, step), micro_batches, micro, 1, 0)
+            sgd.zero_grad()
+            torch.distributed.barrier()  # both stages start the step together
+            t0 = time.perf_counter()
+            losses.append(float(ex.run_step(mbs, offsets, micro * micro_batches)))
+            times.append(time.perf_counter() - t0)
+            sgd.step()
+            ex.rng.advance()
+        out[name] = {"times": times, "losses": losses,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                     "recv_bytes": ex.comm.stats.bytes_in("pipeline", "recv") // steps}
+    return out

@@ -53,7 +53,9 @@ from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.grads import all_reduce_grads
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.random import RNGTracker
+from oases_ds.models.stages import split_stages
 from oases_ds.runtime.executor import Executor
+from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.schedule.generators import ScheduleSpec
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
@@ -134,18 +136,41 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Everything one rank does: calibrate the link, then run the variants interleaved."""
     import resource  # local: Unix only, and only a measuring rank reads its peak RSS
 
-    ctx = ParallelContext.build(tensor_parallel_size=spec["tp"], timeout_s=spec["timeout_s"])
+    ctx = ParallelContext.build(tensor_parallel_size=spec["tp"], timeout_s=spec["timeout_s"],
+                                pipeline_stages=spec["pp"])
     cfg = ModelConfig(**spec["model"])
     data = TokenBatches(DataConfig(source="synthetic", seed=spec["seed"]), cfg.vocab_size, cfg.seq_len,
                         masked_lm=cfg.family == "bert")
-    dp = ctx.dp_size
-    batches = {v["micro_batch"]: data.batch(0, dp, ctx.dp_rank, v["micro_batch"]) for v in spec["variants"]}
+    dp, micro_steps = ctx.dp_size, spec["micro_steps"]
+    # Micro-batch a of DP rank r is slot a * dp + r of the step (as the engine lays them out);
+    # every stage and TMP rank of a pipeline reads the same ones.
+    batches = {v["micro_batch"]: [data.batch(0, dp * micro_steps, a * dp + ctx.dp_rank, v["micro_batch"])
+                                  for a in range(micro_steps)] for v in spec["variants"]}
+    stage = split_stages(cfg.num_layers, spec["pp"])[ctx.pp_rank] if spec["pp"] > 1 else None
 
     def build(variant: dict, link) -> tuple[Executor, OperatorModel]:
-        model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"])
         schedule = ScheduleSpec(variant["schedule"], variant["sub_batches"], variant["cross_pass"],
                                 variant["fine_grained_recompute"])
+        if stage is not None:
+            model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], stage=stage)
+            return PipelineExecutor.for_pipeline(model, schedule, spec["pipeline_schedule"], micro_steps,
+                                                 StageLinks.of(ctx), link, RNGTracker()), model
+        model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"])
         return Executor.for_schedule(model, schedule, link, RNGTracker()), model
+
+    def step(executor: Executor, micro: int) -> None:
+        """Forward and backward of the step's micro-batches (accumulated), without the DP sync."""
+        mbs = batches[micro]
+        if len(mbs) == 1 and stage is None:  # one micro-batch: the plain call, as before pipeline_micro_batches
+            executor.run(mbs[0])
+            return
+        offsets = [(a * dp + ctx.dp_rank) * micro for a in range(len(mbs))]
+        global_batch = micro * len(mbs) * dp
+        if isinstance(executor, PipelineExecutor):
+            executor.run_step(mbs, offsets, global_batch)
+        else:
+            for mb, offset in zip(mbs, offsets):
+                executor.run(mb, offset, global_batch)
 
     mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
     link = None
@@ -156,7 +181,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     elif mode == "scaled":
         calib_variant = {"schedule": "megatron", "sub_batches": 1, "cross_pass": True, "fine_grained_recompute": True}
         probe, _ = build(calib_variant, None)
-        batch = batches[spec["variants"][0]["micro_batch"]]
+        batch = batches[spec["variants"][0]["micro_batch"]][0]
         computes = []
         for _ in range(3):
             probe.comm.stats.reset()
@@ -190,7 +215,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
             executor.comm.stats.reset()
             dist.barrier(world_group)
             t0 = time.perf_counter()
-            executor.run(batches[mb_of[label]])
+            step(executor, mb_of[label])
             _flat_grad_sync(model, executor.comm, ctx.dp_group)
             dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
@@ -207,7 +232,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
             out[label]["gantt"] = [[e.lane, e.sub, round((e.start - t0) * 1e3, 3), round((e.end - t0) * 1e3, 3)]
                                    for e in executor.timeline.events]
         if spec["memory_probe"]:  # one extra, untimed step per variant
-            out[label]["peak_activation_bytes"] = ActivationProbe(executor, model).run(batches[mb_of[label]])
+            out[label]["peak_activation_bytes"] = ActivationProbe(executor, model).run(batches[mb_of[label]][0])
             model.zero_grad(set_to_none=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {"rank": ctx.rank, "variants": out, "emulation": emulation, "peak_rss_bytes": rss}
@@ -236,7 +261,7 @@ def assemble(spec: dict, config: dict, ranks: list[dict], wall_s: float) -> dict
         per_rank = [r["variants"][label] for r in ranks]
         steps = [max(ts) for ts in zip(*(p["step_s"] for p in per_rank))]  # a step ends when its last rank does
         med = statistics.median(steps)
-        tokens = v["micro_batch"] * model["seq_len"] * spec["dp"]
+        tokens = v["micro_batch"] * spec["micro_steps"] * model["seq_len"] * spec["dp"]
         entry = {
             **{k: v[k] for k in ("schedule", "sub_batches", "cross_pass", "fine_grained_recompute", "micro_batch")},
             "step_s": steps, "median_s": med, "min_s": min(steps), "max_s": max(steps),
@@ -254,13 +279,18 @@ def assemble(spec: dict, config: dict, ranks: list[dict], wall_s: float) -> dict
         "study": config["study"], "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "machine": machine(), "torch": torch.__version__,
         "config": config, "tensor_parallel_size": spec["tp"], "data_parallel_size": spec["dp"],
+        "pipeline_stages": spec["pp"], "pipeline_schedule": spec["pipeline_schedule"] if spec["pp"] > 1 else None,
+        "pipeline_micro_batches": spec["micro_steps"],
         "link_emulation": {"enabled": spec["emulation"]["mode"] != "off", "cluster": spec["cluster"],
                            **rank0["emulation"]},
         "variants": variants,
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
         "peak_rss_note": "process peak RSS (ru_maxrss) over the whole run, all variants together",
         "wall_s": wall_s,
-        "step_note": "step = forward + backward of one micro-batch per DP rank + DP gradient mean; no optimizer",
+        "step_note": (f"step = forward + backward of {spec['micro_steps']} micro-batch(es) per DP rank"
+                      + (f" through {spec['pp']} pipeline stages ({spec['pipeline_schedule']}), stage messages on the "
+                         f"same emulated link" if spec["pp"] > 1 else "")
+                      + " + DP gradient mean; no optimizer"),
     }
 
 
@@ -276,11 +306,11 @@ def append_jsonl(path: str, record: dict) -> None:
 
 
 def run_measurement(config: dict) -> dict[str, Any]:
-    """Validate, launch ``tp x dp`` rank processes, assemble and append the record; return it."""
+    """Validate, launch ``tp x dp x pp`` rank processes, assemble and append the record; return it."""
     spec = resolve(config)
     config = {**config, "out": config["out"] or default_out()}  # the record says where it went
     started = time.perf_counter()
-    ranks = launch(measure_rank, spec["tp"] * spec["dp"], (spec,), timeout_s=spec["timeout_s"],
+    ranks = launch(measure_rank, spec["tp"] * spec["dp"] * spec["pp"], (spec,), timeout_s=spec["timeout_s"],
                    threads_per_rank=config["threads_per_rank"])
     record = assemble(spec, config, ranks, time.perf_counter() - started)
     append_jsonl(config["out"], record)
@@ -300,7 +330,8 @@ def summary_lines(record: dict) -> list[str]:
         link = "no link emulation"
     m = record["config"]["model"]
     lines = [f"oases-bench {record['study']}: {m['family']} h={m['hidden_size']} L={m['num_layers']} s={m['seq_len']} | "
-             f"TMP {record['tensor_parallel_size']} x DP {record['data_parallel_size']} | {link}"]
+             f"PP {record.get('pipeline_stages', 1)} x TMP {record['tensor_parallel_size']} x DP "
+             f"{record['data_parallel_size']} | {link}"]
     variants = record["variants"]
     base = next(iter(variants.values()))["median_s"]
     lines.append(f"{'variant':<24}{'median s':>10}{'min':>8}{'max':>8}{'speedup':>9}{'tok/s':>9}{'exposed':>9}{'util':>7}")

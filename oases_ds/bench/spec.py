@@ -22,6 +22,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.parallel.topology import Topology
 from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.schedule.pipeline import registered_pipelines
 
 # The Hydra configs ship inside the package (``oases_ds/configs``; the repository's
 # top-level ``configs`` is a link to it), so the CLIs work from a wheel as well as a clone.
@@ -72,9 +73,24 @@ def resolve(cfg: dict) -> dict[str, Any]:
     """Validate everything against the library's own types; raise ValueError with one line."""
     model = ModelConfig(**cfg["model"])
     tp, dp = cfg["tensor_parallel_size"], cfg["data_parallel_size"]
+    pp, micro_steps = cfg.get("pipeline_stages", 1), cfg.get("pipeline_micro_batches", 1)
     if tp < 1 or dp < 1:
         raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tp} and {dp}")
-    Topology(tp * dp, tp)
+    if pp < 1 or micro_steps < 1:
+        raise ValueError(f"pipeline_stages and pipeline_micro_batches must be >= 1, got {pp} and {micro_steps}")
+    if pp > model.num_layers:
+        raise ValueError(f"pipeline_stages={pp} exceeds model.num_layers={model.num_layers}: every stage needs a "
+                         f"layer; lower pipeline_stages")
+    pipeline = cfg.get("pipeline_schedule", "1f1b")
+    if pp > 1 and pipeline not in registered_pipelines():
+        raise ValueError(f"pipeline_schedule={pipeline!r} unknown; choose one of {', '.join(registered_pipelines())}")
+    if pp > 1 and cfg["emulation"]["mode"] == "scaled":
+        raise ValueError("emulation.mode=scaled calibrates on a model without stages; with pipeline_stages > 1 use "
+                         "emulation.mode=literal (a fixed link, e.g. cluster=cpu_fixed_link) or off")
+    if cfg["memory_probe"] and (pp > 1 or micro_steps > 1):
+        raise ValueError("memory_probe measures one micro-batch without stages; set memory_probe=false with "
+                         "pipeline_stages or pipeline_micro_batches > 1")
+    Topology(tp * dp * pp, tp, pp)
     model.check_tp(tp)
     mode = cfg["emulation"]["mode"]
     if mode not in EMULATION_MODES:
@@ -97,7 +113,7 @@ def resolve(cfg: dict) -> dict[str, Any]:
         if reference_tp(cluster, ref) < 2:
             raise ValueError("the reference TMP degree (cluster.tensor_parallel_size or "
                              "emulation.reference.tensor_parallel_size) must be >= 2: no TMP, nothing to emulate")
-    if mode != "off" and tp * dp == 1:
+    if mode != "off" and tp * dp * pp == 1:
         raise ValueError("link emulation needs at least 2 ranks; use emulation.mode=off for one process")
     if not cfg["schedules"]:
         raise ValueError("schedules is empty; name at least one preset from configs/schedule")
@@ -120,7 +136,8 @@ def resolve(cfg: dict) -> dict[str, Any]:
     if cfg["warmup"] < 0:
         raise ValueError(f"warmup must be >= 0, got {cfg['warmup']}")
     return {
-        "model": model.to_dict(), "tp": tp, "dp": dp, "variants": variants, "cluster": cluster,
+        "model": model.to_dict(), "tp": tp, "dp": dp, "pp": pp, "pipeline_schedule": pipeline,
+        "micro_steps": micro_steps, "variants": variants, "cluster": cluster,
         "emulation": cfg["emulation"], "warmup": cfg["warmup"], "repeats": cfg["repeats"],
         "memory_probe": cfg["memory_probe"], "gantt": cfg["gantt"], "seed": cfg["seed"], "timeout_s": cfg["timeout_s"],
     }

@@ -61,6 +61,9 @@ class BenchSchema:
     micro_batch: int = 8
     tensor_parallel_size: int = 2
     data_parallel_size: int = 1
+    pipeline_stages: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_micro_batches: int = 1
     warmup: int = 1
     repeats: int = 5
     threads_per_rank: int = 1

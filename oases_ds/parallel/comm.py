@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from oases_ds.parallel.collectives import (Group, Pending, group_size, start_all_gather, start_all_reduce, start_recv,
                                            start_send)
-from oases_ds.parallel.link import LinkEmulator, LinkModel
+from oases_ds.parallel.link import LinkEmulator, LinkModel, P2PEmulator
 
 PHASES = ("forward", "recompute", "backward", "loss", "reshard", "grad_sync", "pipeline")
 
@@ -64,6 +64,7 @@ class Communicator:
         self.link = link
         self.stats = CommStats()
         self._emulator = LinkEmulator(link) if link is not None else None
+        self._p2p = P2PEmulator(link) if link is not None else None
 
     @property
     def emulated(self) -> bool:
@@ -78,16 +79,21 @@ class Communicator:
         return self._wrap("all_gather", tensor, group, phase, start_all_gather(tensor, group, dim))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Group) -> Pending:
-        """Point-to-point send to the neighbouring pipeline stage ``dst`` (counted under
-        phase ``pipeline``; never held to the emulated link, which models collectives)."""
-        self.stats.add("pipeline", "send", tensor.numel() * tensor.element_size())
-        return start_send(tensor, dst, group)
+        """Point-to-point send to the neighbouring pipeline stage ``dst``, counted under
+        phase ``pipeline`` and, with a link, held to it (:class:`P2PEmulator`)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.add("pipeline", "send", nbytes)
+        if self._p2p is None:
+            return start_send(tensor, dst, group)
+        return self._p2p.send(nbytes, dist.get_rank(), dst, group, lambda: start_send(tensor, dst, group))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, group: Group) -> Pending:
         """Post the receive from the neighbouring pipeline stage ``src`` (see :meth:`send`)."""
-        pending = start_recv(shape, dtype, device, src, group)
-        self.stats.add("pipeline", "recv", torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
-        return pending
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.stats.add("pipeline", "recv", nbytes)
+        if self._p2p is None:
+            return start_recv(shape, dtype, device, src, group)
+        return self._p2p.recv(nbytes, src, dist.get_rank(), group, lambda: start_recv(shape, dtype, device, src, group))
 
     def _wrap(self, kind: str, tensor: torch.Tensor, group: Group, phase: str, pending: Pending) -> Pending:
         ranks = group_size(group)

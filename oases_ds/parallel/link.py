@@ -11,11 +11,15 @@ runs (its result is what is used) and its handle's ``wait`` then sleeps --
 without burning CPU -- until the link's deadline.  How collectives in flight
 together share the link is the model's ``sharing`` (fifo, fair, ring).  Results
 produced under emulation must say so (``Communicator.emulated``).
+
+:class:`P2PEmulator` holds the point-to-point messages between pipeline stages to
+the same link model: a stage boundary that crosses the slow link pays for it.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,11 +65,15 @@ class LinkModel:
     def wire_bytes(self, kind: str, nbytes: int, ranks: int) -> float:
         if ranks <= 1:
             return 0.0
+        if kind == "p2p":  # one message from one rank to its neighbour: every byte crosses once
+            return float(nbytes)
         factor = 2.0 * (ranks - 1) / ranks if kind == "all_reduce" else (ranks - 1) / ranks
         return factor * nbytes
 
     def ring_steps(self, kind: str, ranks: int) -> int:
         """Sequential steps of the ring algorithm for ``kind`` over ``ranks`` ranks."""
+        if kind == "p2p":
+            return 1
         return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
 
     def seconds(self, kind: str, nbytes: int, ranks: int) -> float:
@@ -121,9 +129,7 @@ class LinkEmulator:
     def hold(self, kind: str, nbytes: int, ranks: int, group: Group, pending: Pending) -> Pending:
         """``pending`` (a ``kind`` collective of ``nbytes`` over ``ranks`` ranks), completing
         no earlier than the link allows."""
-        if dist.get_backend(group) != "gloo":
-            raise ValueError("oases.link (link emulation) needs the gloo backend: on NCCL a handle's wait() does not "
-                             "block the host, so there is nothing to hold to a deadline; remove oases.link")
+        _require_gloo(group)
         # A real transfer starts when the *last* rank has issued it, not this one:
         # ranks of an overlapped schedule drift apart, and counting from the local
         # issue time made overlapped schedules look up to ~25% faster than on a
@@ -217,3 +223,92 @@ class LinkEmulator:
         start = max(time.perf_counter() if now is None else now, self._link_free_at)
         self._link_free_at = start + seconds
         return self._link_free_at
+
+
+class _P2PMessage:
+    """One point-to-point message in one direction; ``sent_at`` is the sender's issue
+    time, known to the receiver only once the stamp sent ahead of the payload arrived."""
+
+    def __init__(self, seconds: float, stamp: torch.Tensor, stamp_work: dist.Work | None) -> None:
+        self.seconds = seconds
+        self.stamp = stamp
+        self.stamp_work = stamp_work
+        self.arrival: float | None = None
+
+
+class _P2PPending(Pending):
+    def __init__(self, inner: Pending, emulator: "P2PEmulator", direction: tuple[int, int],
+                 message: _P2PMessage) -> None:
+        super().__init__(None, inner.wait)
+        self._emulator = emulator
+        self._direction = direction
+        self._message = message
+
+    def wait(self) -> torch.Tensor:
+        result = super().wait()
+        delay = self._emulator.arrival(self._direction, self._message) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return result
+
+
+class P2PEmulator:
+    """Holds the pipeline's point-to-point messages to a :class:`LinkModel`.
+
+    Each direction between two ranks is its own link, served first come first
+    served: a message starts when its *sender* issued it (or when the previous
+    message of that direction has left the link) and arrives ``latency + bytes /
+    bandwidth`` later.  Both ends run this same simulation -- messages of one
+    direction are matched in issue order -- so the send's ``wait`` (the data has
+    left) and the receive's ``wait`` (it has arrived) end at the same deadline.
+    The receiver learns the sender's issue time from an 8-byte stamp sent just ahead
+    of the payload (``perf_counter`` is CLOCK_MONOTONIC, shared by the processes of
+    one machine -- the emulator's scope).  Why not :class:`LinkEmulator`: its
+    issue-time exchange is a collective over a group, but a middle stage talks to
+    two neighbours in an order neither shares.  Simplification: a receive posted
+    after the message was sent finds it arrived (as an eager transport would); the
+    stage links do not share bandwidth with the TMP collectives (other ranks' links).
+    """
+
+    def __init__(self, link: LinkModel) -> None:
+        self.link = link
+        self._free_at: dict[tuple[int, int], float] = {}
+        self._queued: dict[tuple[int, int], list[_P2PMessage]] = {}
+
+    def send(self, nbytes: int, src: int, dst: int, group: Group, start_payload: Callable[[], Pending]) -> Pending:
+        """Send the issue-time stamp to ``dst``, then the payload (``start_payload``)."""
+        _require_gloo(group)
+        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        stamp_work = dist.isend(stamp, dst, group=group)
+        message = _P2PMessage(self.link.seconds("p2p", nbytes, 2), stamp, stamp_work)
+        return self._enqueue((src, dst), message, start_payload())
+
+    def recv(self, nbytes: int, src: int, dst: int, group: Group, start_payload: Callable[[], Pending]) -> Pending:
+        """Post the receive of ``src``'s stamp, then of the payload (``start_payload``)."""
+        _require_gloo(group)
+        stamp = torch.empty(1, dtype=torch.float64)
+        stamp_work = dist.irecv(stamp, src, group=group)
+        message = _P2PMessage(self.link.seconds("p2p", nbytes, 2), stamp, stamp_work)
+        return self._enqueue((src, dst), message, start_payload())
+
+    def _enqueue(self, direction: tuple[int, int], message: _P2PMessage, pending: Pending) -> Pending:
+        self._queued.setdefault(direction, []).append(message)
+        return _P2PPending(pending, self, direction, message)
+
+    def arrival(self, direction: tuple[int, int], message: _P2PMessage) -> float:
+        """When ``message`` has crossed its direction's link: settle every earlier
+        message of that direction first (FIFO), whatever order they are waited in."""
+        queue = self._queued.setdefault(direction, [])
+        while message.arrival is None:
+            head = queue.pop(0)
+            if head.stamp_work is not None:
+                head.stamp_work.wait()
+            start = max(float(head.stamp[0]), self._free_at.get(direction, 0.0))
+            head.arrival = self._free_at[direction] = start + head.seconds
+        return message.arrival
+
+
+def _require_gloo(group: Group) -> None:
+    if dist.get_backend(group) != "gloo":
+        raise ValueError("oases.link (link emulation) needs the gloo backend: on NCCL a handle's wait() does not "
+                         "block the host, so there is nothing to hold to a deadline; remove oases.link")

@@ -125,3 +125,51 @@ def test_a_settled_deadline_waits_for_no_later_collective():
         emulator.deadline(b)  # settles a as well
         emulator._unresolved.append(_LinkMessage(1.0, torch.tensor([5.0], dtype=torch.float64), Unissued(), 2))
         assert emulator.deadline(a) == a.deadline
+
+
+def test_p2p_messages_of_one_direction_cross_its_link_one_after_the_other():
+    """The stage-boundary link: each direction FIFO from the *sender's* issue time, whatever
+    order the waits come in; another direction is another link."""
+    import torch
+
+    from oases_ds.parallel.link import P2PEmulator, _P2PMessage
+
+    link = LinkModel(bandwidth_gbps=8.0, latency_us=100_000)  # 1 GB/s, 0.1 s latency
+    assert link.wire_bytes("p2p", 1000, 2) == 1000 and link.ring_steps("p2p", 2) == 1
+    emulator = P2PEmulator(link)
+
+    def message(direction, sent_at, nbytes):
+        m = _P2PMessage(link.seconds("p2p", nbytes, 2), torch.tensor([sent_at], dtype=torch.float64), None)
+        emulator._queued.setdefault(direction, []).append(m)
+        return m
+
+    a, b = message((0, 1), 0.0, 10**9), message((0, 1), 0.5, 10**9)
+    back = message((1, 0), 0.0, 10**9)
+    assert emulator.arrival((0, 1), b) == pytest.approx(2.2)  # waits behind a (0 -> 1.1), then 1.1 s
+    assert a.arrival == pytest.approx(1.1)
+    assert emulator.arrival((1, 0), back) == pytest.approx(1.1)  # the other direction was idle
+    late = message((0, 1), 10.0, 10**9)
+    assert emulator.arrival((0, 1), late) == pytest.approx(11.1)
+
+
+@pytest.mark.distributed
+def test_pipeline_messages_are_held_to_the_emulated_link_without_changing_results():
+    """PP 2 x TMP 1, 1F1B with the Oases schedule inside, 4 micro-batches: on a link slow
+    enough that a step's activations need ~0.5 s to cross it, each stage's step lasts at
+    least (bytes it received per step) / bandwidth (5% slack for the barrier's skew between
+    the stages' clocks starts), while the same run without a link is faster than that;
+    losses and trained parameters are bit-identical (the emulator only delays)."""
+    import torch
+
+    import pipeline_workers
+
+    bandwidth_gbps = 0.001
+    per_rank = launch(pipeline_workers.pipeline_link_worker, 2, (bandwidth_gbps, 2, 4, 4), timeout_s=300)
+    for res in per_rank:
+        bound = res["link"]["recv_bytes"] * 8 / (bandwidth_gbps * 1e9)
+        assert bound > 0.4, f"stage {res['stage']}: the test's link is too fast to tell ({bound:.3f} s)"
+        assert min(res["link"]["times"]) >= 0.95 * bound, (res["stage"], res["link"]["times"], bound)
+        assert max(res["plain"]["times"]) < bound, (res["stage"], res["plain"]["times"], bound)
+        assert res["link"]["losses"] == res["plain"]["losses"]
+        for name, value in res["plain"]["params"].items():
+            assert torch.equal(value, res["link"]["params"][name]), name

@@ -111,6 +111,37 @@ def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
     assert all(phase_bytes(v, "grad_sync") > 0 for v in record["variants"].values())
 
 
+@pytest.mark.distributed
+def test_weak_scaling_with_pipeline_stages_runs_pp2_tmp2(tmp_path):
+    """PP 2 x TMP 2 (4 ranks), 1F1B over 2 micro-batches: the record says its stages and m,
+    counts its tokens over every micro-batch, and the stage messages were sent (rank 0 is a
+    first-stage rank) on the emulated link the record names."""
+    out = tmp_path / "lines.jsonl"
+    record = measure.run_measurement(bench.compose_config(
+        ["experiment=weak_scaling_stages", "pipeline_stages=2", "pipeline_micro_batches=2", "model.num_layers=2",
+         *SMOKE, f"out={out}"]))
+    assert record["pipeline_stages"] == 2 and record["pipeline_schedule"] == "1f1b"
+    assert record["pipeline_micro_batches"] == 2 and len(record["peak_rss_bytes_per_rank"]) == 4
+    assert record["link_emulation"]["enabled"] and record["link_emulation"]["mode"] == "literal"
+    for v in record["variants"].values():
+        assert v["tokens_per_step"] == v["micro_batch"] * 2 * record["config"]["model"]["seq_len"]
+        assert phase_bytes(v, "pipeline") > 0 and phase_bytes(v, "forward") > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"pipeline_stages": 2, "emulation": {"mode": "scaled"}}, "emulation.mode=scaled calibrates on a model without stages"),
+    ({"pipeline_stages": 2, "pipeline_schedule": "zigzag"}, "pipeline_schedule='zigzag' unknown"),
+    ({"pipeline_stages": 9}, "pipeline_stages=9 exceeds model.num_layers=8"),
+    ({"pipeline_micro_batches": 2, "memory_probe": True}, "memory_probe measures one micro-batch without stages"),
+])
+def test_pipeline_bench_settings_are_refused_in_one_line(override, message):
+    cfg = bench.compose_config(["experiment=weak_scaling_stages"])
+    for key, value in override.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bench_spec.resolve(cfg)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -263,6 +294,15 @@ def test_weak_scaling_with_stages_rows_and_the_measured_hook(tmp_path):
                                     "variants": {"oases": {"median_s": 1.25}}}) + "\n" + _json.dumps({"study": "x"}) + "\n")
     measured = sim.measured_pipeline_steps(str(results))
     assert measured == {("oases", 2, 1): 1.25}
+    staged = {"study": "weak_scaling_stages", "pipeline_stages": 1, "data_parallel_size": 2, "tensor_parallel_size": 2,
+              "pipeline_micro_batches": 4, "config": {"model": {"family": "gpt", "hidden_size": 128, "num_layers": 8,
+                                                               "seq_len": 128}},
+              "variants": {"megatron": {"median_s": 2.5, "micro_batch": 4}}}
+    other = {**staged, "pipeline_micro_batches": 8, "variants": {"megatron": {"median_s": 9.0, "micro_batch": 4}}}
+    results.write_text("\n".join(_json.dumps(r) for r in (staged, other)) + "\n")
+    dims = {"num_layers": 8, "tmp": 2, "micro_batch": 4, "micro_batches": 4}
+    assert sim.measured_pipeline_steps(str(results), dims) == {("megatron", 1, 2): 2.5}  # m = 8 ran other dims
+    assert sim.measured_pipeline_steps(str(results), {**dims, "micro_batch": 8}) == {}
     table = random_table(3, 4)
     link = LinkModel(1.0, 10.0)
     rows = sim.stage_rows({"oases": table}, [1, 2], [1, 4], 6, 8, 16, link, measured)
