@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from datetime import date
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,7 @@ from oases_ds.models.operator_model import OperatorModel  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
 from oases_ds.bench.provenance import git_commit, machine  # noqa: E402
 from oases_ds.bench.spec import load_preset  # noqa: E402
-from oases_ds.planner.costs import STATE_BYTES_PER_PARAM  # noqa: E402
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM, CostTable  # noqa: E402
 from oases_ds.planner.profile import ProfileSpec, profile  # noqa: E402
 from oases_ds.planner.stages import PipelineSpec, p2p_ms, plan_stages  # noqa: E402
 from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     stages.add_argument("--micro-batches", type=int, default=8, help="m per pipeline and step")
     stages.add_argument("--warmup", type=int, default=1)
     stages.add_argument("--repeats", type=int, default=5)
+    stages.add_argument("--degrees", choices=("uniform", "learnt"), default="uniform",
+                        help="uniform: every block at TMP degree --tmp, as the measured runs (oases-bench) train; "
+                             "learnt: plan_stages also picks each block's degree")
+    stages.add_argument("--sharing", default="ring",
+                        help="link sharing for the profile; ring is oases-bench's default, so the measured column ran with it")
     stages.add_argument("--cache-dir", default=os.path.join(ROOT, ".oases", "profiles"))
     stages.add_argument("--timeout-s", type=float, default=900.0)
     stages.add_argument("--stages-json-out",
@@ -187,14 +193,21 @@ def measured_pipeline_steps(path: str, dims: dict | None = None) -> dict[tuple[s
     return found
 
 
+def uniform_table(table: CostTable) -> CostTable:
+    """``table`` with only its full degree T: every block at the TMP degree the measured runs use."""
+    full = table.devices
+    return replace(table, degrees=(full,), blocks={kind: {full: costs[full]} for kind, costs in table.blocks.items()})
+
+
 def stage_rows(tables: dict, pp_list: list[int], dp_list: list[int], micro_batches: int, micro_batch: int,
-               seq_len: int, link: LinkModel, measured: dict) -> list[dict]:
+               seq_len: int, link: LinkModel, measured: dict, degrees: str = "uniform") -> list[dict]:
     """For each schedule, PP and DP: the stage split learnt from the schedule's measured table
     (:func:`oases_ds.planner.stages.plan_stages`), its 1F1B step, plus the DP gradient
     all-reduce of the largest stage (stages reduce at once, each over its own DP group; not
     overlapped, as the engine runs it)."""
     rows = []
     for name, table in tables.items():
+        table = uniform_table(table) if degrees == "uniform" else table
         for pp in pp_list:
             pipeline = PipelineSpec(pp, micro_batches, p2p_ms(table))
             staged = plan_stages(table, pipeline, None)
@@ -206,7 +219,7 @@ def stage_rows(tables: dict, pp_list: list[int], dp_list: list[int], micro_batch
                 step_s = staged.step_ms / 1e3 + reduce_s
                 tokens = dp * micro_batches * micro_batch * seq_len
                 rows.append({"schedule": name, "pp": pp, "tmp": table.devices, "dp": dp,
-                             "devices": pp * table.devices * dp, "split": staged.layer_counts(),
+                             "devices": pp * table.devices * dp, "split": staged.layer_counts(), "degrees": degrees,
                              "stage_ms": [round(s.step_ms, 3) for s in staged.stages], "pipeline_ms": staged.step_ms,
                              "reduce_s": reduce_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
                              "measured_step_s": measured.get((name, pp, dp)), "simulated": True})
@@ -217,7 +230,7 @@ def stages_main(args: argparse.Namespace) -> None:
     """PP x TMP x DP weak scaling, every number SIMULATED from per-layer costs measured here."""
     model = ModelConfig(**{**load_preset("model", args.model), "num_layers": args.layers})
     cluster = load_preset("cluster", args.cluster)
-    link = LinkModel(**cluster["link"])
+    link = LinkModel(**{**cluster["link"], "sharing": args.sharing})
     tables = {}
     for name in args.schedules.split(","):
         spec = ProfileSpec(model=model, devices=args.tmp, micro_batch=args.micro_batch,
@@ -231,7 +244,7 @@ def stages_main(args: argparse.Namespace) -> None:
             "seq_len": model.seq_len, "tmp": args.tmp, "micro_batch": args.micro_batch,
             "micro_batches": args.micro_batches}
     rows = stage_rows(tables, pp_list, dp_list, args.micro_batches, args.micro_batch, model.seq_len, link,
-                      measured_pipeline_steps(args.results, dims))
+                      measured_pipeline_steps(args.results, dims), args.degrees)
     today = date.today().isoformat()
     load = os.getloadavg()[0]
     lines = [
@@ -243,8 +256,10 @@ def stages_main(args: argparse.Namespace) -> None:
         f"at every TMP degree of {args.tmp} ranks, micro-batch {args.micro_batch}, EMULATED link "
         f"{link.bandwidth_gbps:g} Gbit/s + {link.latency_us:g} us (cluster `{cluster['name']}`); "
         f"table keys: {', '.join(t.key() for t in tables.values())}",
-        f"- a {args.layers}-layer model; for each PP the stage split and each stage's TMP degrees are LEARNT from those "
-        f"costs by `oases_ds.planner.stages.plan_stages` (exact; no memory limit; head/embedding not in a profile: 0)",
+        f"- a {args.layers}-layer model; for each PP the stage split"
+        + (" and each stage's TMP degrees are" if args.degrees == "learnt" else f" is (every block at TMP degree {args.tmp}, as "
+           "the measured runs train)") + " LEARNT from those costs by `oases_ds.planner.stages.plan_stages` (exact; no memory "
+        f"limit; head/embedding not in a profile: 0); link sharing `{args.sharing}`",
         f"- step = 1F1B over m = {args.micro_batches} micro-batches (sum of stage times + (m-1) x slowest, p2p on the same "
         f"link) + ring AllReduce of the largest stage's fp32 gradients over DP ranks (not overlapped)",
         "- weak scaling: every DP replica keeps m micro-batches, so the global batch grows with DP",
