@@ -305,14 +305,17 @@ def test_weak_scaling_with_stages_rows_and_the_measured_hook(tmp_path):
     assert sim.measured_pipeline_steps(str(results), {**dims, "micro_batch": 8}) == {}
     table = random_table(3, 4)
     link = LinkModel(1.0, 10.0)
-    rows = sim.stage_rows({"oases": table}, [1, 2], [1, 4], 6, 8, 16, link, measured)
-    by = {(r["pp"], r["dp"]): r for r in rows}
-    for pp in (1, 2):
-        expected = plan_stages(table, PipelineSpec(pp, 6, p2p_ms(table)), None)
-        assert by[pp, 1]["pipeline_ms"] == pytest.approx(expected.step_ms) and by[pp, 1]["reduce_s"] == 0
-        assert by[pp, 1]["split"] == expected.layer_counts() and by[pp, 4]["reduce_s"] > 0
-        assert by[pp, 4]["step_s"] == pytest.approx(expected.step_ms / 1e3 + by[pp, 4]["reduce_s"])
-    assert by[2, 1]["measured_step_s"] == 1.25 and by[1, 1]["measured_step_s"] is None
+    uniform = sim.uniform_table(table)  # what the measured runs train: every block at T
+    assert uniform.degrees == (table.devices,) and uniform.blocks["attn"][4] == table.blocks["attn"][4]
+    for degrees, planned in (("learnt", table), ("uniform", uniform)):
+        rows = sim.stage_rows({"oases": table}, [1, 2], [1, 4], 6, 8, 16, link, measured, degrees)
+        by = {(r["pp"], r["dp"]): r for r in rows}
+        for pp in (1, 2):
+            expected = plan_stages(planned, PipelineSpec(pp, 6, p2p_ms(table)), None)
+            assert by[pp, 1]["pipeline_ms"] == pytest.approx(expected.step_ms) and by[pp, 1]["reduce_s"] == 0
+            assert by[pp, 1]["split"] == expected.layer_counts() and by[pp, 4]["reduce_s"] > 0
+            assert by[pp, 4]["step_s"] == pytest.approx(expected.step_ms / 1e3 + by[pp, 4]["reduce_s"])
+        assert by[2, 1]["measured_step_s"] == 1.25 and by[1, 1]["measured_step_s"] is None
 
 
 NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")  # 3,757 is one number
