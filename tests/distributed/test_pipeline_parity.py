@@ -1,7 +1,7 @@
 """Pipeline stages against the unsharded single-process reference, on real gloo ranks.
 
-PP 2 x TMP 2 (4 ranks) and PP 2 x TMP 1 x DP 2 (4 ranks); the TMP schedules ``none``,
-``megatron`` and ``oases`` inside each stage; 1F1B and GPipe; GPT and LLaMA with dropout
+PP 2 x TMP 2 (4 ranks) and PP 2 x TMP 1 x DP 2 (4 ranks); every registered TMP schedule (``none``,
+``megatron``, ``megatron_selective``, ``split_overlap``, ``oases``) inside each stage; 1F1B and GPipe; GPT and LLaMA with dropout
 on; 3 SGD steps of 4 accumulated micro-batches.  After every step each stage's
 gradients (gathered over TMP, averaged over DP, divided by the micro-batch count as
 DeepSpeed's accumulation does) must match the reference's, trained on the whole global
@@ -16,7 +16,7 @@ import pipeline_workers
 from oases_ds.launcher import launch
 
 FAMILIES = ["gpt", "llama"]
-SCHEDULES = ["none", "megatron", "oases"]
+SCHEDULES = ["none", "megatron", "megatron_selective", "split_overlap", "oases"]  # every registered TMP schedule
 PIPELINES = ["1f1b", "gpipe"]
 LAYOUTS = {"pp2_tp2": (2, 2), "pp2_dp2": (1, 2)}  # name: (tp, pp), 4 ranks each
 TOL = 1e-5
