@@ -51,6 +51,7 @@ sys.path.insert(0, ROOT)
 from oases_ds.bench import e2e  # noqa: E402
 from oases_ds.bench.netns import Unavailable, VethPair, payload_fraction, run_ranks  # noqa: E402
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
+from oases_ds.utils.rounds import rotated  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 README = os.path.join(ROOT, "benchmarks", "README.md")
@@ -125,7 +126,7 @@ def measure(opts: e2e.E2EOptions, model: dict, emulate: bool, want_autotp: bool,
 
     with VethPair(opts.mtu) if not emulate else _NoPair() as pair:
         for rnd in range(opts.rounds):
-            for link in e2e.order(list(opts.links), rnd):
+            for link in rotated(list(opts.links), rnd):
                 rate = e2e.LINKS[link]
                 if not emulate:
                     if rate:
@@ -134,7 +135,7 @@ def measure(opts: e2e.E2EOptions, model: dict, emulate: bool, want_autotp: bool,
                         pair.unshape()
                 groups = ["executor"] + (["autotp"] if want_autotp and result["autotp"]["status"] == "ok"
                                          and (not emulate or rate is None) else [])
-                for group in e2e.order(groups, rnd):
+                for group in rotated(groups, rnd):
                     t0 = time.perf_counter()
                     spec = specs[link] if group == "executor" else autotp_spec(model, opts)
                     try:

@@ -61,6 +61,7 @@ sys.path.insert(0, ROOT)
 
 from oases_ds.bench.netns import Unavailable, VethPair, payload_fraction, run_ranks  # noqa: E402,F401
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
+from oases_ds.utils.rounds import rotated  # noqa: E402
 
 
 PROBE_SIZES = (64 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024, 2048 * 1024)
@@ -221,7 +222,7 @@ def main() -> None:
             runs: dict[str, dict[str, list[float]]] = {k: {} for k in specs}
             kinds = list(specs)
             for rnd in range(args.rounds):
-                for kind in kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]:
+                for kind in rotated(kinds, rnd):
                     if kind == "shaped":
                         pair.shape(args.rate_mbit, args.burst_bytes)
                     else:

@@ -103,12 +103,6 @@ class E2EOptions:
         return self.burst_bytes or 2 * (self.mtu + 14)
 
 
-def order(items: list[str], rnd: int) -> list[str]:
-    """``items`` rotated by ``rnd``: round ``r`` starts with item ``r mod n``."""
-    k = rnd % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
 def _median(xs: list[float] | None) -> float | None:
     return statistics.median(xs) if xs else None
 

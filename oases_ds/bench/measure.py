@@ -57,6 +57,7 @@ from oases_ds.models.stages import split_stages
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.utils.rounds import rotated
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
 
@@ -209,8 +210,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": []} for l in labels}
     world_group = None
     for rep in range(spec["warmup"] + spec["repeats"]):
-        order = labels[rep % len(labels):] + labels[:rep % len(labels)]
-        for label in order:
+        for label in rotated(labels, rep):
             executor, model = runners[label]
             executor.comm.stats.reset()
             dist.barrier(world_group)

@@ -19,6 +19,7 @@ import torch
 
 from oases_ds.bench.provenance import git_commit, machine
 from oases_ds.utils.io import replace_marked_section, write_json_atomic
+from oases_ds.utils.rounds import rotated
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -29,7 +30,7 @@ def interleaved(variants: dict[str, Callable[[], Any]], rounds: int, warmup: int
             variants[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotated(names, r):
             start = time.perf_counter()
             variants[name]()
             times[name].append(time.perf_counter() - start)

@@ -42,6 +42,7 @@ from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import op_label
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.schedule.instructions import Instruction
+from oases_ds.utils.rounds import rotated
 
 
 _PHASE = {"Forward": "fwd", "Recompute": "rec", "Backward": "bwd", "StartAsync": "comm", "Sync": "comm"}
@@ -116,7 +117,7 @@ def overhead_rank(spec: dict[str, Any]) -> dict[str, Any]:
     names = list(runners)
     steps: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for rep in range(spec["warmup"] + spec["repeats"]):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in rotated(names, rep):
             probe, model = runners[name]
             dist.barrier(ctx.tp_group)
             record = probe.run(batch)

@@ -97,16 +97,17 @@ class _LinkMessage:
         self.remaining = seconds
 
 
-class _EmulatedPending(Pending):
-    def __init__(self, inner: Pending, emulator: "LinkEmulator", message: _LinkMessage) -> None:
+class _HeldPending(Pending):
+    """A transfer held to an emulated link: ``wait`` returns the real result no sooner
+    than ``deadline()`` (computed at wait time, when every earlier message is settled)."""
+
+    def __init__(self, inner: Pending, deadline: Callable[[], float]) -> None:
         super().__init__(None, inner.wait)
-        self._emulator = emulator
-        self._message = message
+        self._deadline = deadline
 
     def wait(self) -> torch.Tensor:
         result = super().wait()
-        deadline = self._emulator.deadline(self._message)
-        delay = deadline - time.perf_counter()
+        delay = self._deadline() - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         return result
@@ -140,7 +141,7 @@ class LinkEmulator:
         work = dist.all_reduce(issued, op=dist.ReduceOp.MAX, group=group, async_op=True)
         message = _LinkMessage(self.link.seconds(kind, nbytes, ranks), issued, work, self.link.ring_steps(kind, ranks))
         self._unresolved.append(message)
-        return _EmulatedPending(pending, self, message)
+        return _HeldPending(pending, lambda: self.deadline(message))
 
     def deadline(self, message: _LinkMessage) -> float:
         """When ``message`` has crossed the link.  Every rank issues a group's collectives
@@ -236,22 +237,6 @@ class _P2PMessage:
         self.arrival: float | None = None
 
 
-class _P2PPending(Pending):
-    def __init__(self, inner: Pending, emulator: "P2PEmulator", direction: tuple[int, int],
-                 message: _P2PMessage) -> None:
-        super().__init__(None, inner.wait)
-        self._emulator = emulator
-        self._direction = direction
-        self._message = message
-
-    def wait(self) -> torch.Tensor:
-        result = super().wait()
-        delay = self._emulator.arrival(self._direction, self._message) - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        return result
-
-
 class P2PEmulator:
     """Holds the pipeline's point-to-point messages to a :class:`LinkModel`.
 
@@ -293,7 +278,7 @@ class P2PEmulator:
 
     def _enqueue(self, direction: tuple[int, int], message: _P2PMessage, pending: Pending) -> Pending:
         self._queued.setdefault(direction, []).append(message)
-        return _P2PPending(pending, self, direction, message)
+        return _HeldPending(pending, lambda: self.arrival(direction, message))
 
     def arrival(self, direction: tuple[int, int], message: _P2PMessage) -> float:
         """When ``message`` has crossed its direction's link: settle every earlier

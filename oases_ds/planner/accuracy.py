@@ -36,6 +36,7 @@ from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.utils.rounds import rotated
 
 
 def candidate_plans(table: CostTable, count: int, extra: list[Plan], seed: int = 0) -> list[Plan]:
@@ -99,12 +100,9 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
 
 
 def round_order(plans: int, rnd: int) -> list[int]:
-    """Indices of the things measured side by side (plans here, degrees in the profiler) in the
-    order round ``rnd`` runs them: round robin, rotated by one per round, so over ``plans``
-    rounds each takes every position once.  Without it the first always ran right after the
-    barrier that ends a round and the last one always at its end, so whatever varies along
-    a round stayed with the same plans."""
-    return [(rnd + k) % plans for k in range(plans)]
+    """Indices of the things measured side by side (plans here, degrees in the profiler) in
+    the order round ``rnd`` runs them (:func:`~oases_ds.utils.rounds.rotated`)."""
+    return rotated(range(plans), rnd)
 
 
 def measure(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[float]]:
