@@ -1,7 +1,9 @@
 """Cost-model accuracy out of sample: score the cost model on setups it was not tuned on.
 
-Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, ~9.5 min estimated on a quiet
-2-core machine) or ``--setup link_1g`` (repeatable).  Each setup is
+Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed rounds per plan, ~17 min
+on a quiet 2-core machine: in_sample 119 s, link_1g 84 s, llama 125 s, bert 121 s, tmp4 300 s, mixed
+163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  24 rounds, not the preset's 8: with 8 the
+split-half check ranked the plans of three setups below 0.9 (benchmarks/README.md, "Out of sample").  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
 ``benchmarks/reports/cost_model_oos-<date>.md`` is generated from those files
@@ -50,10 +52,12 @@ def result_path(results_dir: Path, setup: Setup) -> Path:
     return results_dir / f"planner_accuracy-{setup.name}.json"
 
 
-def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str) -> float:
-    """Run one setup through ``oases-plan``; returns its wall seconds.  Its output streams through."""
+def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str, rounds: int | None = None) -> float:
+    """Run one setup through ``oases-plan``; returns its wall seconds.  Its output streams through.
+    ``rounds``: timed rounds per plan instead of the preset's ``accuracy.repeats``."""
+    more = (f"accuracy.repeats={rounds}",) if rounds is not None else ()
     cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", *(QUICK if quick else ()),
-           *setup.overrides, f"accuracy.out={result_path(results_dir, setup)}", f"planner.cache_dir={cache_dir}"]
+           *setup.overrides, *more, f"accuracy.out={result_path(results_dir, setup)}", f"planner.cache_dir={cache_dir}"]
     print(f"== {setup.name}: {' '.join(cmd[2:])}", flush=True)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> Path:
     names = [s.name for s in SETUPS]
     parser.add_argument("--setup", action="append", choices=names, help="only these setups (repeatable)")
     parser.add_argument("--quick", action="store_true", help="harness check: 4 plans, 1 round, no warm-up")
+    parser.add_argument("--rounds", type=int, default=24,
+                        help="timed rounds per plan (default 24; the preset's own is 8): the split-half check grows with them")
     parser.add_argument("--report-only", action="store_true", help="no measuring: report the result files there")
     parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--report-dir", default=str(ROOT / "benchmarks" / "reports"))
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> Path:
     walls: dict[str, float] = {}
     if not args.report_only:
         for setup in chosen:
-            walls[setup.name] = run_setup(setup, results_dir, args.quick, args.cache_dir)
+            walls[setup.name] = run_setup(setup, results_dir, args.quick, args.cache_dir, None if args.quick else args.rounds)
             print(f"== {setup.name}: {walls[setup.name]:.0f} s", flush=True)
     entries = []
     for setup in chosen:

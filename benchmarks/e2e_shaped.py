@@ -109,7 +109,9 @@ def measure(opts: e2e.E2EOptions, model: dict, emulate: bool, want_autotp: bool,
 
     steps: dict[str, dict[str, list[float]]] = {link: {} for link in opts.links}
     exposed: dict[str, list[float]] = {link: [] for link in opts.links}
-    result.update(steps=steps, exposed_comm_frac=exposed)
+    phases: dict[str, dict[str, list[dict[str, float]]]] = {link: {} for link in opts.links}
+    comm_bytes: dict[str, dict[str, dict]] = {link: {} for link in opts.links}
+    result.update(steps=steps, exposed_comm_frac=exposed, compute_phase_s=phases, comm_bytes=comm_bytes)
     nominal = {link: (rate * payload_fraction(opts.mtu) / 1000 if rate else None) for link, rate in e2e.LINKS.items()}
     specs = {link: executor_spec(model, opts, nominal[link] if emulate else None) for link in opts.links}
 
@@ -117,6 +119,13 @@ def measure(opts: e2e.E2EOptions, model: dict, emulate: bool, want_autotp: bool,
         for label in ranks[0]["variants"]:
             per_step = [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in ranks))]
             steps[link].setdefault(label, []).extend(per_step)
+            variant = ranks[0]["variants"][label]
+            if "compute_phase_s" in variant:  # the executor's compute per pass, slowest rank per step
+                per_rank = [r["variants"][label]["compute_phase_s"] for r in ranks]
+                phases[link].setdefault(label, []).extend(
+                    {p: max(d[p] for d in step) for p in step[0]} for step in zip(*per_rank))
+            if "comm_bytes" in variant:  # payload bytes of one step per (pass/kind), rank 0
+                comm_bytes[link][label] = variant["comm_bytes"]
         if "oases" in ranks[0]["variants"]:
             exposed[link].extend(ranks[0]["variants"]["oases"]["exposed_comm_frac"])
 

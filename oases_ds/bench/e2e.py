@@ -13,6 +13,8 @@ The result JSON (written by the script, read by :func:`summarize`)::
      "links": [{"name": "loopback", "rate_mbit": null, "emulated": false}, ...],
      "steps": {link: {variant: [seconds per timed step, slowest rank], ...}, ...},
      "exposed_comm_frac": {link: [oases, rank 0, per timed step]},
+     "compute_phase_s": {link: {variant: [{"fwd": s, "rec": s, "bwd": s} per timed step, slowest rank]}},
+     "comm_bytes": {link: {variant: {"forward/all_reduce": {"calls": n, "bytes": b}, ...}}}  (one step, rank 0),
      "autotp": {"status": "ok" | "failed" | "unavailable", "detail": "..."}, ...}
 """
 from __future__ import annotations
@@ -103,6 +105,49 @@ class E2EOptions:
         return self.burst_bytes or 2 * (self.mtu + 14)
 
 
+_WIRE_FACTOR = {"all_reduce": 1.0, "all_gather": 0.5}
+"""Bytes each of two ranks puts on its link per payload byte (ring: an AllReduce sends its payload
+once, reduce-scatter half plus all-gather half; an AllGather half)."""
+
+_PASS_OF = {"forward": "fwd", "loss": "fwd", "recompute": "bwd", "backward": "bwd"}
+
+
+def wire_seconds(comm_bytes: dict[str, dict[str, int]], rate_mbit: float, mtu: int) -> dict[str, float]:
+    """Seconds one step's collectives need on a ``rate_mbit`` tbf link, per pass (``fwd``, ``bwd``):
+    each rank's bytes on the wire over the TCP payload rate (headers at ``mtu`` taken off)."""
+    from oases_ds.bench.netns import payload_fraction  # no torch: this module stays light
+
+    rate = rate_mbit * 1e6 / 8 * payload_fraction(mtu)
+    out = {"fwd": 0.0, "bwd": 0.0}
+    for key, entry in comm_bytes.items():
+        phase, kind = key.split("/", 1)
+        if phase in _PASS_OF and kind in _WIRE_FACTOR:
+            out[_PASS_OF[phase]] += entry["bytes"] * _WIRE_FACTOR[kind] / rate
+    return out
+
+
+def oases_floor(result: dict, link: str) -> dict[str, float] | None:
+    """Where ``oases``' step on ``link`` goes, and the shortest step the link allows it.
+
+    ``compute_*``: median compute per pass (slowest rank); ``wire_*``: the pass's collective bytes
+    at the link's payload rate.  ``bound``: max(all wire, all compute) -- a step cannot be shorter
+    than either (one compute thread per rank, one link).  ``estimate``: with one micro-batch per
+    step the forward cannot end before its collectives have crossed the link, and the recompute
+    and backward compute follow it: max(wire fwd, compute fwd) + compute rec + compute bwd (it
+    ignores what the cross-pass schedule overlaps at the turn, the other sub-batch's last block).
+    ``None`` where the run did not record what it needs (unshaped link, older result)."""
+    rate = next((l["rate_mbit"] for l in result["links"] if l["name"] == link), None)
+    phases = result.get("compute_phase_s", {}).get(link, {}).get("oases")
+    comm = result.get("comm_bytes", {}).get(link, {}).get("oases")
+    if not rate or not phases or not comm:
+        return None
+    compute = {p: statistics.median(step[p] for step in phases) for p in ("fwd", "rec", "bwd")}
+    wire = wire_seconds(comm, rate, result.get("mtu", 1500))
+    return {**{f"compute_{p}": v for p, v in compute.items()}, **{f"wire_{p}": v for p, v in wire.items()},
+            "bound": max(sum(wire.values()), sum(compute.values())),
+            "estimate": max(wire["fwd"], compute["fwd"]) + compute["rec"] + compute["bwd"]}
+
+
 def _median(xs: list[float] | None) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -140,6 +185,18 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         value = values[key]
         out.append({"key": key, "statement": statement, "bar": bar, "value": value,
                     "met": None if value is None else value <= bar})
+    return out
+
+
+def reachable(rows: dict[str, dict[str, Any]], floors: dict[str, dict[str, float] | None]) -> dict[str, tuple[float, float]]:
+    """For the targets that compare a slow-link step: the ratio ``oases`` would reach at its floor,
+    as (bound, estimate) -- a target below the bound cannot be met at these dims on this machine."""
+    out = {}
+    g1, m200, loop = floors.get("1gbit"), floors.get("200mbit"), rows.get("loopback", {})
+    if g1 and rows.get("1gbit", {}).get("megatron"):
+        out["oases_vs_megatron_1gbit"] = (g1["bound"] / rows["1gbit"]["megatron"], g1["estimate"] / rows["1gbit"]["megatron"])
+    if m200 and loop.get("oases"):
+        out["oases_200mbit_vs_loopback"] = (m200["bound"] / loop["oases"], m200["estimate"] / loop["oases"])
     return out
 
 
@@ -188,14 +245,30 @@ def render(result: dict) -> str:
         lines += ["", f"AutoTP column empty: {autotp.get('status', 'not run')}: {autotp.get('detail', '')}".rstrip()]
     elif any(r[AUTOTP] is None for r in rows.values()):
         lines += ["", "AutoTP runs only on real links: the emulator holds Oases' own collectives, not DeepSpeed's."]
-    lines += ["", "| target | value | met |", "|---|---|---|"]
+    floors = {link["name"]: oases_floor(result, link["name"]) for link in result["links"]}
+    shown = {name: f for name, f in floors.items() if f}
+    if shown:
+        lines += ["", "Where `oases`' step goes (medians, slowest rank; *wire*: the step's collective bytes as counted "
+                  "by the executor, at the link's TCP payload rate; *bound* = max(all wire, all compute), no step "
+                  "can be shorter; *estimate* = max(wire fwd, compute fwd) + compute rec + compute bwd: with one "
+                  "micro-batch per step the forward cannot end before its collectives have crossed the link):", "",
+                  "| link | `oases` step | compute fwd / rec / bwd | wire fwd / bwd | bound | estimate |",
+                  "|---|---|---|---|---|---|"]
+        for name, f in shown.items():
+            lines.append(f"| {LINK_TITLES[name]} | {_seconds(rows[name]['oases'])} | {f['compute_fwd']:.2f} / "
+                         f"{f['compute_rec']:.2f} / {f['compute_bwd']:.2f} s | {f['wire_fwd']:.2f} / {f['wire_bwd']:.2f} s | "
+                         f"{_seconds(f['bound'])} | {_seconds(f['estimate'])} |")
+    reach = reachable(rows, floors)
+    lines += ["", "| target | value | met | best the link allows (bound; estimate) |", "|---|---|---|---|"]
     for c in checks(rows):
         if c["value"] is None:
             value, met = "-", "not measured"
         else:
             value = f"{c['value']:.1%}" if c["key"].startswith("exposed") else f"{c['value']:.2f}x"
             met = "met" if c["met"] else "NOT met"
-        lines.append(f"| {c['statement']} | {value} | {met} |")
+        best = reach.get(c["key"])
+        best_cell = "-" if best is None else f"{best[0]:.2f}x; {best[1]:.2f}x"
+        lines.append(f"| {c['statement']} | {value} | {met} | {best_cell} |")
     lines += ["", README_END]
     return "\n".join(lines)
 

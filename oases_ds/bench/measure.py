@@ -207,7 +207,8 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     runners = {v["label"]: build(v, link) for v in spec["variants"]}
     labels = [v["label"] for v in spec["variants"]]
     mb_of = {v["label"]: v["micro_batch"] for v in spec["variants"]}
-    out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": []} for l in labels}
+    out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": [], "compute_phase_s": []}
+                                      for l in labels}
     world_group = None
     for rep in range(spec["warmup"] + spec["repeats"]):
         for label in rotated(labels, rep):
@@ -224,6 +225,7 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 out[label]["step_s"].append(dt)
                 out[label]["exposed_comm_frac"].append(summary["exposed_comm_frac"])
                 out[label]["compute_util"].append(summary["compute_util"])
+                out[label]["compute_phase_s"].append({p: summary[f"compute_{p}_s"] for p in ("fwd", "rec", "bwd")})
                 out[label]["comm_bytes"] = executor.comm.stats.as_dict()
     for label in labels:
         executor, model = runners[label]

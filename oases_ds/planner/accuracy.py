@@ -211,6 +211,21 @@ def setup_score(setup: Setup, result: dict[str, Any]) -> tuple[float | None, int
     return result["spearman"], len(result["rows"])
 
 
+def scored_rows(setup: Setup, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result rows ``setup`` ranks: the mixed-degree plans for a ``mixed_only`` setup, else all."""
+    return [r for r in result["rows"] if is_mixed(r)] if setup.mixed_only else list(result["rows"])
+
+
+def top_pick_regret(rows: list[dict[str, Any]]) -> float | None:
+    """Measured step of the plan the model ranks first over the best measured step among ``rows``
+    (1.0: the model's pick is the fastest plan measured).  What a planner's choice costs, where a
+    rank correlation over near-tied plans says little; ``None`` without plans."""
+    if not rows:
+        return None
+    pick = min(rows, key=lambda r: r["predicted_ms"])
+    return pick["measured_ms"] / min(r["measured_ms"] for r in rows)
+
+
 def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], note: str) -> str:
     """The out-of-sample report: per setup its Spearman against :data:`TARGET_SPEARMAN`,
     computed from each ``(setup, result path, result or None when missing)``."""
@@ -221,15 +236,17 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           f"looked at to build the model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores",
           "the same measured steps against the predictions with the v4 term removed (v3's prices). *Measurement* is",
           "the Spearman of the plans' medians over the even rounds against the odd rounds: how well the measurement",
-          "ranks the plans by itself.", "",
+          "ranks the plans by itself. *Top pick*: the measured step of the plan the model ranks first over the",
+          "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).", "",
           note, "",
           "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
-          "| measurement | result |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| measurement | top pick | result |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for setup, path, result in entries:
         if result is None:
-            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | `{path}` missing |")
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | `{path}` missing |")
             continue
+        regret = top_pick_regret(scored_rows(setup, result))
         rho, scored = setup_score(setup, result)
         p = "-" if setup.mixed_only else f"{result['p_value']:.2g}"
         which = f"{scored} mixed of {len(result['rows'])}" if setup.mixed_only else str(scored)
@@ -238,8 +255,9 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
         suffix = "_mixed" if setup.mixed_only else ""
         half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
         half_text, plain_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain))
+        regret_text = "-" if regret is None else f"{regret:.3f}"
         md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {half_text} "
-                  f"| `{path}` |")
+                  f"| {regret_text} | `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
            "settings are in each result file (`config`, `machine`, `git_commit`)."]
     for setup, path, result in entries:

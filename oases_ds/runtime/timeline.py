@@ -170,12 +170,18 @@ class Timeline:
         return sum(e.end - e.start for e in self.events if e.lane == lane)
 
     def summary(self) -> dict[str, float]:
-        """Step span, compute busy time, exposed (blocking) comm time, and their fractions."""
+        """Step span, compute busy time (also per pass: ``compute_fwd_s``/``_rec_s``/``_bwd_s``),
+        exposed (blocking) comm time, and their fractions.  The per-pass split is what bounds a
+        step on a slow link: the forward cannot end before its collectives have crossed it."""
+        events = self.events
         span = self.span
         compute, exposed = self.busy("compute"), self.busy("wait")
+        by_phase = {phase: sum(e.end - e.start for e in events if e.lane == "compute" and e.phase == phase)
+                    for phase in ("fwd", "rec", "bwd")}
         return {
             "span_s": span,
             "compute_s": compute,
+            **{f"compute_{phase}_s": seconds for phase, seconds in by_phase.items()},
             "exposed_comm_s": exposed,
             "compute_util": compute / span if span else 0.0,
             "exposed_comm_frac": exposed / span if span else 0.0,

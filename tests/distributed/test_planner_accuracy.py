@@ -13,9 +13,11 @@ from oases_ds.planner.accuracy import (
     candidate_plans,
     mixed_spearman,
     round_order,
+    scored_rows,
     spearman,
     split_half_spearman,
     summary_markdown,
+    top_pick_regret,
 )
 from oases_ds.planner.plan import Plan
 from support import ROOT, plan_cli
@@ -104,6 +106,16 @@ def test_split_half_spearman_by_hand():
     assert split_half_spearman([[1.0], [2.0], [3.0]]) is None  # one round has no halves
 
 
+def test_top_pick_regret_by_hand():
+    # The model ranks [2,2] first (predicted 10) but it measured 150 against [1,2]'s 100: regret 1.5.
+    rows = [row([2, 2], [2, 2], 10, 150), row([1, 2], [2, 2], 20, 100), row([2, 1], [2, 2], 30, 200)]
+    assert top_pick_regret(rows) == pytest.approx(1.5)
+    assert top_pick_regret(rows[1:]) == pytest.approx(1.0)  # its pick, [1,2], is the fastest measured
+    assert top_pick_regret([]) is None
+    mixed = Setup("m", "mixes", (), mixed_only=True)
+    assert [r["attn"] for r in scored_rows(mixed, {"rows": rows})] == [[1, 2], [2, 1]]  # the uniform plan left out
+
+
 def test_summary_reports_each_setup_against_the_target():
     result = {"rows": ROWS, "spearman": 1 - 12 / 210, "p_value": 0.005, "spearman_mixed": 0.8, "mixed_plans": 4,
               "split_half_spearman": 0.75, "split_half_spearman_mixed": None,
@@ -113,9 +125,9 @@ def test_summary_reports_each_setup_against_the_target():
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | 1.000 | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | 1.000 | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | - | - | `c.json` missing |" in text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
 

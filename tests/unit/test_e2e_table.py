@@ -133,3 +133,31 @@ def test_report_only_without_a_result_says_where_it_looked(tmp_path):
 def test_stale_namespaces_are_only_ours_of_dead_processes():
     names = ["oasesvl12a", "oasesvl12b", "oasesvl34a", "other7a", "oasesvlxa", "oasesvl12c"]
     assert stale_namespaces(names, alive=lambda pid: pid == 34) == ["oasesvl12a", "oasesvl12b"]
+
+
+def test_wire_seconds_counts_each_ranks_share_at_the_payload_rate():
+    comm = {"forward/all_reduce": {"calls": 9, "bytes": 10_000_000}, "backward/all_gather": {"calls": 1, "bytes": 4_000_000},
+            "backward/all_reduce": {"calls": 9, "bytes": 6_000_000}, "pipeline/send": {"calls": 1, "bytes": 10**9}}
+    payload_rate = 200e6 / 8 * (9000 - 52) / 9014  # bytes/s a 200 Mbit/s tbf leaves for TCP payload at MTU 9000
+    wire = e2e.wire_seconds(comm, 200.0, 9000)
+    assert wire["fwd"] == pytest.approx(10e6 / payload_rate)             # an AllReduce of 2 ranks sends its payload once
+    assert wire["bwd"] == pytest.approx((6e6 + 4e6 / 2) / payload_rate)  # an AllGather half; p2p is not TMP traffic
+
+
+def test_floor_and_what_each_slow_link_target_could_reach():
+    phases = [{"fwd": 1.0, "rec": 1.0, "bwd": 3.0}, {"fwd": 1.2, "rec": 1.0, "bwd": 3.0}, {"fwd": 1.1, "rec": 0.9, "bwd": 3.2}]
+    payload_rate = 200e6 / 8 * (9000 - 52) / 9014
+    comm = {"forward/all_reduce": {"calls": 18, "bytes": round(3.0 * payload_rate)},
+            "backward/all_reduce": {"calls": 18, "bytes": round(2.0 * payload_rate)}}
+    result = fake_result(mtu=9000, compute_phase_s={"200mbit": {"oases": phases}}, comm_bytes={"200mbit": {"oases": comm}})
+    floor = e2e.oases_floor(result, "200mbit")
+    assert floor["compute_fwd"] == 1.1 and floor["compute_rec"] == 1.0 and floor["compute_bwd"] == 3.0  # medians
+    assert floor["wire_fwd"] == pytest.approx(3.0) and floor["wire_bwd"] == pytest.approx(2.0)
+    assert floor["bound"] == pytest.approx(5.1)           # max(wire 5.0, compute 5.1)
+    assert floor["estimate"] == pytest.approx(3.0 + 1.0 + 3.0)  # the forward waits for its bytes, then rec + bwd
+    assert e2e.oases_floor(result, "1gbit") is None and e2e.oases_floor(result, "loopback") is None
+    reach = e2e.reachable(e2e.summarize(result), {"200mbit": floor})
+    assert reach == {"oases_200mbit_vs_loopback": (pytest.approx(5.1 / 10.2), pytest.approx(7.0 / 10.2))}
+    text = e2e.render(result)
+    assert "| 200 Mbit/s | 10.9 s | 1.10 / 1.00 / 3.00 s | 3.00 / 2.00 s | 5.1 s | 7 s |" in text
+    assert "| `oases` at 200 Mbit/s <= 1.15x its own loopback step | 1.07x | met | 0.50x; 0.69x |" in text

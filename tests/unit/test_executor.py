@@ -37,6 +37,9 @@ def test_executor_frees_every_buffer_and_records_a_trace(tmp_path):
     assert torch.isfinite(loss) and not ex.buffers  # nothing left alive
     summary = ex.timeline.summary()
     assert 0 < summary["compute_util"] <= 1 and summary["span_s"] > 0
+    passes = [summary[f"compute_{p}_s"] for p in ("fwd", "rec", "bwd")]
+    assert all(s > 0 for s in passes)  # oases recomputes, so each pass has compute of its own
+    assert sum(passes) == pytest.approx(summary["compute_s"])
     path = tmp_path / "trace.json"
     ex.timeline.save_chrome_trace(str(path))
     trace = json.loads(path.read_text())["traceEvents"]
