@@ -105,24 +105,27 @@ class E2EOptions:
         return self.burst_bytes or 2 * (self.mtu + 14)
 
 
-_WIRE_FACTOR = {"all_reduce": 1.0, "all_gather": 0.5}
-"""Bytes each of two ranks puts on its link per payload byte (ring: an AllReduce sends its payload
-once, reduce-scatter half plus all-gather half; an AllGather half)."""
+RANKS = 2
+"""The run's TMP degree: two ranks, one per network namespace."""
 
 _PASS_OF = {"forward": "fwd", "loss": "fwd", "recompute": "bwd", "backward": "bwd"}
 
 
 def wire_seconds(comm_bytes: dict[str, dict[str, int]], rate_mbit: float, mtu: int) -> dict[str, float]:
     """Seconds one step's collectives need on a ``rate_mbit`` tbf link, per pass (``fwd``, ``bwd``):
-    each rank's bytes on the wire over the TCP payload rate (headers at ``mtu`` taken off)."""
-    from oases_ds.bench.netns import payload_fraction  # no torch: this module stays light
+    each rank's bytes on the wire (the ring arithmetic of :meth:`LinkModel.wire_bytes`) over the
+    TCP payload rate (headers at ``mtu`` taken off).  Point-to-point messages are not TMP traffic."""
+    # Imported here: the table and the checks need no torch, only this floor does.
+    from oases_ds.bench.netns import payload_fraction
+    from oases_ds.parallel.link import LinkModel
 
     rate = rate_mbit * 1e6 / 8 * payload_fraction(mtu)
+    ring = LinkModel(rate_mbit / 1000)
     out = {"fwd": 0.0, "bwd": 0.0}
     for key, entry in comm_bytes.items():
         phase, kind = key.split("/", 1)
-        if phase in _PASS_OF and kind in _WIRE_FACTOR:
-            out[_PASS_OF[phase]] += entry["bytes"] * _WIRE_FACTOR[kind] / rate
+        if phase in _PASS_OF and kind in ("all_reduce", "all_gather"):
+            out[_PASS_OF[phase]] += ring.wire_bytes(kind, entry["bytes"], RANKS) / rate
     return out
 
 

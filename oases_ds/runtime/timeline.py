@@ -173,11 +173,13 @@ class Timeline:
         """Step span, compute busy time (also per pass: ``compute_fwd_s``/``_rec_s``/``_bwd_s``),
         exposed (blocking) comm time, and their fractions.  The per-pass split is what bounds a
         step on a slow link: the forward cannot end before its collectives have crossed it."""
-        events = self.events
         span = self.span
-        compute, exposed = self.busy("compute"), self.busy("wait")
-        by_phase = {phase: sum(e.end - e.start for e in events if e.lane == "compute" and e.phase == phase)
-                    for phase in ("fwd", "rec", "bwd")}
+        busy: dict[tuple[str, str], float] = {}  # (lane, phase) -> seconds, one pass over the events
+        for e in self.events:
+            busy[(e.lane, e.phase)] = busy.get((e.lane, e.phase), 0.0) + (e.end - e.start)
+        compute = sum(s for (lane, _), s in busy.items() if lane == "compute")
+        exposed = sum(s for (lane, _), s in busy.items() if lane == "wait")
+        by_phase = {phase: busy.get(("compute", phase), 0.0) for phase in ("fwd", "rec", "bwd")}
         return {
             "span_s": span,
             "compute_s": compute,
