@@ -2,7 +2,10 @@
 
 Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed rounds per plan, ~17 min
 on a quiet 2-core machine: in_sample 119 s, link_1g 84 s, llama 125 s, bert 121 s, tmp4 300 s, mixed
-163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  24 rounds, not the preset's 8: with 8 the
+163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  After each setup's run its measured steps are priced again by ``--reprofile`` (2) fresh
+profiles (``planner_accuracy-<setup>.json["reprofiled"]``; ``--reprofile-only`` does that for the
+result files already there): one profile is seconds of steps, and the one a run took can sit apart
+from the others (benchmarks/README.md, "Out of sample").  24 rounds, not the preset's 8: with 8 the
 split-half check ranked the plans of three setups below 0.9 (benchmarks/README.md, "Out of sample").  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
@@ -20,15 +23,18 @@ import argparse
 import datetime
 import json
 import os
+import dataclasses
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.planner.accuracy import Setup, summary_markdown  # noqa: E402
-from oases_ds.utils.io import write_text_atomic  # noqa: E402
+from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
+from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +76,41 @@ def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str, roun
     return time.perf_counter() - started
 
 
+def _unversioned(key: str) -> str:
+    """A table key without its ``|cm<version>`` suffix: a re-profile prices old steps with today's model."""
+    return key.rsplit("|cm", 1)[0]
+
+
+def reprofile(setup: Setup, path: Path, count: int, cache_dir: str) -> list[float | None]:
+    """Profile ``setup`` afresh ``count`` times (same preset and overrides as its run, empty
+    caches) and add each profile's Spearman over the stored measured steps to the result
+    file's ``reprofiled`` list; returns those Spearmans."""
+    result = json.loads(path.read_text())
+    overrides = [o for o in setup.overrides if not o.startswith("accuracy.")]
+    scores: list[float | None] = []
+    for _ in range(count):
+        with tempfile.TemporaryDirectory(prefix="oases-reprofile-") as tmp:
+            cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", "mode=profile", *overrides,
+                   f"planner.cache_dir={tmp}"]
+            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"error: re-profiling {setup.name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            (table_path,) = Path(tmp).glob("*.json")
+            table = CostTable.from_json(table_path)
+        if _unversioned(table.key()) != _unversioned(result["table_key"]):
+            raise SystemExit(f"error: {path}: measured with table {result['table_key']!r}, re-profiled {table.key()!r}")
+        table = dataclasses.replace(table, layers=len(result["rows"][0]["attn"]))
+        rho = repriced_spearman(setup, result, table)
+        scores.append(rho)
+        result.setdefault("reprofiled", []).append({
+            "profiled_at": table.measurements.get("profiled_at"), "cost_model": COST_MODEL_VERSION,
+            "table_key": table.key(), "spearman": rho})
+        print(f"== {setup.name}: fresh profile {len(result['reprofiled'])}: Spearman "
+              f"{'-' if rho is None else f'{rho:.3f}'}", flush=True)
+    write_json_atomic(path, result)
+    return scores
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [s.name for s in SETUPS]
@@ -78,6 +119,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=24,
                         help="timed rounds per plan (default 24; the preset's own is 8): the split-half check grows with them")
     parser.add_argument("--report-only", action="store_true", help="no measuring: report the result files there")
+    parser.add_argument("--reprofile", type=int, default=2,
+                        help="fresh profiles that price each setup's measured steps again after its run (default 2)")
+    parser.add_argument("--reprofile-only", action="store_true",
+                        help="no measuring: price the result files there with --reprofile fresh profiles each, then report")
     parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--report-dir", default=str(ROOT / "benchmarks" / "reports"))
     parser.add_argument("--cache-dir", default=".oases/profiles", help="profile cache (planner.cache_dir)")
@@ -85,10 +130,17 @@ def main(argv: list[str] | None = None) -> Path:
     results_dir = Path(args.results_dir)
     chosen = [s for s in SETUPS if not args.setup or s.name in args.setup]
     walls: dict[str, float] = {}
-    if not args.report_only:
+    if args.reprofile < 0:
+        parser.error(f"--reprofile must be >= 0, got {args.reprofile}")
+    if not (args.report_only or args.reprofile_only):
         for setup in chosen:
             walls[setup.name] = run_setup(setup, results_dir, args.quick, args.cache_dir, None if args.quick else args.rounds)
             print(f"== {setup.name}: {walls[setup.name]:.0f} s", flush=True)
+    if not args.report_only and not args.quick:
+        for setup in chosen:
+            if args.reprofile_only and not result_path(results_dir, setup).exists():
+                continue
+            reprofile(setup, result_path(results_dir, setup), args.reprofile, args.cache_dir)
     entries = []
     for setup in chosen:
         path = result_path(results_dir, setup)

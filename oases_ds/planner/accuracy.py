@@ -216,6 +216,35 @@ def scored_rows(setup: Setup, result: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in result["rows"] if is_mixed(r)] if setup.mixed_only else list(result["rows"])
 
 
+def plan_of_row(row: dict[str, Any], devices: int) -> Plan:
+    """The plan a result row measured (its per-layer attention and MLP degrees)."""
+    return Plan.from_block_degrees([d for pair in zip(row["attn"], row["mlp"]) for d in pair], devices)
+
+
+def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) -> float | None:
+    """Spearman of ``setup``'s scored rows, their measured steps against ``table``'s predictions.
+
+    Why: a setup's score depends on two measurements, the plans' steps and the profile that
+    priced them.  The profile is a few seconds of steps, so one taken in a bad moment moves
+    every prediction at once; pricing the same measured steps with profiles taken at other
+    times separates the model's error from that profile's (``benchmarks/cost_model_oos.py
+    --reprofile``).  ``None`` under :data:`MIN_RANKED` plans."""
+    rows = scored_rows(setup, result)
+    if len(rows) < MIN_RANKED:
+        return None
+    predicted = [predict_step_ms(table, plan_of_row(r, table.devices)) for r in rows]
+    return spearman(predicted, [r["measured_ms"] for r in rows])[0]
+
+
+def reprofiled_range(result: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """(min, median, max, count) of the Spearmans a result was re-scored with from fresh
+    profiles (``result["reprofiled"]``), or ``None`` when it has none."""
+    scores = [r["spearman"] for r in result.get("reprofiled", []) if r.get("spearman") is not None]
+    if not scores:
+        return None
+    return min(scores), statistics.median(scores), max(scores), len(scores)
+
+
 def top_pick_regret(rows: list[dict[str, Any]]) -> float | None:
     """Measured step of the plan the model ranks first over the best measured step among ``rows``
     (1.0: the model's pick is the fastest plan measured).  What a planner's choice costs, where a
@@ -237,14 +266,16 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           "the same measured steps against the predictions with the v4 term removed (v3's prices). *Measurement* is",
           "the Spearman of the plans' medians over the even rounds against the odd rounds: how well the measurement",
           "ranks the plans by itself. *Top pick*: the measured step of the plan the model ranks first over the",
-          "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).", "",
+          "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).",
+          "*Fresh profiles*: the same measured steps priced by profiles taken again after the run (min / median / max",
+          "over them, count in brackets; `--reprofile`): how much of the score is the one profile the run took.", "",
           note, "",
           "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
-          "| measurement | top pick | result |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "| measurement | top pick | fresh profiles | result |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for setup, path, result in entries:
         if result is None:
-            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | `{path}` missing |")
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | `{path}` missing |")
             continue
         regret = top_pick_regret(scored_rows(setup, result))
         rho, scored = setup_score(setup, result)
@@ -256,8 +287,10 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
         half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
         half_text, plain_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain))
         regret_text = "-" if regret is None else f"{regret:.3f}"
+        fresh = reprofiled_range(result)
+        fresh_text = "-" if fresh is None else f"{fresh[0]:.3f} / {fresh[1]:.3f} / {fresh[2]:.3f} ({fresh[3]})"
         md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {half_text} "
-                  f"| {regret_text} | `{path}` |")
+                  f"| {regret_text} | {fresh_text} | `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
            "settings are in each result file (`config`, `machine`, `git_commit`)."]
     for setup, path, result in entries:

@@ -12,6 +12,8 @@ from oases_ds.planner.accuracy import (
     Setup,
     candidate_plans,
     mixed_spearman,
+    repriced_spearman,
+    reprofiled_range,
     round_order,
     scored_rows,
     spearman,
@@ -19,6 +21,7 @@ from oases_ds.planner.accuracy import (
     summary_markdown,
     top_pick_regret,
 )
+from oases_ds.planner.costs import COST_MODEL_VERSION, BlockCost, CostTable
 from oases_ds.planner.plan import Plan
 from support import ROOT, plan_cli
 from support import random_table
@@ -125,11 +128,65 @@ def test_summary_reports_each_setup_against_the_target():
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | 1.000 | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | 1.000 | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | - | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | 1.000 | - | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | 1.000 | - | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | - | - | - | `c.json` missing |" in text
+    repriced = {**result, "reprofiled": [{"spearman": 0.9}, {"spearman": 0.5}, {"spearman": None}, {"spearman": 0.7}]}
+    fresh_text = summary_markdown([(Setup("all", "nothing", ()), "a.json", repriced)], "note")
+    assert "| 1.000 | 0.500 / 0.700 / 0.900 (3) | `a.json` |" in fresh_text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
+
+
+def two_layer_table() -> CostTable:
+    """T=2, 2 layers; a degree-1 block costs 1000 ms, a degree-2 block 1 ms, and every edge (reshard of
+    1 MB at 10 Gbit/s) a few ms: plans rank by how many blocks they run at degree 1."""
+    def block(ms: float) -> BlockCost:
+        return BlockCost(fwd_ms=ms, bwd_ms=0.0, comm_fwd_ms=0.0, comm_bwd_ms=0.0, state_bytes=0.0, act_bytes=0.0,
+                         grad_sync_ms=0.0)
+
+    return CostTable(model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+                     blocks={kind: {1: block(1000.0), 2: block(1.0)} for kind in ("attn", "mlp")}, layers=2,
+                     reshard_bytes=1e6, bandwidth_gbps=10.0, latency_us=10.0)
+
+
+# Degree-1 blocks 0, 1, 2, 3, 4 (predicted ranks 1..5); measured ranks 1, 3, 2, 4, 5.
+REPRICED = [row([2, 2], [2, 2], 1, 100), row([1, 2], [2, 2], 1, 300), row([1, 1], [2, 2], 1, 200),
+            row([1, 1], [1, 2], 1, 400), row([1, 1], [1, 1], 1, 500)]
+
+
+def test_repricing_ranks_the_stored_steps_by_the_new_table():
+    """Over all five: d = 0,1,1,0,0, rho = 1 - 6 * 2 / (5 * 24) = 0.9 (the stored predictions, all 1, are
+    ignored); over the three mixes: predicted ranks 1,2,3, measured 2,1,3, rho = 1 - 6 * 2 / (3 * 8) = 0.5."""
+    result = {"rows": REPRICED}
+    assert repriced_spearman(Setup("all", "", ()), result, two_layer_table()) == pytest.approx(0.9)
+    assert repriced_spearman(Setup("mix", "", (), mixed_only=True), result, two_layer_table()) == pytest.approx(0.5)
+    assert repriced_spearman(Setup("all", "", ()), {"rows": REPRICED[:2]}, two_layer_table()) is None
+    assert reprofiled_range({"reprofiled": [{"spearman": 0.2}, {"spearman": None}, {"spearman": 0.8},
+                                            {"spearman": 0.4}]}) == (0.2, 0.4, 0.8, 3)
+    assert reprofiled_range({}) is None
+
+
+@pytest.mark.distributed
+def test_the_out_of_sample_runner_reprofiles_stored_results(tmp_path):
+    """``--reprofile-only``: one fresh profile of the in-sample setup prices the stored steps, is kept in
+    the result file and shown in the report; a result measured with another table is refused."""
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    results.mkdir()
+    key = f"gpt-v256-h128-a4-f512-s128-mb8|cpu_0_2g@0.2Gbps+50us,ring|oases|2|cm{COST_MODEL_VERSION - 1}"
+    path = results / "planner_accuracy-in_sample.json"
+    path.write_text(json.dumps({"rows": REPRICED, "spearman": 0.1, "p_value": 0.5, "table_key": key}))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cost_model_oos.py"), "--reprofile-only", "--reprofile", "1",
+           "--setup", "in_sample", "--results-dir", str(results), "--report-dir", str(reports)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (fresh,) = json.loads(path.read_text())["reprofiled"]
+    assert fresh["cost_model"] == COST_MODEL_VERSION and fresh["table_key"] == key.rsplit("|cm", 1)[0] + f"|cm{COST_MODEL_VERSION}"
+    assert f"| {fresh['spearman']:.3f} / {fresh['spearman']:.3f} / {fresh['spearman']:.3f} (1) |" in (
+        next(reports.iterdir()).read_text())
+    path.write_text(json.dumps({"rows": REPRICED, "table_key": key.replace("mb8", "mb16")}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "measured with table" in proc.stderr and "mb16" in proc.stderr
 
 
 def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
@@ -143,7 +200,7 @@ def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (report,) = reports.iterdir()
     text = report.read_text()
-    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - | - |" in text
+    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - | - | 1.000 | - |" in text
     assert "| tmp4 | T=4: degrees 1, 2 and 4" in text and "planner_accuracy-tmp4.json` missing |" in text
 
 
