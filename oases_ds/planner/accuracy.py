@@ -139,8 +139,8 @@ def mixed_spearman(rows: list[dict[str, Any]]) -> tuple[float | None, int]:
 
 
 def without_overhead(table: CostTable) -> CostTable:
-    """``table`` with no collective overhead (cost model v3's prices): the ablation that shows,
-    on the same measured steps, what the v4 term changed."""
+    """``table`` with no collective overhead (the v4 term; with v6 tables, the link model alone):
+    the ablation that shows, on the same measured steps, what that term changed."""
     blocks = {kind: {d: dataclasses.replace(c, overhead_ms=0.0) for d, c in by.items()} for kind, by in table.blocks.items()}
     return dataclasses.replace(table, blocks=blocks, collective_overhead_ms={})
 
@@ -236,13 +236,16 @@ def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) ->
     return spearman(predicted, [r["measured_ms"] for r in rows])[0]
 
 
-def reprofiled_range(result: dict[str, Any]) -> tuple[float, float, float, int] | None:
-    """(min, median, max, count) of the Spearmans a result was re-scored with from fresh
-    profiles (``result["reprofiled"]``), or ``None`` when it has none."""
-    scores = [r["spearman"] for r in result.get("reprofiled", []) if r.get("spearman") is not None]
-    if not scores:
-        return None
-    return min(scores), statistics.median(scores), max(scores), len(scores)
+def reprofiled_range(result: dict[str, Any]) -> dict[int, tuple[float, float, float, int]]:
+    """Per cost model version, (min, median, max, count) of the Spearmans a result was
+    re-scored with from fresh profiles (``result["reprofiled"]``); empty when it has none.
+    By version: a run measured once can be priced again by a later model, and the two
+    must not be pooled."""
+    scores: dict[int, list[float]] = {}
+    for entry in result.get("reprofiled", []):
+        if entry.get("spearman") is not None:
+            scores.setdefault(int(entry.get("cost_model", 0)), []).append(entry["spearman"])
+    return {version: (min(v), statistics.median(v), max(v), len(v)) for version, v in sorted(scores.items())}
 
 
 def top_pick_regret(rows: list[dict[str, Any]]) -> float | None:
@@ -261,14 +264,17 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
     md = ["# Cost-model accuracy out of sample", "",
           "Cost model v2 was tuned on gpt_small, T=2, an EMULATED 0.2 Gbit/s link (`in_sample`). v4 adds each",
           "collective's measured overhead, a term with no fitted constant (the profiler measures it in every setup),",
-          "chosen after looking at `in_sample` and `link_1g`; the other setups change one thing each and were not",
-          f"looked at to build the model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores",
-          "the same measured steps against the predictions with the v4 term removed (v3's prices). *Measurement* is",
+          "chosen after looking at `in_sample` and `link_1g`; v6 prices a block's collectives at the link model's time,",
+          "as the fixed cost of the measured AllReduce is already in that overhead (the version is the `|cm<n>` of each",
+          "setup's table key below). The other setups change one thing each and were not looked at to build the",
+          f"model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores the same measured steps",
+          "against the predictions with the v4 term removed. *Measurement* is",
           "the Spearman of the plans' medians over the even rounds against the odd rounds: how well the measurement",
           "ranks the plans by itself. *Top pick*: the measured step of the plan the model ranks first over the",
           "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).",
-          "*Fresh profiles*: the same measured steps priced by profiles taken again after the run (min / median / max",
-          "over them, count in brackets; `--reprofile`): how much of the score is the one profile the run took.", "",
+          "*Fresh profiles*: the same measured steps priced by profiles taken again after the run (per cost model",
+          "version, min / median / max over them, count in brackets; `--reprofile`): how much of the score is the one",
+          "profile the run took.", "",
           note, "",
           "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
           "| measurement | top pick | fresh profiles | result |",
@@ -287,8 +293,8 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
         half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
         half_text, plain_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain))
         regret_text = "-" if regret is None else f"{regret:.3f}"
-        fresh = reprofiled_range(result)
-        fresh_text = "-" if fresh is None else f"{fresh[0]:.3f} / {fresh[1]:.3f} / {fresh[2]:.3f} ({fresh[3]})"
+        fresh_text = "; ".join(f"v{version}: {lo:.3f} / {mid:.3f} / {hi:.3f} ({n})"
+                               for version, (lo, mid, hi, n) in reprofiled_range(result).items()) or "-"
         md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {half_text} "
                   f"| {regret_text} | {fresh_text} | `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",

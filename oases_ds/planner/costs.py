@@ -21,14 +21,18 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-COST_MODEL_VERSION = 4
+COST_MODEL_VERSION = 6
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
 2: last sub-batch's collective moved from the node to the edge cost; boundary edges.
 3: memory from :mod:`oases_ds.planner.memory` (autograd-saved tensors, logits,
 working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``.
 4: each collective's measured overhead beyond the link model (:attr:`BlockCost.overhead_ms`,
-:attr:`CostTable.collective_overhead_ms`, on nodes and reshards)."""
+:attr:`CostTable.collective_overhead_ms`, on nodes and reshards).
+5: tried and rejected (benchmarks/results/cost_model_v5_rejected-2026-12-01); skipped so its
+cached tables are never read as another model's.
+6: a profiled block's collectives priced at the link model's time, not the measured blocking
+AllReduce's, whose fixed cost the collective overhead (v4) already holds."""
 
 STAGE_ROLE_NAMES: tuple[str, ...] = ("only", "first", "middle", "last")
 """Roles of a pipeline stage, by the ends of the model it holds (:attr:`CostTable.stage_fixed_bytes`)."""

@@ -131,9 +131,11 @@ def test_summary_reports_each_setup_against_the_target():
     assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | 1.000 | - | `a.json` |" in text
     assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | 1.000 | - | `b.json` |" in text
     assert "| gone | never run | - | not run | - | - | - | - | - | - | `c.json` missing |" in text
-    repriced = {**result, "reprofiled": [{"spearman": 0.9}, {"spearman": 0.5}, {"spearman": None}, {"spearman": 0.7}]}
+    repriced = {**result, "reprofiled": [{"spearman": 0.9, "cost_model": 6}, {"spearman": 0.5, "cost_model": 6},
+                                         {"spearman": None, "cost_model": 6}, {"spearman": 0.7, "cost_model": 6},
+                                         {"spearman": 0.1, "cost_model": 4}]}
     fresh_text = summary_markdown([(Setup("all", "nothing", ()), "a.json", repriced)], "note")
-    assert "| 1.000 | 0.500 / 0.700 / 0.900 (3) | `a.json` |" in fresh_text
+    assert "| 1.000 | v4: 0.100 / 0.100 / 0.100 (1); v6: 0.500 / 0.700 / 0.900 (3) | `a.json` |" in fresh_text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
 
@@ -162,9 +164,11 @@ def test_repricing_ranks_the_stored_steps_by_the_new_table():
     assert repriced_spearman(Setup("all", "", ()), result, two_layer_table()) == pytest.approx(0.9)
     assert repriced_spearman(Setup("mix", "", (), mixed_only=True), result, two_layer_table()) == pytest.approx(0.5)
     assert repriced_spearman(Setup("all", "", ()), {"rows": REPRICED[:2]}, two_layer_table()) is None
-    assert reprofiled_range({"reprofiled": [{"spearman": 0.2}, {"spearman": None}, {"spearman": 0.8},
-                                            {"spearman": 0.4}]}) == (0.2, 0.4, 0.8, 3)
-    assert reprofiled_range({}) is None
+    assert reprofiled_range({"reprofiled": [{"spearman": 0.2, "cost_model": 6}, {"spearman": None, "cost_model": 6},
+                                            {"spearman": 0.8, "cost_model": 6}, {"spearman": 0.4, "cost_model": 6},
+                                            {"spearman": 0.3, "cost_model": 4}]}) == {
+        4: (0.3, 0.3, 0.3, 1), 6: (0.2, 0.4, 0.8, 3)}
+    assert reprofiled_range({}) == {}
 
 
 @pytest.mark.distributed
@@ -182,7 +186,7 @@ def test_the_out_of_sample_runner_reprofiles_stored_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (fresh,) = json.loads(path.read_text())["reprofiled"]
     assert fresh["cost_model"] == COST_MODEL_VERSION and fresh["table_key"] == key.rsplit("|cm", 1)[0] + f"|cm{COST_MODEL_VERSION}"
-    assert f"| {fresh['spearman']:.3f} / {fresh['spearman']:.3f} / {fresh['spearman']:.3f} (1) |" in (
+    assert f"| v{COST_MODEL_VERSION}: {fresh['spearman']:.3f} / {fresh['spearman']:.3f} / {fresh['spearman']:.3f} (1) |" in (
         next(reports.iterdir()).read_text())
     path.write_text(json.dumps({"rows": REPRICED, "table_key": key.replace("mb8", "mb16")}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -53,6 +53,25 @@ def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
     assert slow.exposed_comm_ms > fast.exposed_comm_ms
 
 
+@pytest.mark.distributed
+def test_profiled_collectives_are_priced_at_the_link_time(tmp_path):
+    """Cost model 6: on an emulated 0.2 Gbit/s, 50 us link a block's collectives cost the link's time,
+    by hand: a 2-rank ring AllReduce puts its payload P once on the wire, 50 us + P * 8 / 0.2e9 s, and
+    the attention block has one forward AllReduce per sub-batch (2).  The measured blocking AllReduce
+    (kept as evidence) takes at least that: the emulator holds it to the link."""
+    from oases_ds.parallel.link import LinkModel
+
+    spec = ProfileSpec(model=TINY, devices=2, micro_batch=4, warmup=1, repeats=2, link=LinkModel(0.2, 50.0, sharing="ring"))
+    table, _ = profile(spec, layers=2, cache_dir=None, timeout_s=300)
+    evidence = table.measurements["degrees"]["2"]
+    payload = 4 // 2 * TINY.seq_len * TINY.hidden_size * 4  # one sub-batch's (b, s, h) fp32 activation
+    assert evidence["allreduce_bytes"] == payload
+    link_ms = 0.05 + payload * 8 / 0.2e9 * 1e3
+    assert evidence["allreduce_link_ms"] == pytest.approx(link_ms)
+    assert evidence["blocks"]["attn"]["comm_fwd_ms"] == pytest.approx(2 * link_ms)
+    assert evidence["allreduce_ms"] >= link_ms
+
+
 def test_profile_spec_names_the_field():
     with pytest.raises(ValueError, match="micro_batch=6: the degree-1 share"):
         ProfileSpec(model=TINY, devices=2, micro_batch=6)
