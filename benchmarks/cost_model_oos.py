@@ -2,10 +2,11 @@
 
 Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed rounds per plan, ~17 min
 on a quiet 2-core machine: in_sample 119 s, link_1g 84 s, llama 125 s, bert 121 s, tmp4 300 s, mixed
-163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  After each setup's run its measured steps are priced again by ``--reprofile`` (2) fresh
-profiles (``planner_accuracy-<setup>.json["reprofiled"]``; ``--reprofile-only`` does that for the
-result files already there): one profile is seconds of steps, and the one a run took can sit apart
-from the others (benchmarks/README.md, "Out of sample").  24 rounds, not the preset's 8: with 8 the
+163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  After the runs, each setup's measured
+steps are priced again by ``--reprofile`` (2) fresh profiles (``planner_accuracy-<setup>.json
+["reprofiled"]``; ``--reprofile-only`` does that for the result files already there): one profile
+is seconds of steps, and the one a run took can sit apart from the others (benchmarks/README.md,
+"Out of sample").  24 rounds, not the preset's 8: with 8 the
 split-half check ranked the plans of three setups below 0.9 (benchmarks/README.md, "Out of sample").  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
@@ -20,10 +21,10 @@ were built on: benchmarks/README.md, "Out of sample").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
-import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -81,9 +82,9 @@ def _unversioned(key: str) -> str:
     return key.rsplit("|cm", 1)[0]
 
 
-def reprofile(setup: Setup, path: Path, count: int, cache_dir: str) -> list[float | None]:
-    """Profile ``setup`` afresh ``count`` times (same preset and overrides as its run, empty
-    caches) and add each profile's Spearman over the stored measured steps to the result
+def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
+    """Profile ``setup`` afresh ``count`` times (same preset and overrides as its run, each into
+    an empty cache) and add each profile's Spearman over the stored measured steps to the result
     file's ``reprofiled`` list; returns those Spearmans."""
     result = json.loads(path.read_text())
     overrides = [o for o in setup.overrides if not o.startswith("accuracy.")]
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> Path:
         for setup in chosen:
             if args.reprofile_only and not result_path(results_dir, setup).exists():
                 continue
-            reprofile(setup, result_path(results_dir, setup), args.reprofile, args.cache_dir)
+            reprofile(setup, result_path(results_dir, setup), args.reprofile)
     entries = []
     for setup in chosen:
         path = result_path(results_dir, setup)
