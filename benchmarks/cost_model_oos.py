@@ -61,17 +61,24 @@ def result_path(results_dir: Path, setup: Setup) -> Path:
     return results_dir / f"planner_accuracy-{setup.name}.json"
 
 
+def plan_cli(*overrides: str, capture: bool = False) -> subprocess.CompletedProcess:
+    """``oases-plan experiment=cost_model <overrides>`` from the repository root, the one command
+    line every setup's run and re-profile goes through; its output streams through unless ``capture``."""
+    cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=capture, text=True)
+
+
 def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str, rounds: int | None = None) -> float:
     """Run one setup through ``oases-plan``; returns its wall seconds.  Its output streams through.
     ``rounds``: timed rounds per plan instead of the preset's ``accuracy.repeats``, unless the
     setup sets its own."""
     own = any(o.startswith("accuracy.repeats=") for o in setup.overrides)
     more = (f"accuracy.repeats={rounds}",) if rounds is not None and not own else ()
-    cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", *(QUICK if quick else ()),
-           *setup.overrides, *more, f"accuracy.out={result_path(results_dir, setup)}", f"planner.cache_dir={cache_dir}"]
-    print(f"== {setup.name}: {' '.join(cmd[2:])}", flush=True)
+    overrides = [*(QUICK if quick else ()), *setup.overrides, *more, f"accuracy.out={result_path(results_dir, setup)}",
+                 f"planner.cache_dir={cache_dir}"]
+    print(f"== {setup.name}: oases_ds.cli.plan experiment=cost_model {' '.join(overrides)}", flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = plan_cli(*overrides)
     if proc.returncode:
         raise SystemExit(f"error: setup {setup.name} failed (exit {proc.returncode}); its output is above")
     return time.perf_counter() - started
@@ -91,9 +98,7 @@ def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
     scores: list[float | None] = []
     for _ in range(count):
         with tempfile.TemporaryDirectory(prefix="oases-reprofile-") as tmp:
-            cmd = [sys.executable, "-m", "oases_ds.cli.plan", "experiment=cost_model", "mode=profile", *overrides,
-                   f"planner.cache_dir={tmp}"]
-            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+            proc = plan_cli("mode=profile", *overrides, f"planner.cache_dir={tmp}", capture=True)
             if proc.returncode:
                 raise SystemExit(f"error: re-profiling {setup.name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
             (table_path,) = Path(tmp).glob("*.json")

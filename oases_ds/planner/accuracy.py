@@ -218,7 +218,7 @@ def scored_rows(setup: Setup, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def plan_of_row(row: dict[str, Any], devices: int) -> Plan:
     """The plan a result row measured (its per-layer attention and MLP degrees)."""
-    return Plan.from_block_degrees([d for pair in zip(row["attn"], row["mlp"]) for d in pair], devices)
+    return Plan(attn_degrees=tuple(row["attn"]), mlp_degrees=tuple(row["mlp"]), devices=devices)
 
 
 def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) -> float | None:
