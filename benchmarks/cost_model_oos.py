@@ -43,6 +43,8 @@ SETUPS: tuple[Setup, ...] = (
     Setup("in_sample", "nothing: gpt_small, T=2, 0.2 Gbit/s, 10 plans (the tuning setup, for reference)", ()),
     Setup("link_1g", "link 1 Gbit/s instead of 0.2 (comm 5x cheaper against the same compute)",
           ("cluster.name=cpu_1g", "cluster.link.bandwidth_gbps=1.0")),
+    Setup("link_500m", "link 0.5 Gbit/s instead of 0.2 (comm 2.5x cheaper; at 1 Gbit/s the measurement cannot rank "
+          "the plans, split-half 0.08-0.64 in three runs)", ("cluster.name=cpu_0_5g", "cluster.link.bandwidth_gbps=0.5")),
     Setup("llama", "family LLaMA (RMSNorm, SwiGLU MLP, rotary attention)", ("model=llama_small",)),
     Setup("bert", "family BERT (post-norm, masked-LM head)", ("model=bert_small",)),
     Setup("tmp4", "T=4: degrees 1, 2 and 4, 4 ranks, micro-batch 16", ("devices=4", "micro_batch=16")),

@@ -40,6 +40,7 @@ from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.memory import estimate_memory, memory_lines
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile, profile_rows
+from oases_ds.planner.replay import can_replay, rank_by_replay, replay_plan
 from oases_ds.planner.stages import PipelineSpec, even_split, p2p_ms, plan_split, plan_stages
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
@@ -230,14 +231,28 @@ def _solve(table: Any, limit: float | None, planner: dict) -> Any:
     return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
 
 
-def best_uniform(table: Any, limit: float | None) -> tuple[int, float] | None:
-    """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None."""
+def replay_family(cfg: dict, table: Any) -> str | None:
+    """The model family to replay plans of (:mod:`oases_ds.planner.replay`), or None where the
+    additive costs must do: an analytic table (no per-op times), or a ``table=`` file profiled
+    for another family or schedule than the config's."""
+    family = cfg["model"]["family"]
+    same = table.model.startswith(f"{family}-") and table.schedule == ScheduleSpec.from_mapping(cfg["schedule"]).label
+    return family if same and can_replay(table) else None
+
+
+def best_uniform(table: Any, limit: float | None, family: str | None = None,
+                 schedule: ScheduleSpec | None = None) -> tuple[int, float] | None:
+    """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None;
+    replayed where ``family`` and ``schedule`` are given (as the plan it is compared with), else
+    the additive objective."""
 
     options = []
     for degree in table.degrees:
         plan = Plan.uniform(table.devices, table.layers, degree)
         if limit is None or predict_memory_bytes(table, plan) <= limit:
-            options.append((predict_step_ms(table, plan), degree))
+            ms = predict_step_ms(table, plan) if family is None or schedule is None else (
+                replay_plan(table, family, plan, schedule).step_ms)
+            options.append((ms, degree))
     if not options:
         return None
     ms, degree = min(options)
@@ -266,13 +281,18 @@ def run(cfg: dict) -> None:
         plan = _solve(table, limit, cfg["planner"])
     except PlanInfeasibleError as err:
         raise ValueError(f"memory_limit: {err}") from None
+    family, schedule = replay_family(cfg, table), ScheduleSpec.from_mapping(cfg["schedule"])
+    if family is not None:  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
+        plan, priced = rank_by_replay(table, family, schedule, plan, limit)
+        print("replayed steps (cost model 7), attn / mlp degrees: " + "; ".join(
+            f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in priced))
     limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
     print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")
     print("\n".join(f"  {row}" for row in plan.as_table().splitlines()))
     print(f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device ({limit_text})")
     if not cfg["table"]:  # a table= file's model is not the config's: only its bound is known
         print("\n".join(memory_lines(_plan_memory(cfg, table, plan))))
-    uniform = best_uniform(table, limit)
+    uniform = best_uniform(table, limit, family, schedule)
     if uniform is None:
         print("best uniform: none fits the memory limit")
     else:
@@ -347,7 +367,7 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     )
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
     print(f"measuring {len(plans)} plans x {spec.repeats} interleaved steps on {spec.devices} ranks ({label}) ...", flush=True)
-    result = report(table, plans, measure(spec, plans, timeout_s=cfg["timeout_s"]))
+    result = report(table, plans, measure(spec, plans, timeout_s=cfg["timeout_s"]), replay_family(cfg, table), spec.schedule)
     for r in result["rows"]:
         r["is_solver_plan"] = r["attn"] == list(solved.attn_degrees) and r["mlp"] == list(solved.mlp_degrees)
     print(f"{'attn degrees':<16}{'mlp degrees':<16}{'predicted ms':>13}{'measured ms':>13}{'min-max':>18}")

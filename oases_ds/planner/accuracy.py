@@ -34,6 +34,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
+from oases_ds.planner.replay import can_replay, replay_inputs, replay_plan, replayed_or_additive
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.rounds import rotated
@@ -145,29 +146,48 @@ def without_overhead(table: CostTable) -> CostTable:
     return dataclasses.replace(table, blocks=blocks, collective_overhead_ms={})
 
 
-def report(table: CostTable, plans: list[Plan], times: list[list[float]]) -> dict[str, Any]:
+def report(table: CostTable, plans: list[Plan], times: list[list[float]], family: str | None = None,
+           schedule: ScheduleSpec | None = None) -> dict[str, Any]:
+    """Per plan its predicted and measured step, and the rank correlations between them.
+
+    ``predicted_ms`` is the plan's replayed step (:func:`~oases_ds.planner.replay.replay_plan`,
+    cost model 7) where ``family`` and ``schedule`` are given and the table holds per-op times,
+    else the additive objective.  Beside it, on the same measured steps: the additive objective
+    the solvers search (``predicted_additive_ms``, ``spearman_additive``) and the prediction
+    without the per-collective overhead (``predicted_without_overhead_ms``)."""
     rows = []
+    replayed = family is not None and schedule is not None and can_replay(table)
     ablated = without_overhead(table)
     for plan, t in zip(plans, times):
+        additive = predict_step_ms(table, plan)
+        if replayed:
+            predicted = replay_plan(table, family, plan, schedule).step_ms
+            plain = replay_plan(table, family, plan, schedule, overhead=False).step_ms
+        else:
+            predicted, plain = additive, predict_step_ms(ablated, plan)
         rows.append({
             "attn": list(plan.attn_degrees), "mlp": list(plan.mlp_degrees), "solver": plan.solver_name,
-            "predicted_ms": predict_step_ms(table, plan), "measured_ms": statistics.median(t),
+            "predicted_ms": predicted, "measured_ms": statistics.median(t),
             "min_ms": min(t), "max_ms": max(t), "times_ms": list(t),
-            "predicted_without_overhead_ms": predict_step_ms(ablated, plan),
+            "predicted_without_overhead_ms": plain, "predicted_additive_ms": additive,
         })
-    rho, p = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    measured = [r["measured_ms"] for r in rows]
+    rho, p = spearman([r["predicted_ms"] for r in rows], measured)
     rho_mixed, mixed = mixed_spearman(rows)
-    rho_plain = spearman([r["predicted_without_overhead_ms"] for r in rows], [r["measured_ms"] for r in rows])[0]
-    rho_plain_mixed = mixed_spearman([{**r, "predicted_ms": r["predicted_without_overhead_ms"]} for r in rows])[0]
-    return {"rows": rows, "spearman": rho, "p_value": p, "spearman_mixed": rho_mixed, "mixed_plans": mixed,
-            "spearman_without_overhead": rho_plain, "spearman_without_overhead_mixed": rho_plain_mixed,
-            "split_half_spearman": split_half_spearman(times),
-            "split_half_spearman_mixed": split_half_spearman([t for r, t in zip(rows, times) if is_mixed(r)]),
-            "cost_table": {  # the profile behind every prediction: a miss can be traced to a block and degree
-                "blocks": {kind: {str(d): dataclasses.asdict(c) for d, c in by.items()} for kind, by in table.blocks.items()},
-                "collective_overhead_ms": {str(k): v for k, v in table.collective_overhead_ms.items()},
-                "collective_overhead": table.measurements.get("collective_overhead"),
-            }}
+    out = {"rows": rows, "pricing": "replay" if replayed else "additive", "spearman": rho, "p_value": p,
+           "spearman_mixed": rho_mixed, "mixed_plans": mixed}
+    for name, column in (("without_overhead", "predicted_without_overhead_ms"), ("additive", "predicted_additive_ms")):
+        out[f"spearman_{name}"] = spearman([r[column] for r in rows], measured)[0]
+        out[f"spearman_{name}_mixed"] = mixed_spearman([{**r, "predicted_ms": r[column]} for r in rows])[0]
+    out.update({
+        "split_half_spearman": split_half_spearman(times),
+        "split_half_spearman_mixed": split_half_spearman([t for r, t in zip(rows, times) if is_mixed(r)]),
+        "cost_table": {  # the profile behind every prediction: a miss can be traced to a block and degree
+            "blocks": {kind: {str(d): dataclasses.asdict(c) for d, c in by.items()} for kind, by in table.blocks.items()},
+            "collective_overhead_ms": {str(k): v for k, v in table.collective_overhead_ms.items()},
+            "collective_overhead": table.measurements.get("collective_overhead"),
+        }})
+    return out
 
 
 def split_half_spearman(times: list[list[float]]) -> float | None:
@@ -222,7 +242,8 @@ def plan_of_row(row: dict[str, Any], devices: int) -> Plan:
 
 
 def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) -> float | None:
-    """Spearman of ``setup``'s scored rows, their measured steps against ``table``'s predictions.
+    """Spearman of ``setup``'s scored rows, their measured steps against ``table``'s predictions
+    (replayed as the run's own :func:`report` would, from the model and schedule in its ``config``).
 
     Why: a setup's score depends on two measurements, the plans' steps and the profile that
     priced them.  The profile is a few seconds of steps, so one taken in a bad moment moves
@@ -232,7 +253,8 @@ def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) ->
     rows = scored_rows(setup, result)
     if len(rows) < MIN_RANKED:
         return None
-    predicted = [predict_step_ms(table, plan_of_row(r, table.devices)) for r in rows]
+    family, schedule = replay_inputs(result) if "config" in result else (None, None)
+    predicted = replayed_or_additive(table, family, schedule, [plan_of_row(r, table.devices) for r in rows])
     return spearman(predicted, [r["measured_ms"] for r in rows])[0]
 
 
@@ -265,10 +287,12 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           "Cost model v2 was tuned on gpt_small, T=2, an EMULATED 0.2 Gbit/s link (`in_sample`). v4 adds each",
           "collective's measured overhead, a term with no fitted constant (the profiler measures it in every setup),",
           "chosen after looking at `in_sample` and `link_1g`; v6 prices a block's collectives at the link model's time,",
-          "as the fixed cost of the measured AllReduce is already in that overhead (the version is the `|cm<n>` of each",
-          "setup's table key below). The other setups change one thing each and were not looked at to build the",
-          f"model. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores the same measured steps",
-          "against the predictions with the v4 term removed. *Measurement* is",
+          "as the fixed cost of the measured AllReduce is already in that overhead; v7 prices a whole plan by replaying",
+          "its schedule over the profile's per-op times (`oases_ds/planner/replay.py`), where v6 summed per-block",
+          "node and edge costs (the version is the `|cm<n>` of each setup's table key below). The other setups change",
+          f"one thing each and were not looked at to build the model. Target: Spearman >= {TARGET_SPEARMAN} in each.",
+          "*Without overhead* scores the same measured steps against the predictions with the v4 term removed;",
+          "*additive*, against the per-block sum the solvers search (v6's prediction, from the same profile). *Measurement* is",
           "the Spearman of the plans' medians over the even rounds against the odd rounds: how well the measurement",
           "ranks the plans by itself. *Top pick*: the measured step of the plan the model ranks first over the",
           "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).",
@@ -277,11 +301,11 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           "profile the run took.", "",
           note, "",
           "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
-          "| measurement | top pick | fresh profiles | result |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| additive | measurement | top pick | fresh profiles | result |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setup, path, result in entries:
         if result is None:
-            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | `{path}` missing |")
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | - | `{path}` missing |")
             continue
         regret = top_pick_regret(scored_rows(setup, result))
         rho, scored = setup_score(setup, result)
@@ -291,11 +315,12 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
         rho_text = "too few plans" if rho is None else f"{rho:.3f}"
         suffix = "_mixed" if setup.mixed_only else ""
         half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
-        half_text, plain_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain))
+        additive = result.get("spearman_additive" + suffix) if result.get("pricing") == "replay" else None
+        half_text, plain_text, additive_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain, additive))
         regret_text = "-" if regret is None else f"{regret:.3f}"
         fresh_text = "; ".join(f"v{version}: {lo:.3f} / {mid:.3f} / {hi:.3f} ({n})"
                                for version, (lo, mid, hi, n) in reprofiled_range(result).items()) or "-"
-        md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {half_text} "
+        md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {additive_text} | {half_text} "
                   f"| {regret_text} | {fresh_text} | `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
            "settings are in each result file (`config`, `machine`, `git_commit`)."]

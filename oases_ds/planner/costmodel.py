@@ -183,6 +183,13 @@ class SimResult:
         return [e for e in self.events if e.lane == lane]
 
 
+def moves_bytes(op: Op, phase: str) -> bool:
+    """Whether ``op``'s collective in ``phase`` crosses the link: a reshard's ``split``
+    direction (its AllGather's partner) keeps a local slice and moves nothing."""
+    collective = getattr(op, "backward" if phase == "backward" else "forward", None)
+    return collective is not None and collective != "split"
+
+
 def simulate_step(
     schedule: Schedule,
     ops: Sequence[Op],
@@ -210,7 +217,7 @@ def simulate_step(
             now += duration
             compute += duration
         elif isinstance(ins, StartAsync):
-            nbytes = costs.comm_bytes.get(ins.op, 0)
+            nbytes = costs.comm_bytes.get(ins.op, 0) if moves_bytes(op, ins.phase) else 0
             ranks = costs.ranks.get(ins.op, costs.default_ranks)
             seconds = link.seconds(costs.kind.get(ins.op, "all_reduce"), nbytes, ranks) if nbytes else 0.0
             start = max(now, link_free)

@@ -128,9 +128,12 @@ def test_summary_reports_each_setup_against_the_target():
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | 0.750 | 1.000 | - | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | 1.000 | - | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | - | - | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | - | 0.750 | 1.000 | - | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | - | 1.000 | - | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | - | - | - | - | `c.json` missing |" in text
+    replayed = {**result, "pricing": "replay", "spearman_additive": 0.6, "spearman_additive_mixed": 0.4}
+    text_replayed = summary_markdown([(Setup("mix", "mixes only", (), mixed_only=True), "b.json", replayed)], "note")
+    assert "| 0.800 | - | **no** | 0.250 | 0.400 | - | 1.000 | - | `b.json` |" in text_replayed  # v6's sum beside it
     repriced = {**result, "reprofiled": [{"spearman": 0.9, "cost_model": 6}, {"spearman": 0.5, "cost_model": 6},
                                          {"spearman": None, "cost_model": 6}, {"spearman": 0.7, "cost_model": 6},
                                          {"spearman": 0.1, "cost_model": 4}]}
@@ -204,7 +207,7 @@ def test_the_out_of_sample_runner_reports_the_files_it_finds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (report,) = reports.iterdir()
     text = report.read_text()
-    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - | - | 1.000 | - |" in text
+    assert "| link_1g | link 1 Gbit/s instead of 0.2" in text and "| 6 | 0.950 | 0.01 | yes | - | - | - | 1.000 | - |" in text
     assert "| tmp4 | T=4: degrees 1, 2 and 4" in text and "planner_accuracy-tmp4.json` missing |" in text
 
 
