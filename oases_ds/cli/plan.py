@@ -284,7 +284,7 @@ def run(cfg: dict) -> None:
     family, schedule = replay_family(cfg, table), ScheduleSpec.from_mapping(cfg["schedule"])
     if family is not None:  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
         plan, priced = rank_by_replay(table, family, schedule, plan, limit)
-        print("replayed steps (cost model 7), attn / mlp degrees: " + "; ".join(
+        print("replayed steps (cost model 8), attn / mlp degrees: " + "; ".join(
             f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in priced))
     limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
     print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")

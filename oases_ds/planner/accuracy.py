@@ -151,7 +151,7 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     """Per plan its predicted and measured step, and the rank correlations between them.
 
     ``predicted_ms`` is the plan's replayed step (:func:`~oases_ds.planner.replay.replay_plan`,
-    cost model 7) where ``family`` and ``schedule`` are given and the table holds per-op times,
+    cost model 7, scaled in 8) where ``family`` and ``schedule`` are given and the table holds per-op times,
     else the additive objective.  Beside it, on the same measured steps: the additive objective
     the solvers search (``predicted_additive_ms``, ``spearman_additive``) and the prediction
     without the per-collective overhead (``predicted_without_overhead_ms``)."""

@@ -15,7 +15,11 @@ the schedule's own instruction stream over it, and
 
 * each compute op's Forward / Recompute / Backward time at its block's degree, as
   the profiler measured it on the one-layer model (``op_ms_rank0``: rank 0, median
-  over steps, per sub-batch; the embedding and head at the full degree ``T``);
+  over steps, per sub-batch; the embedding and head at the full degree ``T``),
+  scaled per block, degree and pass so that the block's ops sum to the *slowest*
+  rank's time for it (the table's ``fwd_ms`` / ``recompute_ms`` / ``bwd_ms`` evidence,
+  :func:`block_scales`): the slowest rank sets a TMP step, and with 4 ranks on 2
+  cores rank 0 alone priced TMP-4 plans at 0.79-0.87 (cost model 7, run D);
 * each block collective's payload as measured at that degree, a reshard's
   AllGather as :func:`~oases_ds.planner.costs.reshard_ms` sizes it, all on the
   table's link model;
@@ -79,6 +83,24 @@ def _one_layer_index(family: str) -> dict[str, int]:
     return {op.name: i for i, op in enumerate(one_layer_ops(family))}
 
 
+def block_scales(table: CostTable, family: str) -> dict[tuple[int, str, str], float]:
+    """``(degree, block kind, pass letter F/R/B) -> factor`` that takes rank 0's per-op times of the
+    block to the slowest rank's block time the table holds (evidence ``blocks``); 1 where either
+    side is missing or zero."""
+    ops = one_layer_ops(family)
+    scales: dict[tuple[int, str, str], float] = {}
+    for degree in table.degrees:
+        evidence = table.measurements["degrees"][str(degree)]
+        op_ms = evidence["op_ms_rank0"]
+        for kind, timing in evidence.get("blocks", {}).items():
+            members = [i for i, op in enumerate(ops) if op.block == kind and not isinstance(op, CommOp)]
+            for letter, part in (("F", "fwd_ms"), ("R", "recompute_ms"), ("B", "bwd_ms")):
+                rank0 = table.sub_batches * sum(float(op_ms.get(f"{i}:{letter}", 0.0)) for i in members)
+                slowest = float(timing.get(part, 0.0))
+                scales[(degree, kind, letter)] = slowest / rank0 if rank0 > 0 and slowest > 0 else 1.0
+    return scales
+
+
 def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpec,
                 overhead: bool = True) -> PlanReplay:
     """Replay ``plan``'s step under ``schedule`` from ``table``'s per-op profile (module doc).
@@ -96,6 +118,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     devices = table.devices
     ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices)
     index = _one_layer_index(family)
+    scales = block_scales(table, family)
     evidence = table.measurements["degrees"]
     forward, backward, recompute = {}, {}, {}
     comm_bytes: dict[int, int] = {}
@@ -113,7 +136,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
         op_ms = evidence[str(degree)]["op_ms_rank0"]
         for letter, into in (("F", forward), ("B", backward), ("R", recompute)):
             if f"{source}:{letter}" in op_ms:
-                into[i] = float(op_ms[f"{source}:{letter}"])
+                into[i] = float(op_ms[f"{source}:{letter}"]) * scales.get((degree, op.block, letter), 1.0)
         if isinstance(op, CommOp) and degree > 1:
             comm_bytes[i], ranks[i] = int(evidence[str(degree)]["allreduce_bytes"]), degree
     costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,

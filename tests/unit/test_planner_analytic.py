@@ -221,7 +221,7 @@ def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
     proc = plan_cli("cost=analytic", "model=gpt_39_1b", "cluster=pcie_3090", "devices=8", "micro_batch=16",
                     "layers=4", "memory_limit=22GiB", f"out={out}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rtx3090@28.4TFLOPs,analytic|oases|8|cm7 | 4 layers | analytic:" in proc.stdout
+    assert "rtx3090@28.4TFLOPs,analytic|oases|8|cm8 | 4 layers | analytic:" in proc.stdout
     assert "per-rank peak " in proc.stdout and "+ logits " in proc.stdout  # the replayed peak, by term
     assert "nothing launched" in proc.stdout and "best uniform:" in proc.stdout
     plan = Plan.from_json(out)

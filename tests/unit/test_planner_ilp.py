@@ -149,7 +149,7 @@ def test_cost_table_json_round_trip(tmp_path) -> None:
     table.to_json(path)
     loaded = CostTable.from_json(path)
     assert loaded == table
-    assert loaded.key() == "random-4|synthetic|oases|4|cm7"
+    assert loaded.key() == "random-4|synthetic|oases|4|cm8"
 
 
 def test_plan_as_table_collapses_runs() -> None:

@@ -23,7 +23,7 @@ from oases_ds.planner.costs import BlockCost, CostTable
 from oases_ds.planner.memory import one_layer_ops
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import simulate_profiled_layer
-from oases_ds.planner.replay import can_replay, rank_by_replay, replay_inputs, replay_plan, replayed_or_additive
+from oases_ds.planner.replay import block_scales, can_replay, rank_by_replay, replay_inputs, replay_plan, replayed_or_additive
 from oases_ds.schedule.generators import ScheduleSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +67,23 @@ def test_a_blocking_step_is_the_sum_of_its_parts():
     assert (mixed.step_ms, mixed.collectives) == pytest.approx((56.75, 6))
     assert uniform2.exposed_comm_ms == pytest.approx(6.0)  # blocking: every collective waited for in full
     assert replay_plan(table, "gpt", Plan.uniform(2, 1, 2), NONE, overhead=False).step_ms == pytest.approx(42.0)
+
+
+def test_per_op_times_are_scaled_to_the_slowest_ranks_block_time():
+    """Evidence that the slowest rank spent 2 x rank 0's forward on the attention block at degree 2
+    (gpt attn: 5 compute ops x 1 ms forward, one sub-batch: 5 ms on rank 0, 10 ms slowest) and the
+    same backward (5 x 2 = 10 ms): uniform 2 under ``none`` costs 5 ms more than the 45 ms above,
+    and degree 1, with no such evidence, nothing more; the MLP's scale 1 leaves it as it was."""
+    table = hand_table()
+    degrees = {**table.measurements["degrees"]}
+    degrees["2"] = {**degrees["2"], "blocks": {"attn": {"fwd_ms": 10.0, "recompute_ms": 0.0, "bwd_ms": 10.0},
+                                              "mlp": {"fwd_ms": 3.0, "recompute_ms": 0.0, "bwd_ms": 6.0}}}
+    scaled = dataclasses.replace(table, measurements={"degrees": degrees})
+    assert block_scales(scaled, "gpt")[(2, "attn", "F")] == pytest.approx(2.0)
+    assert block_scales(scaled, "gpt")[(2, "attn", "B")] == pytest.approx(1.0)
+    assert block_scales(scaled, "gpt")[(2, "mlp", "F")] == pytest.approx(1.0)
+    assert replay_plan(scaled, "gpt", Plan.uniform(2, 1, 2), NONE).step_ms == pytest.approx(50.0)
+    assert replay_plan(scaled, "gpt", Plan.uniform(2, 1, 1), NONE).step_ms == pytest.approx(69.0)
 
 
 def test_a_uniform_one_layer_replay_is_the_profiled_layer_simulation():
