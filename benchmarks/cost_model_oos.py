@@ -1,8 +1,8 @@
 """Cost-model accuracy out of sample: score the cost model on setups it was not tuned on.
 
-Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed rounds per plan, ~17 min
-on a quiet 2-core machine: in_sample 119 s, link_1g 84 s, llama 125 s, bert 121 s, tmp4 300 s, mixed
-163 s on 2026-12-01) or ``--setup link_1g`` (repeatable).  After the runs, each setup's measured
+Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed rounds per plan, ``mixed``
+72, ~25 min on a quiet 2-core machine: in_sample 127 s, link_1g 82 s, link_500m 87 s, llama 126 s, bert
+123 s, tmp4 304 s, mixed 487 s and 3 min of fresh profiles on 2026-12-01) or ``--setup link_1g`` (repeatable).  After the runs, each setup's measured
 steps are priced again by ``--reprofile`` (2) fresh profiles (``planner_accuracy-<setup>.json
 ["reprofiled"]``; ``--reprofile-only`` does that for the result files already there): one profile
 is seconds of steps, and the one a run took can sit apart from the others (benchmarks/README.md,

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 from oases_ds.models.ops import CommOp
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import OpCosts, moves_bytes, simulate_step
-from oases_ds.planner.costs import CostTable
+from oases_ds.planner.costs import BLOCK_KINDS, CostTable
 from oases_ds.planner.memory import one_layer_ops, plan_ops
 from oases_ds.planner.objective import fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
@@ -120,12 +120,14 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     index = _one_layer_index(family)
     scales = block_scales(table, family)
     evidence = table.measurements["degrees"]
-    forward, backward, recompute = {}, {}, {}
+    forward: dict[int, float] = {}
+    backward: dict[int, float] = {}
+    recompute: dict[int, float] = {}
     comm_bytes: dict[int, int] = {}
     ranks: dict[int, int] = {}
     kind: dict[int, str] = {}
     for i, (op, degree) in enumerate(zip(ops, degrees)):
-        if ".reshard_" in op.name or op.name == "head_reshard":
+        if isinstance(op, CommOp) and "all_gather" in (op.forward, op.backward):  # a reshard (plan_ops)
             small, big = sorted((degrees[i - 1], degree))
             comm_bytes[i] = int(table.reshard_bytes * big / devices)
             ranks[i], kind[i] = big // small, "all_gather"
@@ -146,7 +148,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     issued = [ranks[ins.op] for ins in program.instructions
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
     extra = sum(table.collective_overhead_ms.get(group, 0.0) for group in issued) if overhead else 0.0
-    grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(table.block_kinds(), plan.block_degrees()))
+    grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(BLOCK_KINDS * plan.layers, plan.block_degrees()))
     return PlanReplay(step_ms=sim.step_ms + extra + grad, simulated_ms=sim.step_ms, exposed_comm_ms=sim.exposed_comm_ms,
                       overhead_ms=extra, grad_sync_ms=grad, collectives=len(issued))
 
