@@ -233,8 +233,8 @@ def _solve(table: Any, limit: float | None, planner: dict) -> Any:
 
 def replay_family(cfg: dict, table: Any) -> str | None:
     """The model family to replay plans of (:mod:`oases_ds.planner.replay`), or None where the
-    additive costs must do: an analytic table (no per-op times), or a ``table=`` file profiled
-    for another family or schedule than the config's."""
+    additive costs must do: a table without per-op times, or a ``table=`` file made for another
+    family or schedule than the config's."""
     family = cfg["model"]["family"]
     same = table.model.startswith(f"{family}-") and table.schedule == ScheduleSpec.from_mapping(cfg["schedule"]).label
     return family if same and can_replay(table) else None

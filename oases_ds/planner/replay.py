@@ -31,8 +31,9 @@ collective among its ranks (:attr:`CostTable.collective_overhead_ms`, cost model
 
 The additive costs stay the solvers' objective; the replay ranks the solver's
 plan against the uniform ones (:func:`rank_by_replay`) and is what the accuracy
-study scores.  An analytic table has no per-op times: :func:`can_replay` says so
-and the additive cost is used.
+study scores.  A profiled table and an analytic one (``cost=analytic``: per-op times from
+FLOPs, :mod:`oases_ds.planner.analytic`) both hold per-op times; a hand-made table
+without them is priced additively (:func:`can_replay`).
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class PlanReplay:
 
 
 def can_replay(table: CostTable) -> bool:
-    """Whether ``table`` holds per-op times at every degree (a profile does, an analytic table not)."""
+    """Whether ``table`` holds per-op times at every degree (profiled and analytic tables do; a
+    hand-made one, or a table file stripped of its ``measurements``, may not)."""
     evidence = table.measurements.get("degrees", {})
     return all(isinstance(evidence.get(str(d)), dict) and "op_ms_rank0" in evidence[str(d)] and
                "allreduce_bytes" in evidence[str(d)] for d in table.degrees)
@@ -109,8 +111,8 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     accuracy study reports beside the score.
     """
     if not can_replay(table):
-        raise ValueError(f"table {table.key()} has no per-op times to replay (an analytic table?); "
-                         f"price it with predict_step_ms or profile it (cost=profile)")
+        raise ValueError(f"table {table.key()} has no per-op times to replay (measurements.degrees.<t>.op_ms_rank0); "
+                         f"price it with predict_step_ms, or profile it again (cost=profile)")
     if plan.devices != table.devices:
         raise ValueError(f"plan is for devices={plan.devices}; table {table.key()} has devices={table.devices}")
     if unprofiled := sorted(set(plan.block_degrees()) - set(table.degrees)):

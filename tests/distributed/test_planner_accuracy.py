@@ -223,6 +223,9 @@ def test_accuracy_mode_measures_eight_plans(tmp_path):
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 8
     assert sum(r["is_solver_plan"] for r in result["rows"]) == 1
+    # A profiled table: plans are ranked by their replayed steps, the additive sum kept beside them.
+    assert result["pricing"] == "replay" and "replayed steps (cost model" in proc.stdout
+    assert all(r["predicted_additive_ms"] > 0 for r in result["rows"])
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in result["rows"])
     predicted, measured = [r["predicted_ms"] for r in result["rows"]], [r["measured_ms"] for r in result["rows"]]
     # The reported number is the rank correlation of the rows it reports, recomputed here by hand.

@@ -224,6 +224,8 @@ def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
     assert "rtx3090@28.4TFLOPs,analytic|oases|8|cm8 | 4 layers | analytic:" in proc.stdout
     assert "per-rank peak " in proc.stdout and "+ logits " in proc.stdout  # the replayed peak, by term
     assert "nothing launched" in proc.stdout and "best uniform:" in proc.stdout
+    # the analytic table's per-op times (from FLOPs) are replayed like a profile's
+    assert "replayed steps (cost model" in proc.stdout and "8,8,8,8 / 8,8,8,8" in proc.stdout
     plan = Plan.from_json(out)
     assert plan.layers == 4 and plan.memory_bytes <= 22 * 2**30
 
