@@ -40,7 +40,7 @@ from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.memory import estimate_memory, memory_lines
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile, profile_rows
-from oases_ds.planner.replay import can_replay, rank_by_replay, replay_plan
+from oases_ds.planner.replay import can_replay, rank_by_replay
 from oases_ds.planner.stages import PipelineSpec, even_split, p2p_ms, plan_split, plan_stages
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
@@ -240,19 +240,20 @@ def replay_family(cfg: dict, table: Any) -> str | None:
     return family if same and can_replay(table) else None
 
 
-def best_uniform(table: Any, limit: float | None, family: str | None = None,
-                 schedule: ScheduleSpec | None = None) -> tuple[int, float] | None:
+def best_uniform(table: Any, limit: float | None,
+                 replayed: list[tuple[Plan, float]] | None = None) -> tuple[int, float] | None:
     """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None;
-    replayed where ``family`` and ``schedule`` are given (as the plan it is compared with), else
-    the additive objective."""
+    from ``replayed`` (:func:`~oases_ds.planner.replay.rank_by_replay` priced every uniform plan
+    that fits, as the plan it is compared with) where given, else the additive objective."""
 
-    options = []
-    for degree in table.degrees:
-        plan = Plan.uniform(table.devices, table.layers, degree)
-        if limit is None or predict_memory_bytes(table, plan) <= limit:
-            ms = predict_step_ms(table, plan) if family is None or schedule is None else (
-                replay_plan(table, family, plan, schedule).step_ms)
-            options.append((ms, degree))
+    if replayed is not None:
+        options = [(ms, plan.attn_degrees[0]) for plan, ms in replayed if len(set(plan.block_degrees())) == 1]
+    else:
+        options = []
+        for degree in table.degrees:
+            plan = Plan.uniform(table.devices, table.layers, degree)
+            if limit is None or predict_memory_bytes(table, plan) <= limit:
+                options.append((predict_step_ms(table, plan), degree))
     if not options:
         return None
     ms, degree = min(options)
@@ -281,9 +282,9 @@ def run(cfg: dict) -> None:
         plan = _solve(table, limit, cfg["planner"])
     except PlanInfeasibleError as err:
         raise ValueError(f"memory_limit: {err}") from None
-    family, schedule = replay_family(cfg, table), ScheduleSpec.from_mapping(cfg["schedule"])
+    family, priced = replay_family(cfg, table), None
     if family is not None:  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
-        plan, priced = rank_by_replay(table, family, schedule, plan, limit)
+        plan, priced = rank_by_replay(table, family, ScheduleSpec.from_mapping(cfg["schedule"]), plan, limit)
         print("replayed steps (cost model 8), attn / mlp degrees: " + "; ".join(
             f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in priced))
     limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
@@ -292,7 +293,7 @@ def run(cfg: dict) -> None:
     print(f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device ({limit_text})")
     if not cfg["table"]:  # a table= file's model is not the config's: only its bound is known
         print("\n".join(memory_lines(_plan_memory(cfg, table, plan))))
-    uniform = best_uniform(table, limit, family, schedule)
+    uniform = best_uniform(table, limit, priced)
     if uniform is None:
         print("best uniform: none fits the memory limit")
     else:

@@ -62,12 +62,15 @@ class CollectiveKind:
         start: async, one direction: ``(comm, tensor, group, dim, phase) -> Pending``.
         in_forward: eager autograd Function: this collective forward, ``partner`` backward.
         in_backward: eager autograd Function: ``partner`` forward, this collective backward.
+        moves_bytes: whether it crosses a link; ``split`` keeps a local share (the cost and
+            memory models then charge no transfer and no buffer in flight).
     """
 
     partner: Collective
     start: Callable[[Communicator, torch.Tensor, Group, int, str], Pending]
     in_forward: Callable[[torch.Tensor, Group, int], torch.Tensor]
     in_backward: Callable[[torch.Tensor, Group, int], torch.Tensor]
+    moves_bytes: bool = True
 
 
 COLLECTIVES: dict[str, CollectiveKind] = {
@@ -88,6 +91,7 @@ COLLECTIVES: dict[str, CollectiveKind] = {
         start=_start_split,
         in_forward=SplitToTensorParallel.apply,
         in_backward=GatherFromTensorParallel.apply,
+        moves_bytes=False,
     ),
 }
 """The one place a collective's name becomes a collective."""
@@ -197,6 +201,10 @@ class CommOp:
                 raise ValueError(f"{self.name}: {direction} {this} needs {partner or 'identity'} in the other "
                                  f"direction (its gradient), got {other or 'identity'}")
 
+    def collective_in(self, phase: str) -> Collective:
+        """The collective this operator runs in ``phase`` (forward and recompute: its forward one)."""
+        return self.backward if phase == "backward" else self.forward
+
     def start(self, comm: Communicator, tensor: torch.Tensor, direction: str, phase: str) -> Pending:
         """Issue this operator's ``direction`` collective on ``tensor``; the caller waits on the handle."""
         collective = self.forward if direction == "forward" else self.backward
@@ -223,3 +231,9 @@ def forward_collective(op: Op) -> bool:
 
 def backward_collective(op: Op) -> bool:
     return isinstance(op, CommOp) and op.backward is not None
+
+
+def moves_bytes(op: Op, phase: str) -> bool:
+    """Whether ``op`` sends anything over a link in ``phase`` (:attr:`CollectiveKind.moves_bytes`)."""
+    collective = op.collective_in(phase) if isinstance(op, CommOp) else None
+    return collective is not None and COLLECTIVES[collective].moves_bytes

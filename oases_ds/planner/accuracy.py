@@ -160,9 +160,9 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     ablated = without_overhead(table)
     for plan, t in zip(plans, times):
         additive = predict_step_ms(table, plan)
-        if replayed:
-            predicted = replay_plan(table, family, plan, schedule).step_ms
-            plain = replay_plan(table, family, plan, schedule, overhead=False).step_ms
+        if replayed:  # the overhead is added after the simulation, so one replay gives both
+            replay = replay_plan(table, family, plan, schedule)
+            predicted, plain = replay.step_ms, replay.step_ms - replay.overhead_ms
         else:
             predicted, plain = additive, predict_step_ms(ablated, plan)
         rows.append({

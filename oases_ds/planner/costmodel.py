@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from oases_ds.models.ops import CommOp, Op
+from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import Schedule, ScheduleSpec
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
@@ -181,13 +181,6 @@ class SimResult:
 
     def lane(self, lane: str) -> list[SimEvent]:
         return [e for e in self.events if e.lane == lane]
-
-
-def moves_bytes(op: Op, phase: str) -> bool:
-    """Whether ``op``'s collective in ``phase`` crosses the link: a reshard's ``split``
-    direction (its AllGather's partner) keeps a local slice and moves nothing."""
-    collective = getattr(op, "backward" if phase == "backward" else "forward", None)
-    return collective is not None and collective != "split"
 
 
 def simulate_step(

@@ -256,6 +256,14 @@ def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:
     return LinkModel(table.bandwidth_gbps, table.latency_us).seconds("all_gather", gathered_bytes, ranks) * 1e3
 
 
+def reshard_collective(table: CostTable, t_from: int, t_to: int) -> tuple[float, int]:
+    """(gathered bytes, ranks) of the AllGather of one sub-batch's reshard between two different
+    degrees: the big group's share ``reshard_bytes * big / T`` among ``big // small`` ranks
+    (:func:`reshard_ms` says why)."""
+    small, big = sorted((t_from, t_to))
+    return table.reshard_bytes * big / table.devices, big // small
+
+
 def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
     """Edge cost (forward + backward) between a block at degree ``t_from`` and the next at ``t_to``.
 
@@ -279,9 +287,7 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
     """
     if t_from == t_to:
         return 0.0
-    small, big = sorted((t_from, t_to))
-    gathered_bytes = table.reshard_bytes * big / table.devices
-    ranks = big // small
+    gathered_bytes, ranks = reshard_collective(table, t_from, t_to)
     overhead = table.collective_overhead_ms.get(ranks, 0.0)
     return table.sub_batches * (SLICE_MS + allgather_ms(table, ranks, gathered_bytes) + overhead)
 

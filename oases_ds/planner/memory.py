@@ -54,7 +54,7 @@ from typing import Sequence
 from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, ComputeOp, Op
+from oases_ds.models.ops import CommOp, ComputeOp, Op, moves_bytes
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
 from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
@@ -305,14 +305,13 @@ def activation_replay(
             src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
             held = buffers[src]
             payload = size[held[op.index]]
-            collective = op.backward if ins.phase == "backward" else op.forward
+            collective = op.collective_in(ins.phase)
             ratio = max(op_degrees[i], op_degrees[i - 1]) // min(op_degrees[i], op_degrees[i - 1])
             flight = payload * (ratio if collective == "all_gather" else 1)
-            buffers[("comm", i, sub, ins.phase)] = (*held, new(flight if collective != "split" else 0.0, "comm"))
+            buffers[("comm", i, sub, ins.phase)] = (*held, new(flight if moves_bytes(op, ins.phase) else 0.0, "comm"))
         elif isinstance(ins, Sync):
             *held, flight = buffers[("comm", i, sub, ins.phase)]
-            collective = op.backward if ins.phase == "backward" else op.forward
-            result = held[op.index] if collective == "split" else new(size[flight])  # split: a view
+            result = new(size[flight]) if moves_bytes(op, ins.phase) else held[op.index]  # split: a view
             dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
             buffers[dst] = tuple(held[: op.index]) + (result,) + tuple(held[op.index + 1:])
         out.append((str(ins), _terms(buffers, kind, size, tag, ops)))

@@ -39,7 +39,8 @@ def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> flo
     return table.fixed_bytes + sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
 
 
-def _check_plan_fits_table(table: CostTable, plan: Plan) -> None:
+def check_plan_fits_table(table: CostTable, plan: Plan) -> None:
+    """A plan priced by ``table`` must have its devices and layers and use only profiled degrees."""
     if plan.devices != table.devices or plan.layers != table.layers:
         raise ValueError(
             f"plan is for devices={plan.devices}, layers={plan.layers}; "
@@ -51,12 +52,12 @@ def _check_plan_fits_table(table: CostTable, plan: Plan) -> None:
 
 def predict_step_ms(table: CostTable, plan: Plan) -> float:
     """Predicted step time of ``plan``: what the ILP minimises."""
-    _check_plan_fits_table(table, plan)
+    check_plan_fits_table(table, plan)
     return sequence_step_ms(table, plan.block_degrees())
 
 
 def predict_memory_bytes(table: CostTable, plan: Plan) -> float:
-    _check_plan_fits_table(table, plan)
+    check_plan_fits_table(table, plan)
     return sequence_memory_bytes(table, plan.block_degrees())
 
 

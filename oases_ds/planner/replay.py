@@ -41,12 +41,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from oases_ds.models.ops import CommOp
+from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.costmodel import OpCosts, moves_bytes, simulate_step
-from oases_ds.planner.costs import BLOCK_KINDS, CostTable
+from oases_ds.planner.costmodel import OpCosts, simulate_step
+from oases_ds.planner.costs import CostTable, reshard_collective
 from oases_ds.planner.memory import one_layer_ops, plan_ops
-from oases_ds.planner.objective import fits_memory, predict_memory_bytes, predict_step_ms
+from oases_ds.planner.objective import check_plan_fits_table, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import StartAsync
@@ -113,10 +113,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     if not can_replay(table):
         raise ValueError(f"table {table.key()} has no per-op times to replay (measurements.degrees.<t>.op_ms_rank0); "
                          f"price it with predict_step_ms, or profile it again (cost=profile)")
-    if plan.devices != table.devices:
-        raise ValueError(f"plan is for devices={plan.devices}; table {table.key()} has devices={table.devices}")
-    if unprofiled := sorted(set(plan.block_degrees()) - set(table.degrees)):
-        raise ValueError(f"plan uses degrees {unprofiled} not profiled in table {table.key()}")
+    check_plan_fits_table(table, plan)
     devices = table.devices
     ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices)
     index = _one_layer_index(family)
@@ -130,9 +127,8 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     kind: dict[int, str] = {}
     for i, (op, degree) in enumerate(zip(ops, degrees)):
         if isinstance(op, CommOp) and "all_gather" in (op.forward, op.backward):  # a reshard (plan_ops)
-            small, big = sorted((degrees[i - 1], degree))
-            comm_bytes[i] = int(table.reshard_bytes * big / devices)
-            ranks[i], kind[i] = big // small, "all_gather"
+            gathered, ranks[i] = reshard_collective(table, degrees[i - 1], degree)
+            comm_bytes[i], kind[i] = int(gathered), "all_gather"
             continue
         source = index.get(_LAYER_PREFIX.sub("L0.", op.name))
         if source is None:
@@ -150,7 +146,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     issued = [ranks[ins.op] for ins in program.instructions
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
     extra = sum(table.collective_overhead_ms.get(group, 0.0) for group in issued) if overhead else 0.0
-    grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(BLOCK_KINDS * plan.layers, plan.block_degrees()))
+    grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(table.block_kinds(), plan.block_degrees()))
     return PlanReplay(step_ms=sim.step_ms + extra + grad, simulated_ms=sim.step_ms, exposed_comm_ms=sim.exposed_comm_ms,
                       overhead_ms=extra, grad_sync_ms=grad, collectives=len(issued))
 
