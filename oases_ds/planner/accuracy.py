@@ -157,7 +157,7 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     without the per-collective overhead (``predicted_without_overhead_ms``)."""
     rows = []
     replayed = family is not None and schedule is not None and can_replay(table)
-    ablated = without_overhead(table)
+    ablated = None if replayed else without_overhead(table)
     for plan, t in zip(plans, times):
         additive = predict_step_ms(table, plan)
         if replayed:  # the overhead is added after the simulation, so one replay gives both
