@@ -15,6 +15,12 @@ split-half check ranked the plans of three setups below 0.9 (benchmarks/README.m
 it from the files already there.  ``--quick`` checks the harness in minutes (3 plans
 reach no conclusion: its Spearman is noise by design), into ``--results-dir``.
 
+``--pooled`` measures nothing: it pools every stored run of each setup under ``--results-dir`` (the
+same seeded plans, measured at other times; :mod:`oases_ds.planner.pooled`) and prices the pool with
+every stored profile of this cost model, into ``cost_model_pooled.json`` there and the report
+``cost_model_pooled-<date>.md``: one run of ~10 plans a few percent apart can rank them otherwise than
+the next run does, and the pool is the steadier measurement.
+
 The model is *not* retuned on these setups: a miss is reported, not fitted away (what v2 and v4
 were built on: benchmarks/README.md, "Out of sample").
 """
@@ -25,16 +31,19 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
+from oases_ds.planner.pooled import PooledScore, pooled_markdown, pooled_score, stored_tables, unversioned  # noqa: E402
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,15 +95,12 @@ def run_setup(setup: Setup, results_dir: Path, quick: bool, cache_dir: str, roun
     return time.perf_counter() - started
 
 
-def _unversioned(key: str) -> str:
-    """A table key without its ``|cm<version>`` suffix: a re-profile prices old steps with today's model."""
-    return key.rsplit("|cm", 1)[0]
-
-
 def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
     """Profile ``setup`` afresh ``count`` times (same preset and overrides as its run, each into
     an empty cache) and add each profile's Spearman over the stored measured steps to the result
-    file's ``reprofiled`` list; returns those Spearmans."""
+    file's ``reprofiled`` list; returns those Spearmans.  Each profile is kept under
+    ``profiles/fresh`` beside the result (its path in the entry's ``table``): ``--pooled`` prices
+    every stored run with every stored profile."""
     result = json.loads(path.read_text())
     overrides = [o for o in setup.overrides if not o.startswith("accuracy.")]
     scores: list[float | None] = []
@@ -105,18 +111,54 @@ def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
                 raise SystemExit(f"error: re-profiling {setup.name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
             (table_path,) = Path(tmp).glob("*.json")
             table = CostTable.from_json(table_path)
-        if _unversioned(table.key()) != _unversioned(result["table_key"]):
+            stamp = str(table.measurements.get("profiled_at", "")).replace(":", "")
+            kept = path.parent / "profiles" / "fresh" / f"{table_path.stem}-{stamp}.json"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(table_path, kept)
+        if unversioned(table.key()) != unversioned(result["table_key"]):
             raise SystemExit(f"error: {path}: measured with table {result['table_key']!r}, re-profiled {table.key()!r}")
         table = dataclasses.replace(table, layers=len(result["rows"][0]["attn"]))
         rho = repriced_spearman(setup, result, table)
         scores.append(rho)
         result.setdefault("reprofiled", []).append({
             "profiled_at": table.measurements.get("profiled_at"), "cost_model": COST_MODEL_VERSION,
-            "table_key": table.key(), "spearman": rho})
+            "table_key": table.key(), "spearman": rho, "table": os.path.relpath(kept, path.parent)})
         print(f"== {setup.name}: fresh profile {len(result['reprofiled'])}: Spearman "
               f"{'-' if rho is None else f'{rho:.3f}'}", flush=True)
     write_json_atomic(path, result)
     return scores
+
+
+def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
+    """Score every setup against its stored runs pooled (:mod:`oases_ds.planner.pooled`), priced by
+    every stored profile: once over all runs, once over the runs measured under this cost model
+    (out of sample for it).  Writes ``<results_root>/cost_model_pooled.json`` and the report."""
+    pools: dict[str, list[PooledScore]] = {"all": [], "current": []}
+    payload: dict[str, Any] = {"cost_model": COST_MODEL_VERSION, "time": datetime.datetime.now().isoformat(timespec="seconds"),
+                               "pools": {}}
+    for setup in chosen:
+        files = sorted(p for p in results_root.glob(f"**/{result_path(Path(), setup)}") if "quick" not in str(p))
+        runs = [(os.path.relpath(p.parent, results_root.parent), json.loads(p.read_text())) for p in files]
+        if not runs:
+            continue
+        tables = [(os.path.relpath(p, results_root.parent), t) for p, t in stored_tables(results_root, runs[0][1]["table_key"])]
+        current = [run for run in runs if run[1]["table_key"].endswith(f"|cm{COST_MODEL_VERSION}")]
+        for pool, members in (("all", runs), ("current", current)):
+            if members:
+                score = pooled_score(setup, members, tables)
+                pools[pool].append(score)
+                payload["pools"].setdefault(pool, {})[setup.name] = {**dataclasses.asdict(score), "summary": score.summary()}
+                print(f"== pooled ({pool}) {setup.name}: {len(members)} runs, {score.plans} plans, {len(tables)} profiles: "
+                      f"replayed median {score.summary()['replayed']['median']:.3f}", flush=True)
+    write_json_atomic(results_root / "cost_model_pooled.json", payload)
+    titles = {"all": "All stored runs", "current": f"The runs measured under cost model {COST_MODEL_VERSION}, the current one"}
+    note = ("Generated by `python benchmarks/cost_model_oos.py --pooled` from the result files and profiles under "
+            f"`{os.path.relpath(results_root, ROOT)}`; every number is in `cost_model_pooled.json` there.")
+    out = report_dir / f"cost_model_pooled-{datetime.date.today().isoformat()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, pooled_markdown([(titles[k], v) for k, v in pools.items() if v], note))
+    print(f"wrote {os.path.relpath(out, ROOT)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -134,9 +176,14 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--report-dir", default=str(ROOT / "benchmarks" / "reports"))
     parser.add_argument("--cache-dir", default=".oases/profiles", help="profile cache (planner.cache_dir)")
+    parser.add_argument("--pooled", action="store_true",
+                        help="no measuring: score each setup against all its stored runs under --results-dir pooled, "
+                             "priced by every stored profile there")
     args = parser.parse_args(argv)
     results_dir = Path(args.results_dir)
     chosen = [s for s in SETUPS if not args.setup or s.name in args.setup]
+    if args.pooled:
+        return pooled(chosen, results_dir, Path(args.report_dir))
     walls: dict[str, float] = {}
     if args.reprofile < 0:
         parser.error(f"--reprofile must be >= 0, got {args.reprofile}")

@@ -189,6 +189,8 @@ def test_the_out_of_sample_runner_reprofiles_stored_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (fresh,) = json.loads(path.read_text())["reprofiled"]
     assert fresh["cost_model"] == COST_MODEL_VERSION and fresh["table_key"] == key.rsplit("|cm", 1)[0] + f"|cm{COST_MODEL_VERSION}"
+    # The fresh profile is kept beside the results (the pooled score prices every stored run with it).
+    assert fresh["table"].startswith("profiles/fresh/") and CostTable.from_json(results / fresh["table"]).key() == fresh["table_key"]
     assert f"| v{COST_MODEL_VERSION}: {fresh['spearman']:.3f} / {fresh['spearman']:.3f} / {fresh['spearman']:.3f} (1) |" in (
         next(reports.iterdir()).read_text())
     path.write_text(json.dumps({"rows": REPRICED, "table_key": key.replace("mb8", "mb16")}))

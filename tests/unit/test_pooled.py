@@ -1,0 +1,119 @@
+"""Pooling runs of the same plans (oases_ds/planner/pooled.py), against hand-computed pools."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oases_ds.planner.accuracy import Setup, repriced_spearman
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
+from oases_ds.planner.pooled import pooled_score, pooled_steps, profile_version, stored_tables
+
+ROOT = Path(__file__).resolve().parents[2]
+ALL = Setup("all", "every plan", ())
+MIXED = Setup("mixed", "mixes only", (), mixed_only=True)
+
+
+def run(steps: dict[tuple[int, int], float]) -> dict:
+    """A result of one-layer plans (attn degree, mlp degree) -> measured ms."""
+    return {"rows": [{"attn": [a], "mlp": [m], "measured_ms": ms} for (a, m), ms in steps.items()]}
+
+
+def test_pooled_steps_are_geometric_means_of_each_runs_relative_steps():
+    """Run 1: 100, 200, 400 ms (geometric mean 200: 0.5, 1, 2).  Run 2: 100, 400, 400 (geometric mean
+    100^(1/3) 400^(2/3) = 251.98: 0.3969, 1.5874, 1.5874).  Pooled: sqrt(0.5 x 0.3969) = 0.4454,
+    sqrt(1.5874) = 1.2599, sqrt(2 x 1.5874) = 1.7818.  Run 2 ties two plans the pool orders:
+    Spearman of (1, 2.5, 2.5) against (1, 2, 3) is 0.866."""
+    pool = pooled_steps(ALL, [run({(1, 1): 100, (2, 2): 200, (1, 2): 400}), run({(1, 1): 100, (2, 2): 400, (1, 2): 400})])
+    assert pool.relative == pytest.approx([0.4454, 1.2599, 1.7818], abs=1e-4)
+    assert pool.agreement == pytest.approx([1.0, math.sqrt(3) / 2])
+
+
+def test_a_run_slower_throughout_changes_nothing():
+    first = run({(1, 1): 120, (2, 2): 100, (1, 2): 130, (2, 1): 90})
+    slower = run({k: 1.1 * v for k, v in {(1, 1): 120, (2, 2): 100, (1, 2): 130, (2, 1): 90}.items()})
+    alone, both = pooled_steps(ALL, [first]), pooled_steps(ALL, [first, slower])
+    assert both.relative == pytest.approx(alone.relative) and both.agreement == pytest.approx([1.0, 1.0])
+
+
+def test_only_the_plans_every_run_measured_are_pooled():
+    """Run 2 lacks plan (2, 1): it is left out of the pool; a mixes-only setup keeps the mixes only;
+    under three shared plans a rank correlation means nothing and is refused."""
+    one = run({(1, 1): 100, (2, 2): 110, (1, 2): 120, (2, 1): 130, (4, 1): 140, (1, 4): 150})
+    two = run({(1, 1): 100, (2, 2): 110, (1, 2): 120, (4, 1): 140, (1, 4): 150})
+    plans = [[1, 1], [2, 2], [1, 2], [4, 1], [1, 4]]
+    assert [r["attn"] + r["mlp"] for r in pooled_steps(ALL, [one, two]).rows] == plans
+    assert [r["attn"] + r["mlp"] for r in pooled_steps(MIXED, [one, two]).rows] == plans[2:]
+    three = run({(1, 1): 100, (2, 2): 110, (1, 2): 120, (2, 1): 130})
+    with pytest.raises(ValueError, match="share 2 scored plans; a rank correlation needs 3"):
+        pooled_steps(MIXED, [one, three])
+    with pytest.raises(ValueError, match="no runs to pool"):
+        pooled_steps(ALL, [])
+
+
+def test_one_run_pooled_scores_as_the_run_itself():
+    """The committed run E of ``in_sample`` and the profile it took: pooled alone, the replayed score
+    is the run's own re-priced Spearman (normalising a run by a constant keeps its ranks), and the
+    additive one is the additive sum's."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "planner_accuracy-in_sample.json").read_text())
+    (profile,) = (ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json")  # run E's own
+    tables = [(profile, CostTable.from_json(profile))]
+    setup = Setup("in_sample", "", ())
+    score = pooled_score(setup, [("E", result)], [(str(p), t) for p, t in tables])
+    table = dataclasses.replace(tables[0][1], layers=len(result["rows"][0]["attn"]))
+    assert score.replayed == [pytest.approx(repriced_spearman(setup, result, table))]
+    assert score.agreement == [pytest.approx(1.0)] and score.plans == len(result["rows"])
+
+
+def test_stored_tables_are_this_cost_models_profiles_of_the_setup(tmp_path):
+    """A result measured under cost model 5 is priced with the profiles this commit's profiler took
+    (file name ``_cm<n>``, as the cache and ``--reprofile`` name them): a cost model 5 profile, one of
+    another setup (here T=4) and one without per-op times (it cannot be replayed) are left out."""
+    source = next((ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json"))
+    table = CostTable.from_json(source)
+    (tmp_path / "a" / "profiles").mkdir(parents=True)
+    fresh = tmp_path / "b" / "profiles" / "fresh"
+    fresh.mkdir(parents=True)
+    v = COST_MODEL_VERSION
+    shutil.copy(source, tmp_path / "a" / "profiles" / f"run_cm{v}.json")
+    shutil.copy(source, tmp_path / "a" / "profiles" / "old_cm5.json")
+    shutil.copy(source, fresh / f"kept_cm{v}-2026-12-01T221753.json")
+    dataclasses.replace(table, measurements={}).to_json(fresh / f"no_ops_cm{v}-2026-12-01T221801.json")
+    dataclasses.replace(table, devices=4).to_json(fresh / f"t4_cm{v}-2026-12-01T221809.json")
+    found = stored_tables(tmp_path, table.key().rsplit("|cm", 1)[0] + "|cm5")
+    assert sorted(p.name for p, _ in found) == [f"kept_cm{v}-2026-12-01T221753.json", f"run_cm{v}.json"]
+    assert [profile_version(Path(n)) for n in ("x_cm12.json", "x_cm8-2026-12-01T221753.json", "x.json")] == [12, 8, None]
+
+
+def test_the_runner_pools_the_stored_runs(tmp_path):
+    """``--pooled`` over two copies of run E's ``in_sample`` (one 10% slower) and its profile: both runs
+    agree with the pool, and the report's replayed score is the one-run score."""
+    results = tmp_path / "results"
+    for name, factor in (("run1", 1.0), ("run2", 1.1)):
+        result = json.loads((ROOT / "benchmarks" / "results" / "planner_accuracy-in_sample.json").read_text())
+        for r in result["rows"]:
+            r["measured_ms"] *= factor
+        (results / name).mkdir(parents=True)
+        (results / name / "planner_accuracy-in_sample.json").write_text(json.dumps(result))
+    (results / "run1" / "profiles").mkdir()
+    profile = next((ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json"))
+    shutil.copy(profile, results / "run1" / "profiles" / f"in_sample_cm{COST_MODEL_VERSION}.json")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cost_model_oos.py"), "--pooled", "--setup", "in_sample",
+                           "--setup", "tmp4", "--results-dir", str(results), "--report-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    payload = json.loads((results / "cost_model_pooled.json").read_text())
+    score = payload["pools"]["all"]["in_sample"]
+    assert score["summary"]["agreement"] == {"min": pytest.approx(1.0), "median": pytest.approx(1.0), "max": pytest.approx(1.0)}
+    one = pooled_score(Setup("in_sample", "", ()), [("E", json.loads((results / "run1" / "planner_accuracy-in_sample.json").read_text()))],
+                       [("p", CostTable.from_json(profile))])
+    assert score["replayed"] == [pytest.approx(one.replayed[0])] and score["summary"]["replayed"]["median"] == score["replayed"][0]
+    assert "tmp4" not in payload["pools"]["all"]  # no run of it there: no row
+    (report,) = tmp_path.glob("cost_model_pooled-*.md")
+    assert f"| in_sample | 2 | 10 | 1.000 / 1.000 / 1.000 | 1 | {one.replayed[0]:.3f} / " in report.read_text()
