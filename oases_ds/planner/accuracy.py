@@ -75,7 +75,22 @@ class AccuracySpec:
     seed: int = 0
 
 
-def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
+def step_breakdown(events: list[Any], own_ms: float) -> dict[str, Any]:
+    """One rank's step from its timeline: ``compute_ms`` (compute lane), ``waits_ms`` per Sync
+    (``W<op>.<sub>``, ``Wb...``: time blocked on a collective) and ``rest_ms``, the rank's own
+    wall time outside both (gradient sync after the schedule, issuing collectives, the host)."""
+    compute = sum(e.end - e.start for e in events if e.lane == "compute") * 1e3
+    waits: dict[str, float] = {}
+    for e in events:
+        if e.lane == "wait":
+            waits[e.name] = waits.get(e.name, 0.0) + (e.end - e.start) * 1e3
+    return {"own_ms": own_ms, "compute_ms": compute, "waits_ms": waits,
+            "rest_ms": own_ms - compute - sum(waits.values())}
+
+
+def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False) -> list[list[Any]]:
+    """Per plan, this rank's timed steps: the step in ms (slowest rank), or with ``record`` each
+    step's :func:`step_breakdown` with the step added as ``step_ms``."""
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
     gen = torch.Generator().manual_seed(spec.seed)
     seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
@@ -83,8 +98,8 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
     runners = []
     for plan in plans:
         model = OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed)
-        runners.append(Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(), record=False))
-    times: list[list[float]] = [[] for _ in plans]
+        runners.append(Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(), record=record))
+    times: list[list[Any]] = [[] for _ in plans]
     for rnd in range(spec.warmup + spec.repeats):
         for i in round_order(len(runners), rnd):
             ex = runners[i]
@@ -93,10 +108,12 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan]) -> list[list[float]]:
             dist.barrier(ctx.tp_group)
             start = time.perf_counter()
             ex.run(batch)
-            elapsed = torch.tensor(time.perf_counter() - start)
+            own = time.perf_counter() - start
+            elapsed = torch.tensor(own)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.tp_group)  # the slowest rank sets the step
             if rnd >= spec.warmup:
-                times[i].append(float(elapsed) * 1e3)
+                step_ms = float(elapsed) * 1e3
+                times[i].append({**step_breakdown(ex.timeline.events, own * 1e3), "step_ms": step_ms} if record else step_ms)
     return times
 
 
@@ -109,6 +126,13 @@ def round_order(plans: int, rnd: int) -> list[int]:
 def measure(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[float]]:
     """Per plan, the measured step times in ms (slowest rank of each step)."""
     return launch(_measure_rank, spec.devices, (spec, plans), timeout_s=timeout_s)[0]
+
+
+def measure_breakdown(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[list[dict[str, Any]]]]:
+    """Per rank, per plan, each timed step's :func:`step_breakdown` (the same interleaved rounds as
+    :func:`measure`, with timelines kept): where a measured step and its replay part
+    (``benchmarks/replay_breakdown.py``)."""
+    return launch(_measure_rank, spec.devices, (spec, plans, True), timeout_s=timeout_s)
 
 
 def spearman(predicted: list[float], measured: list[float]) -> tuple[float, float]:

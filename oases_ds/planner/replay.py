@@ -38,7 +38,7 @@ without them is priced additively (:func:`can_replay`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from oases_ds.models.ops import CommOp, moves_bytes
@@ -68,6 +68,9 @@ class PlanReplay:
     """Every block's gradient all-reduce across its replicas, as profiled."""
     collectives: int
     """Collectives the step issues (every sub-batch, every pass)."""
+    waits_ms: dict[str, float] = field(default_factory=dict, compare=False)
+    """Of ``exposed_comm_ms``, the wait at each Sync, named as the executor's timeline names it
+    (``W<op>.<sub>``, ``Wb<op>.<sub>``), to set against a measured step's waits."""
 
     @property
     def step_ms(self) -> float:
@@ -150,8 +153,12 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
     extra = sum(table.collective_overhead_ms.get(group, 0.0) for group in issued) if overhead else 0.0
     grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(table.block_kinds(), plan.block_degrees()))
+    waits: dict[str, float] = {}
+    for event in sim.events:
+        if event.lane == "wait":
+            waits[event.name] = waits.get(event.name, 0.0) + event.end_ms - event.start_ms
     return PlanReplay(simulated_ms=sim.step_ms, exposed_comm_ms=sim.exposed_comm_ms, overhead_ms=extra,
-                      grad_sync_ms=grad, collectives=len(issued))
+                      grad_sync_ms=grad, collectives=len(issued), waits_ms=waits)
 
 
 def rank_by_replay(table: CostTable, family: str, schedule: ScheduleSpec, solved: Plan,

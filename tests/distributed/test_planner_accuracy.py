@@ -266,3 +266,40 @@ def test_report_scores_the_same_steps_with_and_without_the_overhead():
     assert result["cost_table"]["collective_overhead_ms"] == {"2": 1.0}
     assert without_overhead(table).collective_overhead_ms == {} and dataclasses.asdict(
         without_overhead(table).blocks["mlp"][2])["overhead_ms"] == 0.0
+
+
+@pytest.mark.distributed
+def test_the_replay_breakdown_sets_measured_waits_against_the_replays(tmp_path):
+    """``benchmarks/replay_breakdown.py`` on gpt_tiny (T=2, emulated 0.2 Gbit/s link): every Sync the replay
+    waits at is one the executor's timeline recorded for the same plan, under the same name, and every
+    rank's step of every plan is kept."""
+    import dataclasses
+
+    import yaml
+
+    from oases_ds.models.config import ModelConfig
+
+    proc = plan_cli("experiment=cost_model", "mode=profile", "model=gpt_tiny", "devices=2", "micro_batch=8",
+                    f"planner.cache_dir={tmp_path}", "planner.repeats=1", "planner.warmup=0", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (profile,) = tmp_path.glob("*.json")
+    stored = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "planner_accuracy-in_sample.json")).read())
+    tiny = yaml.safe_load(open(os.path.join(ROOT, "oases_ds", "configs", "model", "gpt_tiny.yaml")))
+    config = {**stored["config"], "model": dataclasses.asdict(ModelConfig(**tiny))}
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"config": config, "table_key": CostTable.from_json(profile).key(),
+                                  "rows": [{"attn": [2, 2], "mlp": [2, 2]}]}))
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "replay_breakdown.py"), "--result", str(result),
+                           "--profile", str(profile), "--plan", "2,2/2,2", "--plan", "1,2/2,1", "--rounds", "2",
+                           "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [(r["attn"], r["mlp"]) for r in data["rows"]] == [([2, 2], [2, 2]), ([1, 2], [2, 1])]
+    assert len(data["steps"]) == 2 and all(len(rank) == 2 and all(len(steps) == 2 for steps in rank) for rank in data["steps"])
+    for i, row in enumerate(data["rows"]):
+        recorded = {name for rank in data["steps"] for step in rank[i] for name in step["waits_ms"]}
+        replayed = {name for name, w in row["syncs"].items() if w["predicted"] > 0}
+        assert replayed and replayed <= recorded, (replayed - recorded)
+        assert all(step["compute_ms"] > 0 for rank in data["steps"] for step in rank[i])
+    assert "plan 1,2/2,1: step measured" in proc.stdout

@@ -117,3 +117,17 @@ def test_the_runner_pools_the_stored_runs(tmp_path):
     assert "tmp4" not in payload["pools"]["all"]  # no run of it there: no row
     (report,) = tmp_path.glob("cost_model_pooled-*.md")
     assert f"| in_sample | 2 | 10 | 1.000 / 1.000 / 1.000 | 1 | {one.replayed[0]:.3f} / " in report.read_text()
+
+
+def test_a_steps_breakdown_splits_the_ranks_wall_time_by_lane():
+    """Compute 3 + 2 ms, waits 4 ms at W3.0 (twice: 1 + 3) and 5 ms at Wb7.1, on a rank whose own step took
+    20 ms: rest 20 - 5 - 9 = 6 ms.  Comm lane intervals (the link) are not the rank's time."""
+    from oases_ds.planner.accuracy import step_breakdown
+    from oases_ds.runtime.timeline import Event
+
+    events = [Event("F0.0", "compute", 0, 0.000, 0.003), Event("W3.0", "wait", 0, 0.003, 0.004),
+              Event("C3.0:forward", "comm", 0, 0.003, 0.010), Event("B0.0", "compute", 0, 0.004, 0.006),
+              Event("W3.0", "wait", 0, 0.006, 0.009), Event("Wb7.1", "wait", 1, 0.009, 0.014)]
+    out = step_breakdown(events, 20.0)
+    assert out["compute_ms"] == pytest.approx(5.0) and out["rest_ms"] == pytest.approx(6.0)
+    assert out["waits_ms"] == {"W3.0": pytest.approx(4.0), "Wb7.1": pytest.approx(5.0)}

@@ -139,3 +139,20 @@ def test_replay_ranks_the_committed_cm6_mixes():
     family, schedule = replay_inputs(result)
     predicted = replayed_or_additive(table, family, schedule, [plan_of_row(r, 2) for r in result["rows"]])
     assert spearman(predicted, [r["measured_ms"] for r in result["rows"]])[0] >= 0.9
+
+
+def test_the_replay_names_each_syncs_wait_as_the_timeline_does():
+    """Uniform 2 under ``oases`` on the hand table: the waits per Sync sum to the exposed time, and every
+    name is one of the schedule's Syncs as the executor's timeline writes it (``W<op>.<sub>``, ``Wb..``),
+    so a measured step's waits can be set against them (benchmarks/replay_breakdown.py)."""
+    from oases_ds.schedule.generators import build_schedule
+    from oases_ds.schedule.instructions import Sync
+
+    oases = ScheduleSpec.from_mapping({"name": "oases", "sub_batches": 1})
+    table = dataclasses.replace(hand_table(bandwidth_gbps=0.8), sub_batches=1)  # 10 ms AllReduces: some waits
+    replay = replay_plan(table, "gpt", Plan.uniform(2, 1, 2), oases)
+    syncs = {str(ins) for ins in build_schedule(oases, one_layer_ops("gpt")).instructions if isinstance(ins, Sync)}
+    assert replay.waits_ms and set(replay.waits_ms) <= syncs
+    assert all(name.startswith("W") for name in replay.waits_ms)
+    assert sum(replay.waits_ms.values()) == pytest.approx(replay.exposed_comm_ms)
+    assert replay.exposed_comm_ms > 0
