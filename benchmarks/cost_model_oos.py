@@ -145,7 +145,12 @@ def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
         current = [run for run in runs if run[1]["table_key"].endswith(f"|cm{COST_MODEL_VERSION}")]
         for pool, members in (("all", runs), ("current", current)):
             if members:
-                score = pooled_score(setup, members, tables)
+                try:
+                    score = pooled_score(setup, members, tables)
+                except ValueError as err:  # no profile of this cost model, or too few plans shared
+                    payload.setdefault("skipped", {})[f"{pool}/{setup.name}"] = str(err)
+                    print(f"== pooled ({pool}) {setup.name}: skipped: {err} (profiles: --reprofile-only)", flush=True)
+                    continue
                 pools[pool].append(score)
                 payload["pools"].setdefault(pool, {})[setup.name] = {**dataclasses.asdict(score), "summary": score.summary()}
                 print(f"== pooled ({pool}) {setup.name}: {len(members)} runs, {score.plans} plans, {len(tables)} profiles: "
@@ -156,6 +161,8 @@ def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
             f"`{os.path.relpath(results_root, ROOT)}`; every number is in `cost_model_pooled.json` there.")
     out = report_dir / f"cost_model_pooled-{datetime.date.today().isoformat()}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if payload.get("skipped"):
+        note += " Not scored: " + "; ".join(f"{k}: {v}" for k, v in payload["skipped"].items()) + "."
     write_text_atomic(out, pooled_markdown([(titles[k], v) for k, v in pools.items() if v], note))
     print(f"wrote {os.path.relpath(out, ROOT)}")
     return out

@@ -93,7 +93,8 @@ def test_stored_tables_are_this_cost_models_profiles_of_the_setup(tmp_path):
 
 def test_the_runner_pools_the_stored_runs(tmp_path):
     """``--pooled`` over two copies of run E's ``in_sample`` (one 10% slower) and its profile: both runs
-    agree with the pool, and the report's replayed score is the one-run score."""
+    agree with the pool, and the report's replayed score is the one-run score.  A setup with runs but no
+    stored profile is reported as not scored, not a crash."""
     results = tmp_path / "results"
     for name, factor in (("run1", 1.0), ("run2", 1.1)):
         result = json.loads((ROOT / "benchmarks" / "results" / "planner_accuracy-in_sample.json").read_text())
@@ -101,11 +102,14 @@ def test_the_runner_pools_the_stored_runs(tmp_path):
             r["measured_ms"] *= factor
         (results / name).mkdir(parents=True)
         (results / name / "planner_accuracy-in_sample.json").write_text(json.dumps(result))
+    unprofiled = json.loads((results / "run1" / "planner_accuracy-in_sample.json").read_text())
+    unprofiled["table_key"] = unprofiled["table_key"].replace("mb8", "mb4")  # a setup no stored profile was taken for
+    (results / "run1" / "planner_accuracy-llama.json").write_text(json.dumps(unprofiled))
     (results / "run1" / "profiles").mkdir()
     profile = next((ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json"))
     shutil.copy(profile, results / "run1" / "profiles" / f"in_sample_cm{COST_MODEL_VERSION}.json")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cost_model_oos.py"), "--pooled", "--setup", "in_sample",
-                           "--setup", "tmp4", "--results-dir", str(results), "--report-dir", str(tmp_path)],
+                           "--setup", "tmp4", "--setup", "llama", "--results-dir", str(results), "--report-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     payload = json.loads((results / "cost_model_pooled.json").read_text())
@@ -115,6 +119,7 @@ def test_the_runner_pools_the_stored_runs(tmp_path):
                        [("p", CostTable.from_json(profile))])
     assert score["replayed"] == [pytest.approx(one.replayed[0])] and score["summary"]["replayed"]["median"] == score["replayed"][0]
     assert "tmp4" not in payload["pools"]["all"]  # no run of it there: no row
+    assert "llama" not in payload["pools"]["all"] and "no stored profile" in payload["skipped"]["all/llama"]
     (report,) = tmp_path.glob("cost_model_pooled-*.md")
     assert f"| in_sample | 2 | 10 | 1.000 / 1.000 / 1.000 | 1 | {one.replayed[0]:.3f} / " in report.read_text()
 
