@@ -29,7 +29,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.cli.schema import link_kwargs  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
 from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown  # noqa: E402
@@ -122,10 +121,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
              else [Plan(attn_degrees=tuple(r["attn"]), mlp_degrees=tuple(r["mlp"]), devices=table.devices) for r in result["rows"]])
     family, schedule = replay_inputs(result)
     replays = [replay_plan(table, family, plan, schedule) for plan in plans]  # refuses a plan the table cannot price
-    link = cfg["cluster"].get("link")
+    link = cfg["cluster"].get("link")  # as oases-plan built it: a null field takes the library's default
     spec = AccuracySpec(model=dataclasses.replace(ModelConfig(**cfg["model"]), num_layers=layers), devices=table.devices,
                         micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
-                        link=LinkModel(**link_kwargs(link)) if link else None, warmup=args.warmup, repeats=args.rounds)
+                        link=LinkModel(**{k: v for k, v in link.items() if v is not None}) if link else None, warmup=args.warmup, repeats=args.rounds)
     per_rank = measure_breakdown(spec, plans, timeout_s=cfg.get("timeout_s", 1800))
     rows = [compare(plan, replay, [rank[i] for rank in per_rank]) for i, (plan, replay) in enumerate(zip(plans, replays))]
     write_json_atomic(args.out, {"result": args.result, "table_key": table.key(),
