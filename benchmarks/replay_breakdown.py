@@ -29,14 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.models.config import ModelConfig  # noqa: E402
-from oases_ds.parallel.link import LinkModel  # noqa: E402
-from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown  # noqa: E402
+from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown, plan_of_row  # noqa: E402
 from oases_ds.planner.costs import CostTable  # noqa: E402
 from oases_ds.planner.plan import Plan  # noqa: E402
 from oases_ds.planner.pooled import stored_tables  # noqa: E402
 from oases_ds.planner.replay import replay_inputs, replay_plan  # noqa: E402
-from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,13 +115,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     layers = len(result["rows"][0]["attn"])
     table = dataclasses.replace(table, layers=layers)
     plans = ([parse_plan(text, table.devices) for text in args.plan] if args.plan
-             else [Plan(attn_degrees=tuple(r["attn"]), mlp_degrees=tuple(r["mlp"]), devices=table.devices) for r in result["rows"]])
+             else [plan_of_row(r, table.devices) for r in result["rows"]])
     family, schedule = replay_inputs(result)
     replays = [replay_plan(table, family, plan, schedule) for plan in plans]  # refuses a plan the table cannot price
-    link = cfg["cluster"].get("link")  # as oases-plan built it: a null field takes the library's default
-    spec = AccuracySpec(model=dataclasses.replace(ModelConfig(**cfg["model"]), num_layers=layers), devices=table.devices,
-                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
-                        link=LinkModel(**{k: v for k, v in link.items() if v is not None}) if link else None, warmup=args.warmup, repeats=args.rounds)
+    spec = AccuracySpec.from_config(cfg, layers, table.devices, args.warmup, args.rounds)  # as oases-plan measured it
     per_rank = measure_breakdown(spec, plans, timeout_s=cfg.get("timeout_s", 1800))
     rows = [compare(plan, replay, [rank[i] for rank in per_rank]) for i, (plan, replay) in enumerate(zip(plans, replays))]
     write_json_atomic(args.out, {"result": args.result, "table_key": table.key(),

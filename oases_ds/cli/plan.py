@@ -11,7 +11,6 @@ plan next to it -- the baseline a plan must beat.  Hydra lives here and in
 from __future__ import annotations
 
 import dataclasses
-import dataclasses as dc
 import datetime
 import re
 import sys
@@ -30,7 +29,7 @@ from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, fail_launch, sto
 from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
-from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.link import LinkModel, link_kwargs
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
 from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
 from oases_ds.planner.costs import CostTable
@@ -157,7 +156,7 @@ def _spec(cfg: dict) -> Any:
         devices=cfg["devices"],
         micro_batch=cfg["micro_batch"],
         schedule=ScheduleSpec.from_mapping(sched),
-        link=LinkModel(**schema.link_kwargs(link)) if link else None,
+        link=LinkModel(**link_kwargs(link)) if link else None,
         cluster=cluster["name"],
         warmup=planner["warmup"],
         repeats=planner["repeats"],
@@ -359,13 +358,9 @@ def _describe(degrees: list[int]) -> str:
 def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     """Measure >= ``accuracy.plans`` plans for real and rank-correlate with the cost model."""
 
-    acc, sched, link = cfg["accuracy"], cfg["schedule"], cfg["cluster"].get("link")
+    acc, link = cfg["accuracy"], cfg["cluster"].get("link")
     plans = candidate_plans(table, acc["plans"], [solved], seed=acc["seed"])
-    spec = AccuracySpec(
-        model=dc.replace(ModelConfig(**cfg["model"]), num_layers=table.layers), devices=table.devices,
-        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(sched),
-        link=LinkModel(**schema.link_kwargs(link)) if link else None, warmup=acc["warmup"], repeats=acc["repeats"],
-    )
+    spec = AccuracySpec.from_config(cfg, table.layers, table.devices, acc["warmup"], acc["repeats"])
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
     print(f"measuring {len(plans)} plans x {spec.repeats} interleaved steps on {spec.devices} ranks ({label}) ...", flush=True)
     result = report(table, plans, measure(spec, plans, timeout_s=cfg["timeout_s"]), replay_family(cfg, table), spec.schedule)

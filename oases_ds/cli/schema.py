@@ -81,12 +81,6 @@ class LinkSchema:
     sharing: Optional[str] = None  # ring | fair | fifo (LinkModel.sharing); None: emulation.sharing
 
 
-def link_kwargs(link: dict[str, Any]) -> dict[str, Any]:
-    """A link node as keyword arguments for the library: ``sharing`` left null in the schema
-    takes the library's default instead of arriving as None."""
-    return {key: value for key, value in link.items() if value is not None}
-
-
 @dataclass
 class DeviceSchema:
     """A real device: peak dense throughput (TFLOP/s) and the fraction a training step reaches."""

@@ -39,6 +39,7 @@ from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
 from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
 from oases_ds.planner.plan import Plan
 from oases_ds.utils.io import write_json_atomic
@@ -150,7 +151,7 @@ def ds_config(cfg: dict) -> dict:
             "fine_grained_recompute": sched["fine_grained_recompute"],
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
-            **({"link": schema.link_kwargs(link)} if link else {}),
+            **({"link": link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
             "pipeline_stages": cfg["pipeline_stages"],
             "pipeline_schedule": cfg["pipeline_schedule"],

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,12 @@ from oases_ds.parallel.collectives import Group, Pending
 
 SHARING: tuple[str, ...] = ("fifo", "fair", "ring")
 """How collectives in flight together share an emulated link (see ``LinkModel.sharing``)."""
+
+
+def link_kwargs(link: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's link node as :class:`LinkModel` keyword arguments: a field left null (``sharing``
+    in the CLI schema) takes the library's default instead of arriving as None."""
+    return {key: value for key, value in link.items() if value is not None}
 
 
 @dataclass(frozen=True)

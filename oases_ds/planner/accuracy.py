@@ -29,7 +29,7 @@ from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.link import LinkModel, link_kwargs
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
@@ -73,6 +73,16 @@ class AccuracySpec:
     warmup: int = 2
     repeats: int = 5
     seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], layers: int, devices: int, warmup: int, repeats: int) -> AccuracySpec:
+        """The measurement an ``oases-plan`` config describes (``model``, ``micro_batch``, ``schedule``,
+        ``cluster.link``; a result file keeps it as ``config``), for a ``layers``-layer model on
+        ``devices`` ranks: ``oases-plan mode=accuracy`` and ``benchmarks/replay_breakdown.py`` measure alike."""
+        link = cfg["cluster"].get("link")
+        return cls(model=dataclasses.replace(ModelConfig(**cfg["model"]), num_layers=layers), devices=devices,
+                   micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
+                   link=LinkModel(**link_kwargs(link)) if link else None, warmup=warmup, repeats=repeats)
 
 
 def step_breakdown(events: list[Any], own_ms: float) -> dict[str, Any]:
