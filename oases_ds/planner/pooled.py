@@ -31,6 +31,7 @@ the inputs a user's planner would have had, the runs are the measurements.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -42,6 +43,7 @@ from typing import Any, Sequence
 from oases_ds.planner.accuracy import MIN_RANKED, TARGET_SPEARMAN, Setup, plan_of_row, scored_rows, spearman
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
 from oases_ds.planner.objective import predict_step_ms
+from oases_ds.planner.plan import Plan
 from oases_ds.planner.replay import can_replay, replay_inputs, replayed_or_additive
 
 
@@ -124,24 +126,91 @@ class PooledScore:
     profiles: list[str]
     replayed: list[float]
     additive: list[float]
+    profiled_at: list[str] = dataclasses.field(default_factory=list)
+    profile_step_ms: list[float | None] = dataclasses.field(default_factory=list)
+    """Per profile, :func:`lowest_degree_step_ms`: how fast the machine ran while it was taken."""
+    speed_matched: list[float | None] = dataclasses.field(default_factory=list)
+    """Per profile, a *diagnostic*, not a score: the replayed Spearman once the profile's compute is
+    scaled so that its replay of the uniform lowest-degree plan equals that plan's measured step
+    (geometric mean over the runs; :func:`speed_matched_table`).  It uses a measured step, so it
+    says where a miss comes from (the profile's speed or the model), never whether the model meets
+    the target.  ``None`` where the runs did not all measure that plan."""
+    leave_one_out: list[float] = dataclasses.field(default_factory=list)
+    """Per run, the median replayed score over the profiles against the pool of the *other* runs
+    (only with >= 3 runs): whether the verdict hangs on one run's moment of the machine."""
 
     def summary(self) -> dict[str, Any]:
         """Min / median / max of the scores, and whether the median reaches the target."""
-        def span(values: list[float]) -> dict[str, float]:
-            return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+        def span(values: list[float]) -> dict[str, float] | None:
+            return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
         return {"replayed": span(self.replayed), "additive": span(self.additive), "agreement": span(self.agreement),
+                "leave_one_out": span(self.leave_one_out),
+                "speed_matched": span([v for v in self.speed_matched if v is not None]),
                 "target_met": statistics.median(self.replayed) >= TARGET_SPEARMAN}
 
 
-def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
-                 tables: Sequence[tuple[str, CostTable]]) -> PooledScore:
-    """Score ``setup``: ``runs`` (name, result) pooled (:func:`pooled_steps`), priced by each of
-    ``tables`` (name, profile) as the run's own report would (replayed from the model and schedule in
-    its ``config``), and by the additive sum."""
-    if not tables:
-        raise ValueError(f"{setup.name}: no stored profile with per-op times to price the pooled runs")
-    pool = pooled_steps(setup, [result for _, result in runs])
-    family, schedule = replay_inputs(runs[0][1])
+def lowest_degree_step_ms(table: CostTable) -> float | None:
+    """The profiled one-layer step at the table's lowest degree (ms; ``None`` if not recorded): all
+    compute, no TMP collective, so it shows the machine's speed while the profile was taken.  The
+    emulated link's time does not change with that speed, so a profile taken at a fast moment prices
+    low degrees cheap against high ones (benchmarks/README.md, "Out of sample")."""
+    evidence = table.measurements.get("collective_overhead", {}).get(str(min(table.degrees)), {})
+    return evidence.get("measured_step_ms")
+
+
+def scaled_compute(table: CostTable, factor: float) -> CostTable:
+    """``table`` with every compute time (per-op and per-block, forward, recompute, backward) times
+    ``factor``; link, collective overhead and gradient sync unchanged."""
+    measurements = copy.deepcopy(table.measurements)
+    for evidence in measurements.get("degrees", {}).values():
+        evidence["op_ms_rank0"] = {op: ms * factor for op, ms in evidence.get("op_ms_rank0", {}).items()}
+        for timing in evidence.get("blocks", {}).values():
+            for part in ("fwd_ms", "recompute_ms", "bwd_ms"):
+                if part in timing:
+                    timing[part] *= factor
+    blocks = {kind: {d: dataclasses.replace(c, fwd_ms=c.fwd_ms * factor, bwd_ms=c.bwd_ms * factor)
+                     for d, c in per.items()} for kind, per in table.blocks.items()}
+    return dataclasses.replace(table, measurements=measurements, blocks=blocks)
+
+
+def speed_matched_table(table: CostTable, family: str, schedule: Any, plan: Plan, measured_ms: float,
+                        iterations: int = 12) -> CostTable | None:
+    """``table`` with its compute scaled (:func:`scaled_compute`) until its replay of ``plan`` takes
+    ``measured_ms`` (to 1e-6): what the profile would have priced on the machine as fast as during
+    the measurement.  Secant steps on the factor: the replay is close to affine in it (compute
+    scales, the link does not).  ``None`` when no positive factor can: the measured step is shorter
+    than the replay's non-compute part alone."""
+    def replay(factor: float) -> float:
+        return replayed_or_additive(scaled_compute(table, factor), family, schedule, [plan])[0]
+
+    if replay(0.0) >= measured_ms:
+        return None
+    low, at_low = 1.0, replay(1.0)
+    high = measured_ms / at_low
+    for _ in range(iterations):
+        at_high = replay(high)
+        if abs(at_high - measured_ms) <= 1e-6 * measured_ms or at_high == at_low:
+            break
+        step = high + (measured_ms - at_high) * (high - low) / (at_high - at_low)
+        low, at_low, high = high, at_high, step if step > 0 else high / 2
+    return scaled_compute(table, high)
+
+
+def _lowest_uniform_ms(results: Sequence[dict[str, Any]], devices: int, lowest: int) -> tuple[Plan, float] | None:
+    """The uniform plan at degree ``lowest`` and its measured step's geometric mean over ``results``,
+    if every run measured it."""
+    steps = []
+    for result in results:
+        row = next((r for r in result["rows"] if set(r["attn"]) | set(r["mlp"]) == {lowest}), None)
+        if row is None:
+            return None
+        steps.append(row["measured_ms"])
+    return plan_of_row(row, devices), math.exp(statistics.fmean(math.log(ms) for ms in steps))
+
+
+def _priced(pool: PooledSteps, tables: Sequence[tuple[str, CostTable]], family: str,
+            schedule: Any) -> tuple[list[float], list[float]]:
+    """Per table, the Spearman of its replayed and of its additive prediction against ``pool``."""
     layers = len(pool.rows[0]["attn"])
     replayed, additive = [], []
     for _, table in tables:
@@ -149,8 +218,46 @@ def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
         plans = [plan_of_row(r, table.devices) for r in pool.rows]
         replayed.append(spearman(replayed_or_additive(table, family, schedule, plans), pool.relative)[0])
         additive.append(spearman([predict_step_ms(table, p) for p in plans], pool.relative)[0])
+    return replayed, additive
+
+
+def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
+                 tables: Sequence[tuple[str, CostTable]]) -> PooledScore:
+    """Score ``setup``: ``runs`` (name, result) pooled (:func:`pooled_steps`), priced by each of
+    ``tables`` (name, profile) as the run's own report would (replayed from the model and schedule in
+    its ``config``), and by the additive sum; with >= 3 runs, also against each pool that leaves
+    one run out."""
+    if not tables:
+        raise ValueError(f"{setup.name}: no stored profile with per-op times to price the pooled runs")
+    results = [result for _, result in runs]
+    pool = pooled_steps(setup, results)
+    family, schedule = replay_inputs(results[0])
+    replayed, additive = _priced(pool, tables, family, schedule)
+    speed_matched: list[float | None] = []
+    for _, table in tables:
+        table = dataclasses.replace(table, layers=len(pool.rows[0]["attn"]))
+        reference = _lowest_uniform_ms(results, table.devices, min(table.degrees))
+        if reference is None:
+            speed_matched.append(None)
+            continue
+        matched = speed_matched_table(table, family, schedule, *reference)
+        speed_matched.append(None if matched is None else _priced(pool, [("", matched)], family, schedule)[0][0])
+    leave_one_out = []
+    if len(results) >= 3:
+        for left in range(len(results)):
+            others = pooled_steps(setup, results[:left] + results[left + 1:])
+            leave_one_out.append(statistics.median(_priced(others, tables, family, schedule)[0]))
     return PooledScore(setup.name, [name for name, _ in runs], len(pool.rows), pool.agreement,
-                       [name for name, _ in tables], replayed, additive)
+                       [name for name, _ in tables], replayed, additive,
+                       [str(table.measurements.get("profiled_at", "")) for _, table in tables],
+                       [lowest_degree_step_ms(table) for _, table in tables], speed_matched, leave_one_out)
+
+
+def _step_vs_score(score: PooledScore) -> str:
+    pairs = [(step, rep) for step, rep in zip(score.profile_step_ms, score.replayed) if step is not None]
+    if len(pairs) < MIN_RANKED or len({rep for _, rep in pairs}) < 2:
+        return "-"
+    return f"{spearman([p[0] for p in pairs], [p[1] for p in pairs])[0]:.2f}"
 
 
 def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: str) -> str:
@@ -160,19 +267,42 @@ def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: st
           "over the run's geometric mean; per plan, the geometric mean over the runs) and every stored profile of the",
           "setup prices them. *Replayed*: the prediction the planner ranks with (cost model of this commit);",
           "*additive*: the per-block sum the solvers search, from the same profiles. Min / median / max over the",
-          f"profiles. *One run vs pool*: each run's own medians against the pool. Target: Spearman >= {TARGET_SPEARMAN}",
-          "(met: the median over profiles reaches it).", "", note]
+          f"profiles. *One run vs pool*: each run's own medians against the pool. *Leave one run out*: min / median /",
+          "max over the runs of the replayed median against the pool of the other runs (with >= 3 runs). Target:",
+          f"Spearman >= {TARGET_SPEARMAN} (met: the median over profiles reaches it).", "", note]
     for title, scores in pools:
         md += ["", f"## {title}", "",
-               "| setup | runs | plans | one run vs pool | profiles | replayed | met | additive |",
-               "|---|---|---|---|---|---|---|---|"]
+               "| setup | runs | plans | one run vs pool | profiles | replayed | met | additive | leave one run out "
+               "| speed-matched (diagnostic) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for s in scores:
             summary = s.summary()
 
             def text(part: str) -> str:
-                return "{min:.3f} / {median:.3f} / {max:.3f}".format(**summary[part])
+                return "{min:.3f} / {median:.3f} / {max:.3f}".format(**summary[part]) if summary[part] else "-"
             met = "yes" if summary["target_met"] else "**no**"
             md.append(f"| {s.setup} | {len(s.runs)} | {s.plans} | {text('agreement')} | {len(s.profiles)} "
-                      f"| {text('replayed')} | {met} | {text('additive')} |")
+                      f"| {text('replayed')} | {met} | {text('additive')} | {text('leave_one_out')} "
+                      f"| {text('speed_matched')} |")
         md += ["", "Runs: " + "; ".join(f"{s.setup}: " + ", ".join(f"`{r}`" for r in s.runs) for s in scores) + "."]
+    if pools:
+        title, scores = pools[-1]
+        md += ["", "## Per profile", "",
+               f"Each profile's replayed / additive score against the pool of *{title}*, with its one-layer step at the",
+               "lowest degree (ms, all compute: the machine's speed while it was taken), in the order they were taken.",
+               "*Step vs score*: Spearman of that step against the replayed score over the setup's profiles (positive:",
+               "the profiles taken while the machine ran fast score lower).", "",
+               "*Speed-matched* is a diagnostic, not a score: the replayed Spearman once the profile's compute is scaled",
+               "so that it replays the uniform lowest-degree plan at that plan's measured step (it uses a measured step).",
+               "Where it reaches the target and the replayed score does not, the miss is the profile's speed, not the model.", "",
+               "| setup | run | profile | taken at | lowest-degree step ms | replayed | additive | speed-matched |",
+               "|---|---|---|---|---|---|---|---|"]
+        for s in scores:
+            for name, at, step, rep, add, fit in zip(s.profiles, s.profiled_at, s.profile_step_ms, s.replayed, s.additive,
+                                                     s.speed_matched):
+                parts = Path(name).parts
+                run = parts[parts.index("profiles") - 1] if "profiles" in parts else "-"
+                md.append(f"| {s.setup} | `{run}` | {'fresh' if 'fresh' in parts else 'in-run'} | {at} | "
+                          f"{'-' if step is None else f'{step:.1f}'} | {rep:.3f} | {add:.3f} | "
+                          f"{'-' if fit is None else f'{fit:.3f}'} |")
+        md += ["", "Step vs score: " + ", ".join(f"{s.setup} {_step_vs_score(s)}" for s in scores) + "."]
     return "\n".join(md) + "\n"

@@ -384,7 +384,10 @@ def table_from_measurements(
         # AllReduce's excess over it is in that overhead, and priced here too it counted twice.
         ar_ms = link.seconds("all_reduce", rank0["allreduce_bytes"], degree) * 1e3 if degree > 1 else 0.0
         evidence[str(degree)] = {"allreduce_ms": _slowest(per_rank, degree, "allreduce_ms"), "allreduce_link_ms": ar_ms,
-                                 "allreduce_bytes": rank0["allreduce_bytes"], "op_ms_rank0": rank0["op_ms"], "blocks": {}}
+                                 "allreduce_bytes": rank0["allreduce_bytes"], "op_ms_rank0": rank0["op_ms"], "blocks": {},
+                                 # every rank's every timed step, kept: a profile taken while the machine ran
+                                 # faster than it later does shows here, not in the medians alone
+                                 "step_ms_per_rank": [r["degrees"][str(degree)]["step_ms_reps"] for r in per_rank]}
         for kind in BLOCK_KINDS:
             def get(part: str) -> float:
                 return _slowest(per_rank, degree, f"{kind}.{part}")

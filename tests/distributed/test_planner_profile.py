@@ -28,6 +28,12 @@ def test_profile_tiny_gpt_on_two_ranks_and_reuse_the_cache(tmp_path):
     evidence = table.measurements["degrees"]
     assert evidence["2"]["allreduce_ms"] > 0 and evidence["1"]["allreduce_ms"] == 0
     assert evidence["2"]["blocks"]["attn"]["comm_fwd_ms"] > 0  # one forward AllReduce per sub-batch
+    # every rank's every timed step is kept (2 ranks x 2 repeats per degree), each at least its own op times
+    for degree in ("1", "2"):
+        walls = evidence[degree]["step_ms_per_rank"]
+        assert [len(w) for w in walls] == [2, 2] and all(ms > 0 for w in walls for ms in w)
+    # in ms, as the op times: a step runs both sub-batches' ops, twice their per-sub-batch sum (once: noise margin)
+    assert min(evidence["1"]["step_ms_per_rank"][0]) >= sum(evidence["1"]["op_ms_rank0"].values())
 
     path = cache_path(tmp_path, spec.key())
     stamp = table.measurements["profiled_at"], os.path.getmtime(path)

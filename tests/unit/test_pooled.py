@@ -5,15 +5,24 @@ import dataclasses
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from oases_ds.planner.accuracy import Setup, repriced_spearman
+from oases_ds.planner.accuracy import Setup, plan_of_row, repriced_spearman
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
-from oases_ds.planner.pooled import pooled_score, pooled_steps, profile_version, stored_tables
+from oases_ds.planner.pooled import (
+    pooled_score,
+    pooled_steps,
+    profile_version,
+    scaled_compute,
+    speed_matched_table,
+    stored_tables,
+)
+from oases_ds.planner.replay import replay_inputs, replayed_or_additive
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = Setup("all", "every plan", ())
@@ -69,6 +78,58 @@ def test_one_run_pooled_scores_as_the_run_itself():
     table = dataclasses.replace(tables[0][1], layers=len(result["rows"][0]["attn"]))
     assert score.replayed == [pytest.approx(repriced_spearman(setup, result, table))]
     assert score.agreement == [pytest.approx(1.0)] and score.plans == len(result["rows"])
+
+
+def test_leaving_one_run_out_shows_a_verdict_that_hangs_on_one_run():
+    """Runs A and B measure exactly what run E's profile predicts; run C ranks the plans the other way
+    round with three times the spread (log-relative steps -3l against A's l).  All three pooled:
+    (l + l - 3l) / 3 = -l/3, reversed: -1.  Without A or without B: (l - 3l) / 2 = -l, reversed: -1.
+    Without C: l, the prediction's order: +1.  With two runs nothing is left out."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "planner_accuracy-in_sample.json").read_text())
+    (profile,) = (ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json")
+    table = CostTable.from_json(profile)
+    family, schedule = replay_inputs(result)
+    layered = dataclasses.replace(table, layers=len(result["rows"][0]["attn"]))
+    predicted = replayed_or_additive(layered, family, schedule, [plan_of_row(r, table.devices) for r in result["rows"]])
+    assert len(set(predicted)) == len(predicted)  # distinct: the ranks are strict
+    mean = statistics.fmean(math.log(p) for p in predicted)
+
+    def measured(power: float) -> dict:
+        rows = [{**r, "measured_ms": 100 * math.exp(power * (math.log(p) - mean))} for r, p in zip(result["rows"], predicted)]
+        return {**result, "rows": rows}
+
+    runs = [("A", measured(1.0)), ("B", measured(1.0)), ("C", measured(-3.0))]
+    score = pooled_score(Setup("in_sample", "", ()), runs, [("E", table)])
+    assert score.replayed == [pytest.approx(-1.0)]
+    assert score.leave_one_out == [pytest.approx(-1.0), pytest.approx(-1.0), pytest.approx(1.0)]
+    assert score.summary()["leave_one_out"] == {"min": pytest.approx(-1.0), "median": pytest.approx(-1.0), "max": pytest.approx(1.0)}
+    two = pooled_score(Setup("in_sample", "", ()), runs[:2], [("E", table)])
+    assert two.leave_one_out == [] and two.summary()["leave_one_out"] is None and two.replayed == [pytest.approx(1.0)]
+
+
+def test_speed_matching_scales_compute_only_and_hits_the_measured_step():
+    """Run E's ``in_sample`` profile: doubling the compute doubles every per-op and per-block compute
+    time and leaves the link, the collective overhead and the gradient sync alone; matched to a
+    measured step 20% above its own replay of uniform degree 1, the replay of that plan lands on it."""
+    (profile,) = (ROOT / "benchmarks" / "results" / "profiles").glob("gpt-*mb8_cpu_0_2g*.json")
+    table = dataclasses.replace(CostTable.from_json(profile), layers=4)
+    doubled = scaled_compute(table, 2.0)
+    one, two = table.measurements["degrees"]["2"], doubled.measurements["degrees"]["2"]
+    assert {k: 2 * v for k, v in one["op_ms_rank0"].items()} == pytest.approx(two["op_ms_rank0"])
+    assert two["blocks"]["attn"]["bwd_ms"] == pytest.approx(2 * one["blocks"]["attn"]["bwd_ms"])
+    assert doubled.blocks["mlp"][1].fwd_ms == pytest.approx(2 * table.blocks["mlp"][1].fwd_ms)
+    assert doubled.blocks["mlp"][1].grad_sync_ms == table.blocks["mlp"][1].grad_sync_ms
+    assert (doubled.collective_overhead_ms, doubled.bandwidth_gbps) == (table.collective_overhead_ms, table.bandwidth_gbps)
+    assert table.measurements["degrees"]["2"]["op_ms_rank0"] == one["op_ms_rank0"]  # the original is not touched
+    result = json.loads((ROOT / "benchmarks" / "results" / "planner_accuracy-in_sample.json").read_text())
+    family, schedule = replay_inputs(result)
+    uniform = plan_of_row({"attn": [1] * 4, "mlp": [1] * 4}, 2)
+    own = replayed_or_additive(table, family, schedule, [uniform])[0]
+    matched = speed_matched_table(table, family, schedule, uniform, 1.2 * own)
+    assert replayed_or_additive(matched, family, schedule, [uniform])[0] == pytest.approx(1.2 * own, rel=1e-4)
+    assert matched.blocks["attn"][1].fwd_ms > 1.2 * table.blocks["attn"][1].fwd_ms  # the sync did not grow: compute grew more
+    no_compute = replayed_or_additive(scaled_compute(table, 0.0), family, schedule, [uniform])[0]
+    assert 0 < no_compute < own and speed_matched_table(table, family, schedule, uniform, 0.9 * no_compute) is None
 
 
 def test_stored_tables_are_this_cost_models_profiles_of_the_setup(tmp_path):
