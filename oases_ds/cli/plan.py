@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import re
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import hydra
@@ -30,7 +32,7 @@ from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel, link_kwargs
-from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, report
+from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, measure_with_profile, report
 from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.dp import solve_dp
@@ -70,6 +72,7 @@ class AccuracySchema:
     repeats: int = 5
     seed: int = 0
     out: str = "benchmarks/results/planner_accuracy.json"
+    interleave_profile: bool = False
 
 
 @dataclass
@@ -363,7 +366,18 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     spec = AccuracySpec.from_config(cfg, table.layers, table.devices, acc["warmup"], acc["repeats"])
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
     print(f"measuring {len(plans)} plans x {spec.repeats} interleaved steps on {spec.devices} ranks ({label}) ...", flush=True)
-    result = report(table, plans, measure(spec, plans, timeout_s=cfg["timeout_s"]), replay_family(cfg, table), spec.schedule)
+    family = replay_family(cfg, table)
+    interleaved = None
+    if acc["interleave_profile"]:
+        if not can_replay(table):
+            raise ValueError("accuracy.interleave_profile=true needs a profiled table (cost=profile, no table=); "
+                             "set it false to score this table alone")
+        times, interleaved = measure_with_profile(spec, plans, _spec(cfg), timeout_s=cfg["timeout_s"])
+    else:
+        times = measure(spec, plans, timeout_s=cfg["timeout_s"])
+    result = report(table, plans, times, family, spec.schedule)
+    if interleaved is not None:
+        result["interleaved"] = _interleaved_entry(cfg, interleaved, plans, times, family, spec.schedule)
     for r in result["rows"]:
         r["is_solver_plan"] = r["attn"] == list(solved.attn_degrees) and r["mlp"] == list(solved.mlp_degrees)
     print(f"{'attn degrees':<16}{'mlp degrees':<16}{'predicted ms':>13}{'measured ms':>13}{'min-max':>18}")
@@ -378,11 +392,28 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
           f"{len(plans)} plans; paper: 0.844 / 0.876)")
     print(f"measured: solver plan {mine['measured_ms']:.1f} ms vs best uniform (degree {best['attn'][0]}) "
           f"{best['measured_ms']:.1f} ms -> {best['measured_ms'] / mine['measured_ms']:.3f}x")
+    if interleaved is not None:
+        entry = result["interleaved"]
+        print(f"with the profile interleaved in the same rounds ({entry['table']}): Spearman {entry['spearman']:.3f}"
+              + (f", mixes only {entry['spearman_mixed']:.3f}" if entry["spearman_mixed"] is not None else ""))
     result.update({"emulated_link": bool(link), "link": link, "table_key": table.key(), "config": cfg,
                    "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "git_commit": git_commit(), "machine": machine()})
     write_json_atomic(acc["out"], result)
     print(f"wrote {acc['out']}")
+
+
+def _interleaved_entry(cfg: dict, table: CostTable, plans: list, times: list, family: Any, schedule: Any) -> dict:
+    """Keep the interleaved profile beside the result (``profiles/interleaved/<key>-<profiled at>.json``,
+    where ``--pooled`` finds it) and score the same measured steps with it."""
+    out = Path(cfg["accuracy"]["out"])
+    stamp = str(table.measurements.get("profiled_at", "")).replace(":", "")
+    path = out.parent / "profiles" / "interleaved" / f"{cache_path('.', table.key()).stem}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.to_json(path)
+    scored = report(table, plans, times, family, schedule)
+    return {"table": os.path.relpath(path, out.parent), "table_key": table.key(), "profiled_at": table.measurements.get("profiled_at"),
+            **{k: scored[k] for k in ("spearman", "spearman_mixed", "spearman_additive", "spearman_additive_mixed")}}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="plan")

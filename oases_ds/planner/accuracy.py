@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from oases_ds.planner.replay import can_replay, replay_inputs, replay_plan, repl
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.rounds import rotated
+
+if TYPE_CHECKING:
+    from oases_ds.planner.profile import ProfileSpec
 
 
 def candidate_plans(table: CostTable, count: int, extra: list[Plan], seed: int = 0) -> list[Plan]:
@@ -98,9 +101,15 @@ def step_breakdown(events: list[Any], own_ms: float) -> dict[str, Any]:
             "rest_ms": own_ms - compute - sum(waits.values())}
 
 
-def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False) -> list[list[Any]]:
+def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False,
+                  profile: ProfileSpec | None = None) -> list[list[Any]] | dict[str, Any]:
     """Per plan, this rank's timed steps: the step in ms (slowest rank), or with ``record`` each
-    step's :func:`step_breakdown` with the step added as ``step_ms``."""
+    step's :func:`step_breakdown` with the step added as ``step_ms``.  With ``profile``, that
+    profile's degrees are stepped in the same rounds as the plans, in the same rotation
+    (:class:`~oases_ds.planner.profile.ProfileSteps`), and the rank returns ``{"times": ...,
+    "profile": <its profile measurements>}``."""
+    from oases_ds.planner.profile import ProfileSteps  # profile.py imports this module
+
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
     gen = torch.Generator().manual_seed(spec.seed)
     seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
@@ -109,9 +118,14 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False) -
     for plan in plans:
         model = OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed)
         runners.append(Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(), record=record))
+    steps = ProfileSteps(profile, ctx) if profile is not None else None
+    items = len(runners) + (len(steps) if steps is not None else 0)
     times: list[list[Any]] = [[] for _ in plans]
     for rnd in range(spec.warmup + spec.repeats):
-        for i in round_order(len(runners), rnd):
+        for i in round_order(items, rnd):
+            if i >= len(runners):
+                steps.step(i - len(runners), timed=rnd >= spec.warmup)
+                continue
             ex = runners[i]
             for p in ex.model.parameters():
                 p.grad = None
@@ -124,7 +138,7 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False) -
             if rnd >= spec.warmup:
                 step_ms = float(elapsed) * 1e3
                 times[i].append({**step_breakdown(ex.timeline.events, own * 1e3), "step_ms": step_ms} if record else step_ms)
-    return times
+    return times if steps is None else {"times": times, "profile": steps.result()}
 
 
 def round_order(plans: int, rnd: int) -> list[int]:
@@ -136,6 +150,24 @@ def round_order(plans: int, rnd: int) -> list[int]:
 def measure(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[float]]:
     """Per plan, the measured step times in ms (slowest rank of each step)."""
     return launch(_measure_rank, spec.devices, (spec, plans), timeout_s=timeout_s)[0]
+
+
+def measure_with_profile(spec: AccuracySpec, plans: list[Plan], profile: ProfileSpec,
+                         timeout_s: float = 1800) -> tuple[list[list[float]], CostTable]:
+    """:func:`measure`, with ``profile``'s one-layer degrees stepped in the same interleaved rounds;
+    returns the plans' steps and the cost table of that interleaved profile (labelled for the plans'
+    layers).  The table has seen the machine the plans ran on, moment for moment: the accuracy study
+    scores it beside the profile the planner took before (``accuracy.interleave_profile``)."""
+    from oases_ds.planner.profile import table_from_measurements
+
+    started = time.perf_counter()
+    per_rank = launch(_measure_rank, spec.devices, (spec, plans, False, profile), timeout_s=timeout_s)
+    table = table_from_measurements(profile, [r["profile"] for r in per_rank], spec.model.num_layers,
+                                    wall_s=time.perf_counter() - started)
+    table.measurements["interleaved_with"] = (
+        f"one step per degree in each of the accuracy study's {spec.warmup} warm-up + {spec.repeats} timed rounds of "
+        f"{len(plans)} plans; AllReduces and gradient syncs timed after, over the profile's warm-up + repeats")
+    return per_rank[0]["times"], table
 
 
 def measure_breakdown(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[list[dict[str, Any]]]]:
@@ -333,14 +365,15 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
           "fastest measured step among the scored plans (1.000: the planner would have chosen the fastest).",
           "*Fresh profiles*: the same measured steps priced by profiles taken again after the run (per cost model",
           "version, min / median / max over them, count in brackets; `--reprofile`): how much of the score is the one",
-          "profile the run took.", "",
+          "profile the run took. *Interleaved profile*: the same measured steps priced by a profile whose one-layer",
+          "steps ran in the measurement's own rounds (`accuracy.interleave_profile`): it saw the machine the plans ran on.", "",
           note, "",
           "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
-          "| additive | measurement | top pick | fresh profiles | result |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| additive | measurement | top pick | fresh profiles | interleaved profile | result |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setup, path, result in entries:
         if result is None:
-            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | - | `{path}` missing |")
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | - | - | `{path}` missing |")
             continue
         regret = top_pick_regret(scored_rows(setup, result))
         rho, scored = setup_score(setup, result)
@@ -355,8 +388,10 @@ def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], no
         regret_text = "-" if regret is None else f"{regret:.3f}"
         fresh_text = "; ".join(f"v{version}: {lo:.3f} / {mid:.3f} / {hi:.3f} ({n})"
                                for version, (lo, mid, hi, n) in reprofiled_range(result).items()) or "-"
+        interleaved = result.get("interleaved", {}).get("spearman" + suffix)
+        interleaved_text = "-" if interleaved is None else f"{interleaved:.3f}"
         md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {additive_text} | {half_text} "
-                  f"| {regret_text} | {fresh_text} | `{path}` |")
+                  f"| {regret_text} | {fresh_text} | {interleaved_text} | `{path}` |")
     md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
            "settings are in each result file (`config`, `machine`, `git_commit`)."]
     for setup, path, result in entries:

@@ -301,7 +301,8 @@ def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: st
                                                      s.speed_matched):
                 parts = Path(name).parts
                 run = parts[parts.index("profiles") - 1] if "profiles" in parts else "-"
-                md.append(f"| {s.setup} | `{run}` | {'fresh' if 'fresh' in parts else 'in-run'} | {at} | "
+                kind = next((k for k in ("fresh", "interleaved") if k in parts), "in-run")
+                md.append(f"| {s.setup} | `{run}` | {kind} | {at} | "
                           f"{'-' if step is None else f'{step:.1f}'} | {rep:.3f} | {add:.3f} | "
                           f"{'-' if fit is None else f'{fit:.3f}'} |")
         md += ["", "Step vs score: " + ", ".join(f"{s.setup} {_step_vs_score(s)}" for s in scores) + "."]

@@ -308,6 +308,67 @@ class _LayerRun:
         return result
 
 
+class ProfileSteps:
+    """Every degree's one-layer run on this rank, stepped from outside, and the rank's measurements.
+
+    The profiler steps them alone (:func:`_profile_rank`); the accuracy study can step them between
+    its plans' steps (``accuracy.interleave_profile``), so that the profile sees the machine of the
+    measurement: on a shared machine whose speed drifts over minutes, a profile of a few seconds can
+    catch a moment the minutes-long measurement does not (benchmarks/README.md, "Out of sample").
+    Building it is collective (replica groups): every rank builds it at the same point."""
+
+    def __init__(self, spec: ProfileSpec, ctx: ParallelContext) -> None:
+        self.spec, self.ctx = spec, ctx
+        # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
+        self.replica_group: dict[int, Any] = {}
+        for degree in spec.degrees():
+            subs = ctx.topology.sub_tp_group_ranks(degree)
+            for p in range(degree):
+                members = [g[p] for g in subs]
+                group = dist.new_group(ranks=members) if len(members) > 1 else None
+                if ctx.rank in members:
+                    self.replica_group[degree] = group
+        self.runs = [_LayerRun(spec, ctx, degree) for degree in spec.degrees()]
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def step(self, index: int, timed: bool) -> None:
+        """One step of the ``index``-th degree (increasing), all ranks together."""
+        self.runs[index].step(timed)
+
+    def result(self) -> dict[str, Any]:
+        """This rank's measurements, as :func:`table_from_measurements` takes them per rank: the timed
+        steps' medians per degree, then the blocking AllReduces and gradient syncs timed here."""
+        spec, cfg, sub, device = self.spec, self.spec.model, self.spec.sub_batches, self.ctx.device
+        out: dict[str, Any] = {"rank": self.ctx.rank, "degrees": {}}
+        for degree, run in zip(spec.degrees(), self.runs):
+            result = run.result()
+            # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
+            comm = Communicator(spec.link)
+            payload = torch.zeros(run.share // sub, cfg.seq_len, cfg.hidden_size, device=device)
+            result["allreduce_bytes"] = payload.numel() * payload.element_size()
+            result["allreduce_ms"] = _timed_collective(comm, payload, run.group, spec.repeats, spec.warmup) if degree > 1 else 0.0
+            result["latency_ms"] = (
+                _timed_collective(comm, torch.zeros(1, device=device), run.group, spec.repeats, spec.warmup)
+                if degree > 1 else 0.0
+            )
+            # Memory and gradient sync from parameter shapes.
+            numel = layer_parameter_counts(cfg, degree)
+            for kind in BLOCK_KINDS:
+                result[f"{kind}.params"] = numel[kind]
+                result[f"{kind}.state_bytes"] = float(numel[kind] * STATE_BYTES_PER_PARAM)
+                grads = torch.zeros(numel[kind], device=device)
+                replicas = self.replica_group[degree]
+                result[f"{kind}.grad_sync_ms"] = (
+                    _timed_collective(Communicator(spec.link), grads, replicas, spec.repeats, spec.warmup)
+                    if replicas is not None
+                    else 0.0
+                )
+            out["degrees"][str(degree)] = result
+        return out
+
+
 def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     """Profile every degree on this rank; returns per-degree measurements.
 
@@ -315,52 +376,12 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     one degree later (:func:`~oases_ds.planner.accuracy.round_order`), as the accuracy study
     interleaves plans: profiled one degree after the other, a burst of load on the machine
     fell on one degree only and biased every plan's prediction that used it."""
-    T = spec.devices
-    ctx = ParallelContext.build(tensor_parallel_size=T)
-    rank, device = ctx.rank, ctx.device  # layer, batch and payloads live where training would put them
-    # Replica groups: the rank at index p of every degree-t sub-group (new_group is collective).
-    replica_group: dict[int, Any] = {}
-    for degree in spec.degrees():
-        subs = ctx.topology.sub_tp_group_ranks(degree)
-        for p in range(degree):
-            members = [g[p] for g in subs]
-            group = dist.new_group(ranks=members) if len(members) > 1 else None
-            if rank in members:
-                replica_group[degree] = group
-
-    cfg = spec.model
-    sub = spec.sub_batches
-    degrees = spec.degrees()
-    runs = [_LayerRun(spec, ctx, degree) for degree in degrees]
+    ctx = ParallelContext.build(tensor_parallel_size=spec.devices)  # layer, batch and payloads live where training would
+    steps = ProfileSteps(spec, ctx)
     for rep in range(spec.warmup + spec.repeats):
-        for i in round_order(len(runs), rep):
-            runs[i].step(timed=rep >= spec.warmup)
-    out: dict[str, Any] = {"rank": rank, "degrees": {}}
-    for degree, run in zip(degrees, runs):
-        result = run.result()
-        # Raw TMP collective: the block's activation (b/sub, s, H) on the degree-t group.
-        comm = Communicator(spec.link)
-        payload = torch.zeros(run.share // sub, cfg.seq_len, cfg.hidden_size, device=device)
-        result["allreduce_bytes"] = payload.numel() * payload.element_size()
-        result["allreduce_ms"] = _timed_collective(comm, payload, run.group, spec.repeats, spec.warmup) if degree > 1 else 0.0
-        result["latency_ms"] = (
-            _timed_collective(comm, torch.zeros(1, device=device), run.group, spec.repeats, spec.warmup)
-            if degree > 1 else 0.0
-        )
-        # Memory and gradient sync from parameter shapes.
-        numel = layer_parameter_counts(cfg, degree)
-        for kind in BLOCK_KINDS:
-            result[f"{kind}.params"] = numel[kind]
-            result[f"{kind}.state_bytes"] = float(numel[kind] * STATE_BYTES_PER_PARAM)
-            grads = torch.zeros(numel[kind], device=device)
-            replicas = replica_group[degree]
-            result[f"{kind}.grad_sync_ms"] = (
-                _timed_collective(Communicator(spec.link), grads, replicas, spec.repeats, spec.warmup)
-                if replicas is not None
-                else 0.0
-            )
-        out["degrees"][str(degree)] = result
-    return out
+        for i in round_order(len(steps), rep):
+            steps.step(i, timed=rep >= spec.warmup)
+    return steps.result()
 
 
 # -- measurements -> cost table ----------------------------------------------------

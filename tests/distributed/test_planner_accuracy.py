@@ -128,17 +128,21 @@ def test_summary_reports_each_setup_against_the_target():
                (Setup("mix", "mixes only", ("accuracy.seed=1",), mixed_only=True), "b.json", result),
                (Setup("gone", "never run", ()), "c.json", None)]
     text = summary_markdown(entries, "note")
-    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | - | 0.750 | 1.000 | - | `a.json` |" in text
-    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | - | 1.000 | - | `b.json` |" in text
-    assert "| gone | never run | - | not run | - | - | - | - | - | - | - | `c.json` missing |" in text
+    assert "| all | nothing | 6 | 0.943 | 0.005 | yes | 0.500 | - | 0.750 | 1.000 | - | - | `a.json` |" in text
+    assert "| mix | mixes only | 4 mixed of 6 | 0.800 | - | **no** | 0.250 | - | - | 1.000 | - | - | `b.json` |" in text
+    assert "| gone | never run | - | not run | - | - | - | - | - | - | - | - | `c.json` missing |" in text
     replayed = {**result, "pricing": "replay", "spearman_additive": 0.6, "spearman_additive_mixed": 0.4}
     text_replayed = summary_markdown([(Setup("mix", "mixes only", (), mixed_only=True), "b.json", replayed)], "note")
-    assert "| 0.800 | - | **no** | 0.250 | 0.400 | - | 1.000 | - | `b.json` |" in text_replayed  # v6's sum beside it
+    assert "| 0.800 | - | **no** | 0.250 | 0.400 | - | 1.000 | - | - | `b.json` |" in text_replayed  # v6's sum beside it
     repriced = {**result, "reprofiled": [{"spearman": 0.9, "cost_model": 6}, {"spearman": 0.5, "cost_model": 6},
                                          {"spearman": None, "cost_model": 6}, {"spearman": 0.7, "cost_model": 6},
                                          {"spearman": 0.1, "cost_model": 4}]}
     fresh_text = summary_markdown([(Setup("all", "nothing", ()), "a.json", repriced)], "note")
-    assert "| 1.000 | v4: 0.100 / 0.100 / 0.100 (1); v6: 0.500 / 0.700 / 0.900 (3) | `a.json` |" in fresh_text
+    assert "| 1.000 | v4: 0.100 / 0.100 / 0.100 (1); v6: 0.500 / 0.700 / 0.900 (3) | - | `a.json` |" in fresh_text
+    interleaved = {**result, "interleaved": {"spearman": 0.95, "spearman_mixed": 0.85}}
+    interleaved_text = summary_markdown([(Setup("all", "nothing", ()), "a.json", interleaved),
+                                         (Setup("mix", "mixes only", (), mixed_only=True), "b.json", interleaved)], "note")
+    assert "| 1.000 | - | 0.950 | `a.json` |" in interleaved_text and "| 1.000 | - | 0.850 | `b.json` |" in interleaved_text
     assert "- overrides: `accuracy.seed=1`; table `k`" in text
     assert "| 1,2 | 2,2 | 20.0 | 200.0 | 10.000 |" in text
 
@@ -233,6 +237,31 @@ def test_accuracy_mode_measures_eight_plans(tmp_path):
     # The reported number is the rank correlation of the rows it reports, recomputed here by hand.
     assert result["spearman"] == pytest.approx(pearson(ranks(predicted), ranks(measured)))
     assert "Spearman rank correlation predicted vs measured" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_the_profile_interleaved_with_the_measurement_steps_in_its_rounds(tmp_path):
+    """``accuracy.interleave_profile=true``: the profile's degrees are stepped in the measurement's own
+    rounds, so each rank holds one timed step per degree per timed round (3, not the profile's own 2
+    repeats); the table is kept beside the result under the run's key and scores the same measured
+    steps as re-pricing them with it does."""
+    from oases_ds.planner.replay import can_replay
+
+    out = tmp_path / "acc.json"
+    proc = plan_cli("mode=accuracy", "model=gpt_tiny", "devices=2", "micro_batch=8", "accuracy.plans=5",
+                    "accuracy.warmup=1", "accuracy.repeats=3", "accuracy.interleave_profile=true", f"accuracy.out={out}",
+                    f"planner.cache_dir={tmp_path / 'cache'}", "planner.repeats=2", "planner.warmup=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    entry = result["interleaved"]
+    assert entry["table_key"] == result["table_key"] and "with the profile interleaved in the same rounds" in proc.stdout
+    table = CostTable.from_json(tmp_path / entry["table"])
+    assert (tmp_path / entry["table"]).parent == tmp_path / "profiles" / "interleaved" and can_replay(table)
+    for degree in ("1", "2"):
+        assert [len(w) for w in table.measurements["degrees"][degree]["step_ms_per_rank"]] == [3, 3]
+    cached = CostTable.from_json(next((tmp_path / "cache").glob("*.json")))
+    assert [len(w) for w in cached.measurements["degrees"]["1"]["step_ms_per_rank"]] == [2, 2]  # the planner's own profile
+    assert entry["spearman"] == pytest.approx(repriced_spearman(Setup("all", "", ()), result, table))
 
 
 def test_report_scores_the_same_steps_with_and_without_the_overhead():
