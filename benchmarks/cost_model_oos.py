@@ -6,7 +6,10 @@ Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed ro
 steps are priced again by ``--reprofile`` (2) fresh profiles (``planner_accuracy-<setup>.json
 ["reprofiled"]``; ``--reprofile-only`` does that for the result files already there): one profile
 is seconds of steps, and the one a run took can sit apart from the others (benchmarks/README.md,
-"Out of sample").  24 rounds, not the preset's 8: with 8 the
+"Out of sample").  The preset also steps a profile in the measurement's own rounds
+(``accuracy.interleave_profile``; kept in ``profiles/interleaved`` beside the results, scored as the report's
+*interleaved profile*): it saw the machine the plans ran on, where the planner's profile, taken before, can
+catch a moment the minutes of measurement do not.  24 rounds, not the preset's 8: with 8 the
 split-half check ranked the plans of three setups below 0.9 (benchmarks/README.md, "Out of sample").  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report

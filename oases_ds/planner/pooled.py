@@ -146,7 +146,14 @@ class PooledScore:
         return {"replayed": span(self.replayed), "additive": span(self.additive), "agreement": span(self.agreement),
                 "leave_one_out": span(self.leave_one_out),
                 "speed_matched": span([v for v in self.speed_matched if v is not None]),
+                "interleaved": span([v for name, v in zip(self.profiles, self.replayed) if is_interleaved(name)]),
                 "target_met": statistics.median(self.replayed) >= TARGET_SPEARMAN}
+
+
+def is_interleaved(profile: str | Path) -> bool:
+    """Whether a stored profile was stepped in an accuracy run's own rounds (``accuracy.interleave_profile``
+    keeps it under ``profiles/interleaved``): it saw the machine the plans ran on."""
+    return "interleaved" in Path(profile).parts
 
 
 def lowest_degree_step_ms(table: CostTable) -> float | None:
@@ -268,12 +275,14 @@ def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: st
           "setup prices them. *Replayed*: the prediction the planner ranks with (cost model of this commit);",
           "*additive*: the per-block sum the solvers search, from the same profiles. Min / median / max over the",
           f"profiles. *One run vs pool*: each run's own medians against the pool. *Leave one run out*: min / median /",
-          "max over the runs of the replayed median against the pool of the other runs (with >= 3 runs). Target:",
+          "max over the runs of the replayed median against the pool of the other runs (with >= 3 runs).",
+          "*Interleaved profiles*: the replayed scores of the profiles stepped in an accuracy run's own rounds",
+          "(`accuracy.interleave_profile`, kept in `profiles/interleaved`), which saw the machine the plans ran on. Target:",
           f"Spearman >= {TARGET_SPEARMAN} (met: the median over profiles reaches it).", "", note]
     for title, scores in pools:
         md += ["", f"## {title}", "",
                "| setup | runs | plans | one run vs pool | profiles | replayed | met | additive | leave one run out "
-               "| speed-matched (diagnostic) |", "|---|---|---|---|---|---|---|---|---|---|"]
+               "| speed-matched (diagnostic) | interleaved profiles |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in scores:
             summary = s.summary()
 
@@ -282,7 +291,7 @@ def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: st
             met = "yes" if summary["target_met"] else "**no**"
             md.append(f"| {s.setup} | {len(s.runs)} | {s.plans} | {text('agreement')} | {len(s.profiles)} "
                       f"| {text('replayed')} | {met} | {text('additive')} | {text('leave_one_out')} "
-                      f"| {text('speed_matched')} |")
+                      f"| {text('speed_matched')} | {text('interleaved')} |")
         md += ["", "Runs: " + "; ".join(f"{s.setup}: " + ", ".join(f"`{r}`" for r in s.runs) for s in scores) + "."]
     if pools:
         title, scores = pools[-1]
@@ -301,7 +310,7 @@ def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: st
                                                      s.speed_matched):
                 parts = Path(name).parts
                 run = parts[parts.index("profiles") - 1] if "profiles" in parts else "-"
-                kind = next((k for k in ("fresh", "interleaved") if k in parts), "in-run")
+                kind = "interleaved" if is_interleaved(name) else "fresh" if "fresh" in parts else "in-run"
                 md.append(f"| {s.setup} | `{run}` | {kind} | {at} | "
                           f"{'-' if step is None else f'{step:.1f}'} | {rep:.3f} | {add:.3f} | "
                           f"{'-' if fit is None else f'{fit:.3f}'} |")

@@ -15,6 +15,8 @@ import pytest
 from oases_ds.planner.accuracy import Setup, plan_of_row, repriced_spearman
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
 from oases_ds.planner.pooled import (
+    PooledScore,
+    is_interleaved,
     pooled_score,
     pooled_steps,
     profile_version,
@@ -130,6 +132,18 @@ def test_speed_matching_scales_compute_only_and_hits_the_measured_step():
     assert matched.blocks["attn"][1].fwd_ms > 1.2 * table.blocks["attn"][1].fwd_ms  # the sync did not grow: compute grew more
     no_compute = replayed_or_additive(scaled_compute(table, 0.0), family, schedule, [uniform])[0]
     assert 0 < no_compute < own and speed_matched_table(table, family, schedule, uniform, 0.9 * no_compute) is None
+
+
+def test_the_summary_spans_the_interleaved_profiles_apart():
+    """Of four profiles, the two under ``profiles/interleaved`` (scores 0.9 and 0.7) make the interleaved
+    span; the in-run and fresh ones (0.5, 0.3) count only in the span over all; none interleaved: no span."""
+    names = ["r/profiles/a_cm8.json", "r/profiles/fresh/b_cm8-x.json", "r/profiles/interleaved/c_cm8-x.json",
+             "s/profiles/interleaved/d_cm8-y.json"]
+    score = PooledScore("s", ["r", "s"], 5, [1.0, 1.0], names, [0.5, 0.3, 0.9, 0.7], [0.1] * 4)
+    assert [is_interleaved(n) for n in names] == [False, False, True, True]
+    assert score.summary()["interleaved"] == {"min": 0.7, "median": pytest.approx(0.8), "max": 0.9}
+    assert score.summary()["replayed"] == {"min": 0.3, "median": pytest.approx(0.6), "max": 0.9}
+    assert dataclasses.replace(score, profiles=names[:2] * 2).summary()["interleaved"] is None
 
 
 def test_stored_tables_are_this_cost_models_profiles_of_the_setup(tmp_path):
