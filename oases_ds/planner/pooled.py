@@ -127,6 +127,7 @@ class PooledScore:
     replayed: list[float]
     additive: list[float]
     profiled_at: list[str] = dataclasses.field(default_factory=list)
+    """Per profile, when it was taken (its ``measurements.profiled_at``)."""
     profile_step_ms: list[float | None] = dataclasses.field(default_factory=list)
     """Per profile, :func:`lowest_degree_step_ms`: how fast the machine ran while it was taken."""
     speed_matched: list[float | None] = dataclasses.field(default_factory=list)
@@ -261,6 +262,8 @@ def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
 
 
 def _step_vs_score(score: PooledScore) -> str:
+    """Spearman of each profile's lowest-degree step against its replayed score, for the report ("-"
+    under :data:`MIN_RANKED` profiles or when every score is equal): positive, the fast profiles miss."""
     pairs = [(step, rep) for step, rep in zip(score.profile_step_ms, score.replayed) if step is not None]
     if len(pairs) < MIN_RANKED or len({rep for _, rep in pairs}) < 2:
         return "-"
