@@ -46,7 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
-from oases_ds.planner.pooled import PooledScore, pooled_markdown, pooled_score, stored_tables, unversioned  # noqa: E402
+from oases_ds.planner.pooled import (  # noqa: E402
+    PooledScore,
+    kept_profile_path,
+    pooled_markdown,
+    pooled_score,
+    stored_tables,
+    unversioned,
+)
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +121,7 @@ def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
                 raise SystemExit(f"error: re-profiling {setup.name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
             (table_path,) = Path(tmp).glob("*.json")
             table = CostTable.from_json(table_path)
-            stamp = str(table.measurements.get("profiled_at", "")).replace(":", "")
-            kept = path.parent / "profiles" / "fresh" / f"{table_path.stem}-{stamp}.json"
+            kept = kept_profile_path(path.parent, "fresh", table)
             kept.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(table_path, kept)
         if unversioned(table.key()) != unversioned(result["table_key"]):

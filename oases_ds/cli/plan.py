@@ -39,6 +39,7 @@ from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
+from oases_ds.planner.pooled import kept_profile_path
 from oases_ds.planner.memory import estimate_memory, memory_lines
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile, profile_rows
 from oases_ds.planner.replay import can_replay, rank_by_replay
@@ -407,8 +408,7 @@ def _interleaved_entry(cfg: dict, table: CostTable, plans: list, times: list, fa
     """Keep the interleaved profile beside the result (``profiles/interleaved/<key>-<profiled at>.json``,
     where ``--pooled`` finds it) and score the same measured steps with it."""
     out = Path(cfg["accuracy"]["out"])
-    stamp = str(table.measurements.get("profiled_at", "")).replace(":", "")
-    path = out.parent / "profiles" / "interleaved" / f"{cache_path('.', table.key()).stem}-{stamp}.json"
+    path = kept_profile_path(out.parent, "interleaved", table)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.to_json(path)
     scored = report(table, plans, times, family, schedule)

@@ -44,6 +44,7 @@ from oases_ds.planner.accuracy import MIN_RANKED, TARGET_SPEARMAN, Setup, plan_o
 from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
+from oases_ds.planner.profile import cache_path
 from oases_ds.planner.replay import can_replay, replay_inputs, replayed_or_additive
 
 
@@ -98,6 +99,14 @@ def profile_version(path: Path) -> int | None:
     """The cost model version a stored profile was taken under (``None``: the name does not say)."""
     match = _PROFILE_VERSION.search(path.name)
     return int(match.group(1)) if match else None
+
+
+def kept_profile_path(results_dir: Path, kind: str, table: CostTable) -> Path:
+    """Where a profile taken for a run is kept beside its results: ``<results_dir>/profiles/<kind>/<cache
+    file name>-<profiled at>.json`` (``kind``: ``fresh`` after the run, ``interleaved`` in its rounds),
+    the name :func:`profile_version` reads and :func:`stored_tables` finds."""
+    stamp = str(table.measurements.get("profiled_at", "")).replace(":", "")
+    return Path(results_dir) / "profiles" / kind / f"{cache_path('.', table.key()).stem}-{stamp}.json"
 
 
 def stored_tables(root: Path, table_key: str, version: int = COST_MODEL_VERSION) -> list[tuple[Path, CostTable]]:
@@ -242,9 +251,13 @@ def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
     family, schedule = replay_inputs(results[0])
     replayed, additive = _priced(pool, tables, family, schedule)
     speed_matched: list[float | None] = []
+    references: dict[tuple[int, int], tuple[Plan, float] | None] = {}  # the same for every profile of the setup
     for _, table in tables:
         table = dataclasses.replace(table, layers=len(pool.rows[0]["attn"]))
-        reference = _lowest_uniform_ms(results, table.devices, min(table.degrees))
+        shape = (table.devices, min(table.degrees))
+        if shape not in references:
+            references[shape] = _lowest_uniform_ms(results, *shape)
+        reference = references[shape]
         if reference is None:
             speed_matched.append(None)
             continue
