@@ -31,7 +31,6 @@ from oases_ds.cli.common import CONFIG_DIR, PLAN_PRESETS, fail, fail_launch, sto
 from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema
 from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
-from oases_ds.parallel.link import LinkModel, link_kwargs
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, measure_with_profile, report
 from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
 from oases_ds.planner.costs import CostTable
@@ -152,24 +151,6 @@ def parse_bytes(field: str, value: Any) -> float | None:
     return number * _UNITS[unit]
 
 
-def _spec(cfg: dict) -> Any:
-    sched, cluster, planner = cfg["schedule"], cfg["cluster"], cfg["planner"]
-    link = cluster.get("link")
-    return ProfileSpec(
-        model=ModelConfig(**cfg["model"]),
-        devices=cfg["devices"],
-        micro_batch=cfg["micro_batch"],
-        schedule=ScheduleSpec.from_mapping(sched),
-        link=LinkModel(**link_kwargs(link)) if link else None,
-        cluster=cluster["name"],
-        warmup=planner["warmup"],
-        repeats=planner["repeats"],
-        exposed=planner["exposed"],
-        seed=planner["seed"],
-        min_degree=planner["min_degree"],
-    )
-
-
 def _device(cfg: dict) -> Any:
     """The cluster's device for ``cost=analytic``; one line naming what is missing."""
 
@@ -191,7 +172,7 @@ def _analytic(cfg: dict) -> tuple[Any, str]:
                          f"cost=analytic models the exposed comm: use planner.exposed=model or cost=profile")
     device = _device(cfg)
     started = time.perf_counter()
-    table = analytic_table(_spec(cfg), device, cfg["layers"] if cfg["layers"] is not None else cfg["model"]["num_layers"])
+    table = analytic_table(ProfileSpec.from_config(cfg), device, cfg["layers"] if cfg["layers"] is not None else cfg["model"]["num_layers"])
     link = cfg["cluster"]["link"]
     return table, (f"analytic: {device.name} at {device.peak_tflops:g} TFLOP/s x {device.achieved_fraction:g}, "
                    f"link {link['bandwidth_gbps']:g} Gbit/s + {link['latency_us']:g} us; "
@@ -217,7 +198,7 @@ def _load_table(cfg: dict) -> tuple[Any, str]:
         if cfg["layers"] is not None:
             table = dataclasses.replace(table, layers=cfg["layers"])
         return table, f"from {cfg['table']}"
-    spec = _spec(cfg)
+    spec = ProfileSpec.from_config(cfg)
     layers = cfg["layers"] if cfg["layers"] is not None else cfg["model"]["num_layers"]
     started = time.perf_counter()
     table, reused = profile(spec, layers, cfg["planner"]["cache_dir"], timeout_s=cfg["timeout_s"])
@@ -315,7 +296,7 @@ def _pipeline(cfg: dict, table: Any) -> PipelineSpec:
     the head's time where the table is analytic (a profile has none: 0)."""
     stages = cfg["pipeline_stages"]
     micro_batches = cfg["micro_batches"] if cfg["micro_batches"] is not None else 4 * stages
-    head = head_ms(_spec(cfg), _device(cfg)) if cfg["cost"] == "analytic" else 0.0
+    head = head_ms(ProfileSpec.from_config(cfg), _device(cfg)) if cfg["cost"] == "analytic" else 0.0
     return PipelineSpec(stages, micro_batches, p2p_ms(table, cfg["pipeline_link_gbps"]), head_ms=head)
 
 
@@ -373,7 +354,7 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
         if not can_replay(table):
             raise ValueError("accuracy.interleave_profile=true needs a profiled table (cost=profile, no table=); "
                              "set it false to score this table alone")
-        times, interleaved = measure_with_profile(spec, plans, _spec(cfg), timeout_s=cfg["timeout_s"])
+        times, interleaved = measure_with_profile(spec, plans, ProfileSpec.from_config(cfg), timeout_s=cfg["timeout_s"])
     else:
         times = measure(spec, plans, timeout_s=cfg["timeout_s"])
     result = report(table, plans, times, family, spec.schedule)

@@ -16,11 +16,12 @@ not change a rank correlation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -110,14 +111,7 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False,
     "profile": <its profile measurements>}``."""
     from oases_ds.planner.profile import ProfileSteps  # profile.py imports this module
 
-    ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
-    gen = torch.Generator().manual_seed(spec.seed)
-    seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
-    runners = []
-    for plan in plans:
-        model = OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed)
-        runners.append(Executor.for_schedule(model, spec.schedule, spec.link, RNGTracker(), record=record))
+    ctx, batch, runners = plan_runners(spec, plans, record)
     steps = ProfileSteps(profile, ctx) if profile is not None else None
     items = len(runners) + (len(steps) if steps is not None else 0)
     times: list[list[Any]] = [[] for _ in plans]
@@ -129,16 +123,35 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False,
             ex = runners[i]
             for p in ex.model.parameters():
                 p.grad = None
-            dist.barrier(ctx.tp_group)
-            start = time.perf_counter()
-            ex.run(batch)
-            own = time.perf_counter() - start
-            elapsed = torch.tensor(own)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.tp_group)  # the slowest rank sets the step
+            own_ms, step_ms = timed_step(ctx, functools.partial(ex.run, batch))
             if rnd >= spec.warmup:
-                step_ms = float(elapsed) * 1e3
-                times[i].append({**step_breakdown(ex.timeline.events, own * 1e3), "step_ms": step_ms} if record else step_ms)
+                times[i].append({**step_breakdown(ex.timeline.events, own_ms), "step_ms": step_ms} if record else step_ms)
     return times if steps is None else {"times": times, "profile": steps.result()}
+
+
+def plan_runners(spec: AccuracySpec, plans: list[Plan], record: bool = False
+                 ) -> tuple[ParallelContext, dict[str, torch.Tensor], list[Executor]]:
+    """This rank's side of a measurement: the TMP context, the seeded batch every plan steps on, and one
+    executor per plan (collective: every rank builds them in the same order)."""
+    ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
+    gen = torch.Generator().manual_seed(spec.seed)
+    seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
+    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+    runners = [Executor.for_schedule(OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed), spec.schedule,
+                                     spec.link, RNGTracker(), record=record) for plan in plans]
+    return ctx, batch, runners
+
+
+def timed_step(ctx: ParallelContext, run: Callable[[], None]) -> tuple[float, float]:
+    """``run()`` on every rank of the TMP group, started together (a barrier); returns (this rank's ms,
+    the slowest rank's ms): the slowest rank sets a TMP step."""
+    dist.barrier(ctx.tp_group)
+    start = time.perf_counter()
+    run()
+    own = time.perf_counter() - start
+    elapsed = torch.tensor(own)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    return own * 1e3, float(elapsed) * 1e3
 
 
 def round_order(plans: int, rnd: int) -> list[int]:

@@ -332,3 +332,42 @@ def test_the_replay_breakdown_sets_measured_waits_against_the_replays(tmp_path):
         assert replayed and replayed <= recorded, (replayed - recorded)
         assert all(step["compute_ms"] > 0 for rank in data["steps"] for step in rank[i])
     assert "plan 1,2/2,1: step measured" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_the_interleave_check_times_every_phase_and_reports_the_ratios_of_its_steps(tmp_path):
+    """``benchmarks/interleave_check.py`` on gpt_tiny (T=2, emulated 0.2 Gbit/s link, 2 plans): each cycle holds
+    ``rounds`` steps per degree alone and interleaved, ``rounds`` interleaved steps per plan and ``rounds *
+    (block - 1)`` timed block steps; the ratios it reports are the ratios of the medians of those steps."""
+    import dataclasses
+    import statistics
+
+    import yaml
+
+    from oases_ds.models.config import ModelConfig
+
+    stored = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "planner_accuracy-in_sample.json")).read())
+    tiny = yaml.safe_load(open(os.path.join(ROOT, "oases_ds", "configs", "model", "gpt_tiny.yaml")))
+    config = {**stored["config"], "model": dataclasses.asdict(ModelConfig(**tiny)),
+              "planner": {**stored["config"]["planner"], "repeats": 1, "warmup": 0}}
+    result = tmp_path / "planner_accuracy-tiny.json"
+    result.write_text(json.dumps({"config": config, "rows": [{"attn": [2, 2], "mlp": [2, 2]}, {"attn": [1, 2], "mlp": [2, 1]}]}))
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "interleave_check.py"), "--result", str(result),
+                           "--cycles", "2", "--rounds", "2", "--block", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["degrees"] == [1, 2] and len(data["cycles"]) == 2
+    for cycle in data["cycles"]:
+        assert [len(v) for v in cycle["alone"]] == [2, 2] and [len(v) for v in cycle["interleaved_profile"]] == [2, 2]
+        assert [len(v) for v in cycle["interleaved"]] == [2, 2] and [len(v) for v in cycle["blocks"]] == [4, 4]
+        assert all(ms > 0 for key in cycle for steps in cycle[key] for ms in steps)
+
+    def pooled(key, i):
+        return statistics.median([ms for cycle in data["cycles"] for ms in cycle[key][i]])
+
+    assert data["interleaved_over_blocks"] == pytest.approx([pooled("interleaved", i) / pooled("blocks", i) for i in range(2)])
+    assert data["interleaved_over_alone"] == pytest.approx(
+        [pooled("interleaved_profile", k) / pooled("alone", k) for k in range(2)])
+    assert "all cycles: interleaved / alone per degree" in proc.stdout

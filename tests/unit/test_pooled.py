@@ -23,6 +23,7 @@ from oases_ds.planner.pooled import (
     scaled_compute,
     speed_matched_table,
     stored_tables,
+    unversioned,
 )
 from oases_ds.planner.replay import replay_inputs, replayed_or_additive
 
@@ -211,3 +212,15 @@ def test_a_steps_breakdown_splits_the_ranks_wall_time_by_lane():
     out = step_breakdown(events, 20.0)
     assert out["compute_ms"] == pytest.approx(5.0) and out["rest_ms"] == pytest.approx(6.0)
     assert out["waits_ms"] == {"W3.0": pytest.approx(4.0), "Wb7.1": pytest.approx(5.0)}
+
+
+@pytest.mark.parametrize("setup", ["tmp4", "llama", "link_500m"])
+def test_a_stored_results_config_rebuilds_the_profile_it_was_priced_with(setup):
+    """``ProfileSpec.from_config`` (what the planner and ``benchmarks/interleave_check.py`` build) names the
+    profile the stored run's planner recorded: devices, model family, link and schedule all reach the key."""
+    from oases_ds.planner.profile import ProfileSpec
+
+    result = json.loads((ROOT / "benchmarks/results/cost_model_v8_run_j-2026-12-02" / f"planner_accuracy-{setup}.json").read_text())
+    spec = ProfileSpec.from_config(result["config"])
+    assert unversioned(spec.key()) == unversioned(result["table_key"])
+    assert spec.devices == result["config"]["devices"] and spec.repeats == result["config"]["planner"]["repeats"]
