@@ -37,6 +37,7 @@ from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.replay import can_replay, replay_inputs, replay_plan, replayed_or_additive
 from oases_ds.runtime.executor import Executor
+from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.rounds import rotated
 
@@ -132,24 +133,30 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False,
 def plan_runners(spec: AccuracySpec, plans: list[Plan], record: bool = False
                  ) -> tuple[ParallelContext, dict[str, torch.Tensor], list[Executor]]:
     """This rank's side of a measurement: the TMP context, the seeded batch every plan steps on, and one
-    executor per plan (collective: every rank builds them in the same order)."""
+    executor per plan, on the rank's device as the profiler places its layers (collective: every rank
+    builds them in the same order)."""
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
     gen = torch.Generator().manual_seed(spec.seed)
-    seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen)
+    seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen).to(ctx.device)
     batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
-    runners = [Executor.for_schedule(OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed), spec.schedule,
-                                     spec.link, RNGTracker(), record=record) for plan in plans]
+    runners = [Executor.for_schedule(OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed).to(ctx.device),
+                                     spec.schedule, spec.link, RNGTracker(), record=record) for plan in plans]
     return ctx, batch, runners
 
 
 def timed_step(ctx: ParallelContext, run: Callable[[], None]) -> tuple[float, float]:
     """``run()`` on every rank of the TMP group, started together (a barrier); returns (this rank's ms,
-    the slowest rank's ms): the slowest rank sets a TMP step."""
+    the slowest rank's ms): the slowest rank sets a TMP step.  Timed on the device's clock
+    (:func:`~oases_ds.runtime.timeline.clock_for`: events on a GPU, whose kernels are still running when
+    ``run`` returns) and reduced on the device (NCCL takes no CPU tensor)."""
+    clock = clock_for(ctx.device)
     dist.barrier(ctx.tp_group)
-    start = time.perf_counter()
+    marks = [clock.mark()]
     run()
-    own = time.perf_counter() - start
-    elapsed = torch.tensor(own)
+    marks.append(clock.mark())
+    start, end = clock.resolve(marks)
+    own = end - start
+    elapsed = torch.tensor(own, device=ctx.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.tp_group)
     return own * 1e3, float(elapsed) * 1e3
 
