@@ -37,7 +37,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.launcher import launch  # noqa: E402
-from oases_ds.planner.accuracy import AccuracySpec, plan_of_row, plan_runners, round_order, timed_step  # noqa: E402
+from oases_ds.planner.accuracy import (  # noqa: E402
+    AccuracySpec,
+    plan_of_row,
+    plan_runners,
+    plan_step_ms,
+    round_order,
+    timed_step,
+)
 from oases_ds.planner.profile import ProfileSpec, ProfileSteps  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
@@ -54,9 +61,7 @@ def _rank(config: dict[str, Any], rows: list[dict[str, Any]], cycles: int, round
     profile = ProfileSteps(ProfileSpec.from_config(config), ctx)
 
     def plan_ms(i: int) -> float:
-        for p in runners[i].model.parameters():
-            p.grad = None
-        return timed_step(ctx, functools.partial(runners[i].run, batch))[1]
+        return plan_step_ms(ctx, runners[i], batch)[1]
 
     def degree_ms(k: int) -> float:
         return timed_step(ctx, functools.partial(profile.step, k, False))[1]

@@ -36,6 +36,12 @@ def link_kwargs(link: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in link.items() if value is not None}
 
 
+def link_from_config(link: Mapping[str, Any] | None) -> LinkModel | None:
+    """The emulated link a config's ``cluster.link`` node names, ``None`` where it names none (the
+    machine's own link): the planner's profile and its accuracy study read it alike."""
+    return LinkModel(**link_kwargs(link)) if link else None
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """A point-to-point link: ``bandwidth_gbps`` (gigabits/s per direction) and latency.

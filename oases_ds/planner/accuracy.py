@@ -30,7 +30,7 @@ from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.parallel.link import LinkModel, link_kwargs
+from oases_ds.parallel.link import LinkModel, link_from_config
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
@@ -84,10 +84,9 @@ class AccuracySpec:
         """The measurement an ``oases-plan`` config describes (``model``, ``micro_batch``, ``schedule``,
         ``cluster.link``; a result file keeps it as ``config``), for a ``layers``-layer model on
         ``devices`` ranks: ``oases-plan mode=accuracy`` and ``benchmarks/replay_breakdown.py`` measure alike."""
-        link = cfg["cluster"].get("link")
         return cls(model=dataclasses.replace(ModelConfig(**cfg["model"]), num_layers=layers), devices=devices,
                    micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
-                   link=LinkModel(**link_kwargs(link)) if link else None, warmup=warmup, repeats=repeats)
+                   link=link_from_config(cfg["cluster"].get("link")), warmup=warmup, repeats=repeats)
 
 
 def step_breakdown(events: list[Any], own_ms: float) -> dict[str, Any]:
@@ -122,9 +121,7 @@ def _measure_rank(spec: AccuracySpec, plans: list[Plan], record: bool = False,
                 steps.step(i - len(runners), timed=rnd >= spec.warmup)
                 continue
             ex = runners[i]
-            for p in ex.model.parameters():
-                p.grad = None
-            own_ms, step_ms = timed_step(ctx, functools.partial(ex.run, batch))
+            own_ms, step_ms = plan_step_ms(ctx, ex, batch)
             if rnd >= spec.warmup:
                 times[i].append({**step_breakdown(ex.timeline.events, own_ms), "step_ms": step_ms} if record else step_ms)
     return times if steps is None else {"times": times, "profile": steps.result()}
@@ -159,6 +156,14 @@ def timed_step(ctx: ParallelContext, run: Callable[[], None]) -> tuple[float, fl
     elapsed = torch.tensor(own, device=ctx.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.tp_group)
     return own * 1e3, float(elapsed) * 1e3
+
+
+def plan_step_ms(ctx: ParallelContext, executor: Executor, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """One measured step of a plan: its gradients dropped (a training step starts without the last
+    one's), then :func:`timed_step` (this rank's ms, the slowest rank's ms)."""
+    for p in executor.model.parameters():
+        p.grad = None
+    return timed_step(ctx, functools.partial(executor.run, batch))
 
 
 def round_order(plans: int, rnd: int) -> list[int]:

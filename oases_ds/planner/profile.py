@@ -64,7 +64,7 @@ from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.ops import CommOp
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.parallel.link import LinkModel, link_kwargs
+from oases_ds.parallel.link import LinkModel, link_from_config
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.accuracy import round_order
 from oases_ds.planner.costmodel import (
@@ -153,10 +153,9 @@ class ProfileSpec:
         ``schedule``, ``cluster``, ``planner``; a result file keeps it as ``config``): the planner and the
         diagnostics that re-step a stored result's profile build it alike."""
         planner, cluster = cfg["planner"], cfg["cluster"]
-        link = cluster.get("link")
         return cls(model=ModelConfig(**cfg["model"]), devices=cfg["devices"], micro_batch=cfg["micro_batch"],
                    schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
-                   link=LinkModel(**link_kwargs(link)) if link else None, cluster=cluster["name"],
+                   link=link_from_config(cluster.get("link")), cluster=cluster["name"],
                    warmup=planner["warmup"], repeats=planner["repeats"], exposed=planner["exposed"],
                    seed=planner["seed"], min_degree=planner["min_degree"])
 

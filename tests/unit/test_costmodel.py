@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.link import LinkModel, link_from_config
 from oases_ds.planner.costmodel import (
     BlockTiming,
     OpCosts,
@@ -321,3 +321,12 @@ def test_profiler_overhead_keeps_the_rank_that_set_each_step_and_the_median_step
     overhead, evidence = _collective_overheads(spec, [rank((1, 1, 1), (5, 7, 100)), rank((1, 1, 1), (9, 3, 8))], link)
     assert overhead == pytest.approx({1: 0.0, 2: 4 / 12})
     assert evidence["2"]["residual_ms"] == pytest.approx(5) and evidence["2"]["collectives_per_step"] == 12
+
+
+def test_a_configs_link_node_becomes_the_emulated_link_and_a_null_field_takes_the_default():
+    """``cluster.link`` as Hydra hands it over: a null ``sharing`` gets ``LinkModel``'s own default, not None;
+    no link node (the machine's own link) gives no emulated link."""
+    link = link_from_config({"bandwidth_gbps": 0.5, "latency_us": 50.0, "sharing": None})
+    assert link == LinkModel(0.5, 50.0) and link.sharing == LinkModel(1.0, 0.0).sharing
+    assert link_from_config({"bandwidth_gbps": 1.0, "latency_us": 0.0, "sharing": "ring"}).sharing == "ring"
+    assert link_from_config(None) is None and link_from_config({}) is None
