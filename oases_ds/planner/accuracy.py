@@ -242,7 +242,7 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     """Per plan its predicted and measured step, and the rank correlations between them.
 
     ``predicted_ms`` is the plan's replayed step (:func:`~oases_ds.planner.replay.replay_plan`,
-    cost model 7, scaled in 8) where ``family`` and ``schedule`` are given and the table holds per-op times,
+    cost model 7, scaled in 8, overhead on the compute lane in 9) where ``family`` and ``schedule`` are given and the table holds per-op times,
     else the additive objective.  Beside it, on the same measured steps: the additive objective
     the solvers search (``predicted_additive_ms``, ``spearman_additive``) and the prediction
     without the per-collective overhead (``predicted_without_overhead_ms``)."""
@@ -251,9 +251,9 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     ablated = None if replayed else without_overhead(table)
     for plan, t in zip(plans, times):
         additive = predict_step_ms(table, plan)
-        if replayed:  # the overhead is added after the simulation, so one replay gives both
-            replay = replay_plan(table, family, plan, schedule)
-            predicted, plain = replay.step_ms, replay.step_ms - replay.overhead_ms
+        if replayed:  # the overhead is host time inside the simulation (cost model 9): replay without it
+            predicted = replay_plan(table, family, plan, schedule).step_ms
+            plain = replay_plan(table, family, plan, schedule, overhead=False).step_ms
         else:
             predicted, plain = additive, predict_step_ms(ablated, plan)
         rows.append({

@@ -21,7 +21,7 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-COST_MODEL_VERSION = 8
+COST_MODEL_VERSION = 9
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
 2: last sub-batch's collective moved from the node to the edge cost; boundary edges.
@@ -36,7 +36,14 @@ AllReduce's, whose fixed cost the collective overhead (v4) already holds.
 7: a plan's step is priced by replaying its schedule over the profile's per-op times
 (:mod:`oases_ds.planner.replay`); the node and edge costs stay the solvers' search objective.
 8: the replay's per-op times scaled per block to the slowest rank's block time
-(:func:`~oases_ds.planner.replay.block_scales`), as the block rows always were."""
+(:func:`~oases_ds.planner.replay.block_scales`), as the block rows always were.
+9: the replay spends each collective's overhead as host time on the compute lane where it is
+issued, sized to reproduce the profiled step (:func:`~oases_ds.planner.replay.collective_issue_ms`),
+instead of adding it after the simulation; the profiler is cost model 8's."""
+
+PRICED_PROFILE_VERSIONS: tuple[int, ...] = (8, 9)
+"""The versions whose stored profiles this cost model prices (``benchmarks/cost_model_oos.py
+--pooled``): 9 changed how the replay uses a profile, not what the profiler measures."""
 
 STAGE_ROLE_NAMES: tuple[str, ...] = ("only", "first", "middle", "last")
 """Roles of a pipeline stage, by the ends of the model it holds (:attr:`CostTable.stage_fixed_bytes`)."""

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oases_ds.planner.accuracy import MIN_RANKED, TARGET_SPEARMAN, Setup, plan_of_row, scored_rows, spearman
-from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
+from oases_ds.planner.costs import PRICED_PROFILE_VERSIONS, CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import cache_path
@@ -109,14 +109,15 @@ def kept_profile_path(results_dir: Path, kind: str, table: CostTable) -> Path:
     return Path(results_dir) / "profiles" / kind / f"{cache_path('.', table.key()).stem}-{stamp}.json"
 
 
-def stored_tables(root: Path, table_key: str, version: int = COST_MODEL_VERSION) -> list[tuple[Path, CostTable]]:
+def stored_tables(root: Path, table_key: str,
+                  versions: tuple[int, ...] = PRICED_PROFILE_VERSIONS) -> list[tuple[Path, CostTable]]:
     """Every profile under ``root``'s ``profiles`` folders measured for ``table_key`` (a result's key,
-    of any cost model version) by the profiler of cost model ``version``, with per-op times, oldest
-    first.  One version's only: the profiler changed with the cost model (what it measures per op,
-    how it interleaves degrees), and a user's planner prices with this commit's profiler."""
+    of any cost model version) by the profiler of a cost model in ``versions``, with per-op times,
+    oldest first.  Those versions' only: the profiler changed with the cost model (what it measures
+    per op, how it interleaves degrees), and a user's planner prices with this commit's profiler."""
     found = []
     for path in sorted(root.glob("**/profiles/**/*.json")):
-        if profile_version(path) != version:
+        if profile_version(path) not in versions:
             continue
         table = CostTable.from_json(path)
         if unversioned(table.key()) == unversioned(table_key) and can_replay(table):

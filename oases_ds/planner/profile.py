@@ -524,7 +524,7 @@ def _collective_overheads(
         for step in range(len(results[0]["step_ms_reps"])):
             pairs = []
             for result in results:
-                costs = _op_costs(ops, result["op_ms_reps"][step], result["allreduce_bytes"], degree)
+                costs = OpCosts.from_profile(ops, result["op_ms_reps"][step], result["allreduce_bytes"], degree)
                 wall, sim = result["step_ms_reps"][step], simulate_step(schedule, ops, costs, link).step_ms
                 pairs.append((wall - sim, wall, sim))
             kept = min(pairs)
@@ -539,20 +539,6 @@ def _collective_overheads(
     for degree in spec.degrees():
         evidence[str(degree)]["overhead_per_collective_ms"] = overhead[degree]
     return overhead, evidence
-
-
-def _op_costs(ops: list[Any], op_ms: dict[str, float], payload_bytes: int, degree: int) -> OpCosts:
-    """Simulator inputs from the profiler's per-op times (``"<op>:F|R|B"``, per sub-batch)."""
-    def by_letter(letter: str) -> dict[int, float]:
-        return {int(k.split(":")[0]): v for k, v in op_ms.items() if k.endswith(":" + letter)}
-
-    return OpCosts(
-        forward_ms=by_letter("F"),
-        backward_ms=by_letter("B"),
-        recompute_ms=by_letter("R"),
-        comm_bytes={i: payload_bytes for i, op in enumerate(ops) if isinstance(op, CommOp)},
-        default_ranks=degree,
-    )
 
 
 def profile_rows(table: CostTable) -> list[str]:
@@ -584,5 +570,5 @@ def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, l
     if options_text:
         raise ValueError(f"simulate_profiled_layer supports default schedule options only, got {table.schedule!r}")
     ops = OperatorModel(dataclasses.replace(model, num_layers=1)).ops  # same sequence at every degree
-    costs = _op_costs(ops, evidence["op_ms_rank0"], evidence["allreduce_bytes"], degree)
+    costs = OpCosts.from_profile(ops, evidence["op_ms_rank0"], evidence["allreduce_bytes"], degree)
     return simulate_step(build_schedule(ScheduleSpec(name), ops), ops, costs, link)

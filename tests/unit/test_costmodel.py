@@ -11,6 +11,7 @@ from oases_ds.planner.costmodel import (
     OpCosts,
     collective_overhead_ms,
     exposed_comm_ms,
+    issue_ms_adding,
     pipelined_comm_ms,
     simulate_step,
 )
@@ -80,6 +81,33 @@ def test_a_slower_link_exposes_comm_under_oases_too():
     assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(comm, comm[1:]))  # one message at a time
     megatron = simulate_step(build_schedule(ScheduleSpec("megatron"), ops), ops, costs(2, 4, 2), slow)
     assert result.step_ms < megatron.step_ms
+
+
+def test_issue_time_on_the_compute_lane_hides_where_the_link_is_the_bottleneck():
+    """The slow-link timeline above with 1 ms of host time issuing each of the 4 collectives::
+
+        compute f0.0 f1.0 I 2-3 f0.1 f1.1 I 5-6 |wait 6-13| F3.0 F5.0 B5.0 I 17-18 |wait 18-23| ...
+        link    C2.0 3-13, C2.1 13-23, Cb4.0 23-33, Cb4.1 33-43
+
+    Only the first issue delays the link, which every later step waits on: 4 ms of issue time cost
+    1 ms (50 -> 51).  Under Megatron's blocking collectives each issue is paid in full (34 + 3)."""
+    ops = block_ops()
+    slow = LinkModel(bandwidth_gbps=0.8)
+    oases = build_schedule(ScheduleSpec("oases"), ops)
+    result = simulate_step(oases, ops, costs(1, 2, 1), slow, issue_ms={2: 1.0})
+    assert result.step_ms == pytest.approx(51) and result.issue_ms == pytest.approx(4)
+    assert [(e.start_ms, e.end_ms) for e in result.lane("comm")] == [(3, 13), (13, 23), (23, 33), (33, 43)]
+    assert [(e.start_ms, e.end_ms) for e in result.lane("issue")][:2] == [(2, 3), (5, 6)]
+    assert simulate_step(oases, ops, costs(1, 2, 1), slow, issue_ms={4: 1.0}).step_ms == pytest.approx(50)  # other groups
+    megatron = build_schedule(ScheduleSpec("megatron"), ops)
+    assert simulate_step(megatron, ops, costs(2, 4, 2), LINK, issue_ms={2: 1.0}).step_ms == pytest.approx(37)
+    # The inverse: the issue time that adds a measured 1.5 ms to the blocking step is 1.5 / 3, and the one
+    # that adds 1 ms to the link-bound step is 1 ms per collective, 4x the flat share.
+    assert issue_ms_adding(megatron, ops, costs(2, 4, 2), LINK, 2, 1.5) == pytest.approx(0.5, abs=1e-6)
+    assert issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 2, 1.0) == pytest.approx(1.0, abs=1e-6)
+    assert issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 2, 0.0) == 0.0
+    with pytest.raises(ValueError, match="no collective among 4 ranks"):
+        issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 4, 1.0)
 
 
 def test_link_latency_is_paid_per_collective():
@@ -302,14 +330,14 @@ def test_profiler_overhead_keeps_the_rank_that_set_each_step_and_the_median_step
     12 collectives -> (5 - 1) / 12 per collective."""
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
-    from oases_ds.planner.profile import ProfileSpec, _collective_overheads, _op_costs
+    from oases_ds.planner.profile import ProfileSpec, _collective_overheads
 
     tiny = ModelConfig(family="gpt", vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, seq_len=8)
     link = LinkModel(bandwidth_gbps=1.0, latency_us=50.0)
     spec = ProfileSpec(model=tiny, devices=2, micro_batch=4, link=link)
     ops = OperatorModel(tiny).ops
     payload = 2 * 8 * 32 * 4
-    link_only = simulate_step(build_schedule(spec.schedule, ops), ops, _op_costs(ops, {}, payload, 2), link).step_ms
+    link_only = simulate_step(build_schedule(spec.schedule, ops), ops, OpCosts.from_profile(ops, {}, payload, 2), link).step_ms
     assert link_only > 0
 
     def rank(extras_1, extras_2):

@@ -15,7 +15,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner import analytic
 from oases_ds.planner.analytic import DeviceModel, analytic_table, block_forward_flops
-from oases_ds.planner.costs import BLOCK_KINDS
+from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
@@ -221,7 +221,7 @@ def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
     proc = plan_cli("cost=analytic", "model=gpt_39_1b", "cluster=pcie_3090", "devices=8", "micro_batch=16",
                     "layers=4", "memory_limit=22GiB", f"out={out}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rtx3090@28.4TFLOPs,analytic|oases|8|cm8 | 4 layers | analytic:" in proc.stdout
+    assert f"rtx3090@28.4TFLOPs,analytic|oases|8|cm{COST_MODEL_VERSION} | 4 layers | analytic:" in proc.stdout
     assert "per-rank peak " in proc.stdout and "+ logits " in proc.stdout  # the replayed peak, by term
     assert "nothing launched" in proc.stdout and "best uniform:" in proc.stdout
     # the analytic table's per-op times (from FLOPs) are replayed like a profile's

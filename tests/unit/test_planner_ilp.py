@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
+from oases_ds.planner.costs import COST_MODEL_VERSION, BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
@@ -149,7 +149,7 @@ def test_cost_table_json_round_trip(tmp_path) -> None:
     table.to_json(path)
     loaded = CostTable.from_json(path)
     assert loaded == table
-    assert loaded.key() == "random-4|synthetic|oases|4|cm8"
+    assert loaded.key() == f"random-4|synthetic|oases|4|cm{COST_MODEL_VERSION}"
 
 
 def test_plan_as_table_collapses_runs() -> None:

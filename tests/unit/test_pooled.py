@@ -159,11 +159,13 @@ def test_stored_tables_are_this_cost_models_profiles_of_the_setup(tmp_path):
     v = COST_MODEL_VERSION
     shutil.copy(source, tmp_path / "a" / "profiles" / f"run_cm{v}.json")
     shutil.copy(source, tmp_path / "a" / "profiles" / "old_cm5.json")
+    shutil.copy(source, tmp_path / "a" / "profiles" / "same_profiler_cm8.json")  # cost model 9 prices 8's profiles
     shutil.copy(source, fresh / f"kept_cm{v}-2026-12-01T221753.json")
     dataclasses.replace(table, measurements={}).to_json(fresh / f"no_ops_cm{v}-2026-12-01T221801.json")
     dataclasses.replace(table, devices=4).to_json(fresh / f"t4_cm{v}-2026-12-01T221809.json")
     found = stored_tables(tmp_path, table.key().rsplit("|cm", 1)[0] + "|cm5")
-    assert sorted(p.name for p, _ in found) == [f"kept_cm{v}-2026-12-01T221753.json", f"run_cm{v}.json"]
+    assert sorted(p.name for p, _ in found) == [f"kept_cm{v}-2026-12-01T221753.json", f"run_cm{v}.json",
+                                                 "same_profiler_cm8.json"]
     assert [profile_version(Path(n)) for n in ("x_cm12.json", "x_cm8-2026-12-01T221753.json", "x.json")] == [12, 8, None]
 
 

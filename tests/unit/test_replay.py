@@ -93,11 +93,16 @@ def test_a_uniform_one_layer_replay_is_the_profiled_layer_simulation():
     blocking schedule would wait for in full."""
     table = dataclasses.replace(hand_table(bandwidth_gbps=0.8), schedule="oases", sub_batches=2)
     model = ModelConfig(family="gpt", vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
-    replayed = replay_plan(table, "gpt", Plan.uniform(2, 1, 2), ScheduleSpec("oases"))
+    replayed = replay_plan(table, "gpt", Plan.uniform(2, 1, 2), ScheduleSpec("oases"), overhead=False)
     layer = simulate_profiled_layer(table, model, 2, LinkModel(table.bandwidth_gbps, table.latency_us))
     assert replayed.simulated_ms == pytest.approx(layer.step_ms)
     assert replayed.exposed_comm_ms == pytest.approx(layer.exposed_comm_ms) and 0 < replayed.exposed_comm_ms < 120.0
     assert replayed.collectives == 12
+    # With the overhead as host time (cost model 9), the step it was measured on grows by what was measured,
+    # 12 collectives x 0.5 ms, though part of each collective's host time hides behind the link.
+    issued = replay_plan(table, "gpt", Plan.uniform(2, 1, 2), ScheduleSpec("oases"))
+    assert issued.step_ms - replayed.step_ms == pytest.approx(12 * 0.5, abs=1e-5)
+    assert issued.overhead_ms > 12 * 0.5 + 1.0
 
 
 def test_rank_by_replay_keeps_the_fastest_plan_that_fits():
