@@ -33,7 +33,7 @@ from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown, plan_of_r
 from oases_ds.planner.costs import CostTable  # noqa: E402
 from oases_ds.planner.plan import Plan  # noqa: E402
 from oases_ds.planner.pooled import stored_tables  # noqa: E402
-from oases_ds.planner.replay import replay_inputs, replay_plan  # noqa: E402
+from oases_ds.planner.replay import collective_issue_ms, replay_inputs, replay_plan  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,8 @@ def compare(plan: Plan, replay: Any, per_rank: list[list[dict[str, Any]]]) -> di
         "attn": list(plan.attn_degrees), "mlp": list(plan.mlp_degrees),
         "measured": {"step_ms": _median([s["step_ms"] for s in per_rank[0]]), **part,
                      "waits_ms": [sum(_median([s["waits_ms"].get(n, 0.0) for s in steps]) for n in names) for steps in per_rank]},
-        "predicted": {"step_ms": replay.step_ms, "compute_ms": replay.simulated_ms - replay.exposed_comm_ms,
+        "predicted": {"step_ms": replay.step_ms,  # since cost model 9 the issue time is in the simulated step
+                      "compute_ms": replay.simulated_ms - replay.exposed_comm_ms - replay.overhead_ms,
                       "waits_ms": replay.exposed_comm_ms, "rest_ms": replay.overhead_ms + replay.grad_sync_ms},
         "syncs": waits,
     }
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     plans = ([parse_plan(text, table.devices) for text in args.plan] if args.plan
              else [plan_of_row(r, table.devices) for r in result["rows"]])
     family, schedule = replay_inputs(result)
-    replays = [replay_plan(table, family, plan, schedule) for plan in plans]  # refuses a plan the table cannot price
+    issue = collective_issue_ms(table, family, schedule)
+    replays = [replay_plan(table, family, plan, schedule, issue_ms=issue) for plan in plans]  # refuses a plan the table cannot price
     spec = AccuracySpec.from_config(cfg, layers, table.devices, args.warmup, args.rounds)  # as oases-plan measured it
     per_rank = measure_breakdown(spec, plans, timeout_s=cfg.get("timeout_s", 1800))
     rows = [compare(plan, replay, [rank[i] for rank in per_rank]) for i, (plan, replay) in enumerate(zip(plans, replays))]

@@ -33,7 +33,7 @@ from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.models.config import ModelConfig
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, measure, measure_with_profile, report
 from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
-from oases_ds.planner.costs import CostTable
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
@@ -269,7 +269,7 @@ def run(cfg: dict) -> None:
     family, priced = replay_family(cfg, table), None
     if family is not None:  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
         plan, priced = rank_by_replay(table, family, ScheduleSpec.from_mapping(cfg["schedule"]), plan, limit)
-        print("replayed steps (cost model 8), attn / mlp degrees: " + "; ".join(
+        print(f"replayed steps (cost model {COST_MODEL_VERSION}), attn / mlp degrees: " + "; ".join(
             f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in priced))
     limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
     print(f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):")

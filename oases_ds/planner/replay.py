@@ -40,9 +40,10 @@ without them is priced additively (:func:`can_replay`).
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
@@ -122,30 +123,48 @@ def collective_issue_ms(table: CostTable, family: str, schedule: ScheduleSpec) -
     that same one-layer replay (the profiler's per-op times at the degree, its payload, its link),
     adds the measured total back (:func:`~oases_ds.planner.costmodel.issue_ms_adding`).  A degree
     without per-op evidence (a hand-made table) keeps its per-collective overhead as the issue time.
+    Memoised on those inputs: the pooled study prices each stored profile hundreds of times.
     """
-    ops = one_layer_ops(family)
-    program = build_schedule(schedule, ops)
-    link = LinkModel(table.bandwidth_gbps, table.latency_us)
     evidence = table.measurements.get("degrees", {})
-    issue: dict[int, float] = {}
-    for degree, overhead in table.collective_overhead_ms.items():
+    per_degree = []
+    for degree, overhead in sorted(table.collective_overhead_ms.items()):
         measured = evidence.get(str(degree), {})
         if overhead <= 0 or "op_ms_rank0" not in measured or "allreduce_bytes" not in measured:
-            issue[degree] = overhead
+            per_degree.append((degree, overhead, None, None))
+        else:
+            per_degree.append((degree, overhead, tuple(sorted(measured["op_ms_rank0"].items())),
+                               int(measured["allreduce_bytes"])))
+    return dict(_issue_ms(family, schedule, table.bandwidth_gbps, table.latency_us, tuple(per_degree)))
+
+
+@functools.lru_cache(maxsize=512)
+def _issue_ms(family: str, schedule: ScheduleSpec, bandwidth_gbps: float, latency_us: float,
+              per_degree: tuple[tuple[int, float, tuple[tuple[str, float], ...] | None, int | None], ...]
+              ) -> tuple[tuple[int, float], ...]:
+    """:func:`collective_issue_ms` on hashable inputs: per degree (degree, overhead, op times, payload)."""
+    ops = one_layer_ops(family)
+    program = build_schedule(schedule, ops)
+    link = LinkModel(bandwidth_gbps, latency_us)
+    collectives = sum(1 for ins in program.instructions
+                      if isinstance(ins, StartAsync) and moves_bytes(ops[ins.op], ins.phase))
+    issue = []
+    for degree, overhead, op_ms, payload in per_degree:
+        if op_ms is None or payload is None:
+            issue.append((degree, overhead))
             continue
-        costs = OpCosts.from_profile(ops, measured["op_ms_rank0"], int(measured["allreduce_bytes"]), degree)
-        collectives = sum(1 for ins in program.instructions
-                          if isinstance(ins, StartAsync) and moves_bytes(ops[ins.op], ins.phase))
-        issue[degree] = issue_ms_adding(program, ops, costs, link, degree, overhead * collectives)
-    return issue
+        costs = OpCosts.from_profile(ops, dict(op_ms), payload, degree)
+        issue.append((degree, issue_ms_adding(program, ops, costs, link, degree, overhead * collectives)))
+    return tuple(issue)
 
 
 def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpec,
-                overhead: bool = True) -> PlanReplay:
+                overhead: bool = True, issue_ms: Mapping[int, float] | None = None) -> PlanReplay:
     """Replay ``plan``'s step under ``schedule`` from ``table``'s per-op profile (module doc).
 
     ``overhead=False`` leaves out the per-collective overhead: the ablation the
-    accuracy study reports beside the score.
+    accuracy study reports beside the score.  ``issue_ms``: the table's
+    :func:`collective_issue_ms`, for a caller pricing many plans on one table (it is a
+    search per degree); computed here when not given.
     """
     if not can_replay(table):
         raise ValueError(f"table {table.key()} has no per-op times to replay (measurements.degrees.<t>.op_ms_rank0); "
@@ -179,7 +198,8 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
                     ranks=ranks, kind=kind, default_ranks=devices)
     program = build_schedule(schedule, ops)
-    issue = collective_issue_ms(table, family, schedule) if overhead else {}
+    issue = ({} if not overhead else issue_ms if issue_ms is not None
+             else collective_issue_ms(table, family, schedule))
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
     issued = [ranks[ins.op] for ins in program.instructions
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
@@ -205,12 +225,13 @@ def rank_by_replay(table: CostTable, family: str, schedule: ScheduleSpec, solved
     candidates = [solved] + [Plan.uniform(table.devices, table.layers, d) for d in table.degrees]
     seen: set[tuple[int, ...]] = set()
     priced: list[tuple[Plan, float]] = []
+    issue = collective_issue_ms(table, family, schedule)
     for plan in candidates:
         blocks = tuple(plan.block_degrees())
         if blocks in seen or not fits_memory(predict_memory_bytes(table, plan), memory_limit_bytes):
             continue
         seen.add(blocks)
-        priced.append((plan, replay_plan(table, family, plan, schedule).step_ms))
+        priced.append((plan, replay_plan(table, family, plan, schedule, issue_ms=issue).step_ms))
     priced.sort(key=lambda pair: pair[1])
     best, ms = priced[0]
     same = tuple(best.block_degrees()) == tuple(solved.block_degrees())
@@ -226,7 +247,8 @@ def replayed_or_additive(table: CostTable, family: str | None, schedule: Schedul
     the additive objective (:func:`~oases_ds.planner.objective.predict_step_ms`)."""
     if family is None or schedule is None or not can_replay(table):
         return [predict_step_ms(table, plan) for plan in plans]
-    return [replay_plan(table, family, plan, schedule).step_ms for plan in plans]
+    issue = collective_issue_ms(table, family, schedule)
+    return [replay_plan(table, family, plan, schedule, issue_ms=issue).step_ms for plan in plans]
 
 
 def replay_inputs(result: dict[str, Any]) -> tuple[str, ScheduleSpec]:
