@@ -153,9 +153,9 @@ def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
         if not runs:
             continue
         tables = [(os.path.relpath(p, results_root.parent), t) for p, t in stored_tables(results_root, runs[0][1]["table_key"])]
-        by_version = {f"cm{v}": [run for run in runs if run[1]["table_key"].endswith(f"|cm{v}")] for v in earlier}
-        current = [run for run in runs if run[1]["table_key"].endswith(f"|cm{COST_MODEL_VERSION}")]
-        for pool, members in (("all", runs), *by_version.items(), ("current", current)):
+        by_version = {"current" if v == COST_MODEL_VERSION else f"cm{v}":
+                      [run for run in runs if run[1]["table_key"].endswith(f"|cm{v}")] for v in PRICED_PROFILE_VERSIONS}
+        for pool, members in (("all", runs), *by_version.items()):
             if members:
                 try:
                     score = pooled_score(setup, members, tables)

@@ -35,7 +35,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.replay import can_replay, collective_issue_ms, replay_inputs, replay_plan, replayed_or_additive
+from oases_ds.planner.replay import can_replay, replay_inputs, replay_plan, replayed_or_additive
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec
@@ -249,11 +249,10 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     rows = []
     replayed = family is not None and schedule is not None and can_replay(table)
     ablated = None if replayed else without_overhead(table)
-    issue = collective_issue_ms(table, family, schedule) if replayed else {}
     for plan, t in zip(plans, times):
         additive = predict_step_ms(table, plan)
         if replayed:  # the overhead is host time inside the simulation (cost model 9): replay without it
-            predicted = replay_plan(table, family, plan, schedule, issue_ms=issue).step_ms
+            predicted = replay_plan(table, family, plan, schedule).step_ms
             plain = replay_plan(table, family, plan, schedule, overhead=False).step_ms
         else:
             predicted, plain = additive, predict_step_ms(ablated, plan)

@@ -210,7 +210,7 @@ def simulate_step(
     ``compute_scale`` optionally multiplies an instruction's compute time (a
     what-if knob, e.g. a faster device); the default is 1.  ``issue_ms[k]`` is
     the host time a collective among ``k`` ranks takes on the compute lane
-    before its message can leave (:func:`issue_ms_adding`); missing: 0.
+    before its message can leave (:func:`issue_ms_hiding`); missing: 0.
     """
     now = 0.0
     link_free = 0.0
@@ -288,10 +288,11 @@ def collective_overhead_ms(residual_ms: Mapping[int, float], collectives: Mappin
     return out
 
 
-def issue_ms_adding(schedule: Schedule, ops: Sequence[Op], costs: OpCosts, link: LinkModel, ranks: int,
-                    added_ms: float, tolerance_ms: float = 1e-7) -> float:
+def issue_ms_hiding(schedule: Schedule, ops: Sequence[Op], costs: OpCosts, link: LinkModel, ranks: int,
+                    flat_ms: float, tolerance_ms: float = 1e-7) -> float:
     """The host time per collective among ``ranks`` that, spent on the compute lane as each is issued,
-    makes :func:`simulate_step` of ``schedule`` ``added_ms`` longer.
+    makes :func:`simulate_step` of ``schedule`` as much longer as ``flat_ms`` per collective charged in
+    full after it would (``flat_ms x`` the collectives among ``ranks``).
 
     Why (cost model 9): :func:`collective_overhead_ms` measures what a collective costs beyond the
     link and the compute as a share of a profiled step, and cost models 4-8 added that share once per
@@ -304,17 +305,18 @@ def issue_ms_adding(schedule: Schedule, ops: Sequence[Op], costs: OpCosts, link:
     that reproduces the profiled step: the step the share was measured on.
 
     The step grows monotonically with the host time (max-plus), so a bisection finds it; under a
-    blocking schedule, where nothing hides it, the answer is ``added_ms / collectives``.
+    blocking schedule, where nothing hides it, the answer is ``flat_ms``.
     """
-    if added_ms <= 0:
+    if flat_ms <= 0:
         return 0.0
     base = simulate_step(schedule, ops, costs, link)
     count = sum(1 for ins in schedule.instructions if isinstance(ins, StartAsync)
                 and moves_bytes(ops[ins.op], ins.phase) and costs.comm_bytes.get(ins.op, 0)
                 and costs.ranks.get(ins.op, costs.default_ranks) == ranks)
     if count == 0:
-        raise ValueError(f"issue_ms_adding: the schedule issues no collective among {ranks} ranks to carry "
-                         f"{added_ms:.3f} ms")
+        raise ValueError(f"issue_ms_hiding: the schedule issues no collective among {ranks} ranks to carry "
+                         f"{flat_ms:.3f} ms each")
+    added_ms = flat_ms * count
 
     def added(host: float) -> float:
         return simulate_step(schedule, ops, costs, link, issue_ms={ranks: host}).step_ms - base.step_ms

@@ -43,11 +43,11 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.costmodel import OpCosts, issue_ms_adding, simulate_step
+from oases_ds.planner.costmodel import OpCosts, issue_ms_hiding, simulate_step
 from oases_ds.planner.costs import CostTable, reshard_collective
 from oases_ds.planner.memory import one_layer_ops, plan_ops
 from oases_ds.planner.objective import check_plan_fits_table, fits_memory, predict_memory_bytes, predict_step_ms
@@ -121,9 +121,10 @@ def collective_issue_ms(table: CostTable, family: str, schedule: ScheduleSpec) -
     profiled one-layer step at that degree, charged in full.  Replayed the way the step ran, part
     of it hides behind the link; so the issue time is the one that, placed on the compute lane of
     that same one-layer replay (the profiler's per-op times at the degree, its payload, its link),
-    adds the measured total back (:func:`~oases_ds.planner.costmodel.issue_ms_adding`).  A degree
+    adds the measured total back (:func:`~oases_ds.planner.costmodel.issue_ms_hiding`).  A degree
     without per-op evidence (a hand-made table) keeps its per-collective overhead as the issue time.
-    Memoised on those inputs: the pooled study prices each stored profile hundreds of times.
+    Memoised on those inputs (a search per degree): every plan priced on a table needs it, and the
+    pooled study prices each stored profile hundreds of times.
     """
     evidence = table.measurements.get("degrees", {})
     per_degree = []
@@ -145,26 +146,22 @@ def _issue_ms(family: str, schedule: ScheduleSpec, bandwidth_gbps: float, latenc
     ops = one_layer_ops(family)
     program = build_schedule(schedule, ops)
     link = LinkModel(bandwidth_gbps, latency_us)
-    collectives = sum(1 for ins in program.instructions
-                      if isinstance(ins, StartAsync) and moves_bytes(ops[ins.op], ins.phase))
     issue = []
     for degree, overhead, op_ms, payload in per_degree:
         if op_ms is None or payload is None:
             issue.append((degree, overhead))
             continue
         costs = OpCosts.from_profile(ops, dict(op_ms), payload, degree)
-        issue.append((degree, issue_ms_adding(program, ops, costs, link, degree, overhead * collectives)))
+        issue.append((degree, issue_ms_hiding(program, ops, costs, link, degree, overhead)))
     return tuple(issue)
 
 
 def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpec,
-                overhead: bool = True, issue_ms: Mapping[int, float] | None = None) -> PlanReplay:
+                overhead: bool = True) -> PlanReplay:
     """Replay ``plan``'s step under ``schedule`` from ``table``'s per-op profile (module doc).
 
     ``overhead=False`` leaves out the per-collective overhead: the ablation the
-    accuracy study reports beside the score.  ``issue_ms``: the table's
-    :func:`collective_issue_ms`, for a caller pricing many plans on one table (it is a
-    search per degree); computed here when not given.
+    accuracy study reports beside the score.
     """
     if not can_replay(table):
         raise ValueError(f"table {table.key()} has no per-op times to replay (measurements.degrees.<t>.op_ms_rank0); "
@@ -198,8 +195,7 @@ def replay_plan(table: CostTable, family: str, plan: Plan, schedule: ScheduleSpe
     costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
                     ranks=ranks, kind=kind, default_ranks=devices)
     program = build_schedule(schedule, ops)
-    issue = ({} if not overhead else issue_ms if issue_ms is not None
-             else collective_issue_ms(table, family, schedule))
+    issue = collective_issue_ms(table, family, schedule) if overhead else {}
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
     issued = [ranks[ins.op] for ins in program.instructions
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
@@ -225,13 +221,12 @@ def rank_by_replay(table: CostTable, family: str, schedule: ScheduleSpec, solved
     candidates = [solved] + [Plan.uniform(table.devices, table.layers, d) for d in table.degrees]
     seen: set[tuple[int, ...]] = set()
     priced: list[tuple[Plan, float]] = []
-    issue = collective_issue_ms(table, family, schedule)
     for plan in candidates:
         blocks = tuple(plan.block_degrees())
         if blocks in seen or not fits_memory(predict_memory_bytes(table, plan), memory_limit_bytes):
             continue
         seen.add(blocks)
-        priced.append((plan, replay_plan(table, family, plan, schedule, issue_ms=issue).step_ms))
+        priced.append((plan, replay_plan(table, family, plan, schedule).step_ms))
     priced.sort(key=lambda pair: pair[1])
     best, ms = priced[0]
     same = tuple(best.block_degrees()) == tuple(solved.block_degrees())
@@ -247,8 +242,7 @@ def replayed_or_additive(table: CostTable, family: str | None, schedule: Schedul
     the additive objective (:func:`~oases_ds.planner.objective.predict_step_ms`)."""
     if family is None or schedule is None or not can_replay(table):
         return [predict_step_ms(table, plan) for plan in plans]
-    issue = collective_issue_ms(table, family, schedule)
-    return [replay_plan(table, family, plan, schedule, issue_ms=issue).step_ms for plan in plans]
+    return [replay_plan(table, family, plan, schedule).step_ms for plan in plans]
 
 
 def replay_inputs(result: dict[str, Any]) -> tuple[str, ScheduleSpec]:

@@ -11,7 +11,7 @@ from oases_ds.planner.costmodel import (
     OpCosts,
     collective_overhead_ms,
     exposed_comm_ms,
-    issue_ms_adding,
+    issue_ms_hiding,
     pipelined_comm_ms,
     simulate_step,
 )
@@ -101,13 +101,13 @@ def test_issue_time_on_the_compute_lane_hides_where_the_link_is_the_bottleneck()
     assert simulate_step(oases, ops, costs(1, 2, 1), slow, issue_ms={4: 1.0}).step_ms == pytest.approx(50)  # other groups
     megatron = build_schedule(ScheduleSpec("megatron"), ops)
     assert simulate_step(megatron, ops, costs(2, 4, 2), LINK, issue_ms={2: 1.0}).step_ms == pytest.approx(37)
-    # The inverse: the issue time that adds a measured 1.5 ms to the blocking step is 1.5 / 3, and the one
-    # that adds 1 ms to the link-bound step is 1 ms per collective, 4x the flat share.
-    assert issue_ms_adding(megatron, ops, costs(2, 4, 2), LINK, 2, 1.5) == pytest.approx(0.5, abs=1e-6)
-    assert issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 2, 1.0) == pytest.approx(1.0, abs=1e-6)
-    assert issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 2, 0.0) == 0.0
+    # The inverse: a flat 0.5 ms per collective (1.5 ms over the blocking step's 3) is 0.5 ms of issue time
+    # there; a flat 0.25 ms (1 ms over the link-bound step's 4) is 1 ms per collective, 4x the flat charge.
+    assert issue_ms_hiding(megatron, ops, costs(2, 4, 2), LINK, 2, 0.5) == pytest.approx(0.5, abs=1e-6)
+    assert issue_ms_hiding(oases, ops, costs(1, 2, 1), slow, 2, 0.25) == pytest.approx(1.0, abs=1e-6)
+    assert issue_ms_hiding(oases, ops, costs(1, 2, 1), slow, 2, 0.0) == 0.0
     with pytest.raises(ValueError, match="no collective among 4 ranks"):
-        issue_ms_adding(oases, ops, costs(1, 2, 1), slow, 4, 1.0)
+        issue_ms_hiding(oases, ops, costs(1, 2, 1), slow, 4, 0.25)
 
 
 def test_link_latency_is_paid_per_collective():
