@@ -7,15 +7,15 @@ states (a :class:`_Micro`); before an instruction runs, the executor points its
 handlers at that micro-batch's.  The compute and collective handlers are the plain
 executor's, unchanged, so every TMP schedule runs inside a stage exactly as it runs
 alone; the point-to-point handlers added here start a send or post a receive to the
-neighbouring stage and wait for it at the matching ``P2PSync``, on the pipeline
-process group (which has the context's timeout, so a dead stage is an error).
+neighbouring stage and wait for it at the matching ``P2PSync``: activations on the
+pipeline group, gradients on the pipeline gradient group (both have the context's
+timeout, so a dead stage is an error).
 
-Not yet run on NCCL (no multi-GPU machine here): NCCL executes the point-to-point
-operations of one communicator in issue order on one stream, where gloo's channels
-per peer are independent.  The checker's deadlock simulation models the latter; on
-NCCL a steady-state 1F1B send queued before a receive from the same neighbour might
-have to be batched (as Megatron's ``send_forward_recv_backward`` does) -- to be
-confirmed on GPUs.
+Two groups because NCCL executes the point-to-point operations of one communicator in
+issue order on one stream: with both directions on one, 1F1B's steady state deadlocks
+once a message outgrows NCCL's staging buffer (:mod:`oases_ds.schedule.pipeline`).  The
+checker's NCCL model proves the two-group order for each pipeline schedule; it has
+not yet run on several GPUs.
 
 The loss exists on the last stage only; :meth:`PipelineExecutor.run` broadcasts the
 step's loss over the pipeline group so that every rank reports the same number.
@@ -45,7 +45,7 @@ from oases_ds.schedule.instructions import (
     SendActivation,
     SendGrad,
 )
-from oases_ds.schedule.pipeline import PipelineSchedule, build_pipeline
+from oases_ds.schedule.pipeline import CHANNEL, PipelineSchedule, build_pipeline
 
 
 @dataclass(frozen=True)
@@ -55,18 +55,28 @@ class StageLinks:
     Attributes:
         prev_rank / next_rank: global ranks of the neighbouring stages at this rank's
             (DP, TMP) coordinate; ``None`` at the ends.
-        group: the pipeline group holding them (its timeout bounds every wait).
+        group: the pipeline group holding them, for activations and the loss broadcast
+            (its timeout bounds every wait).
         last_rank: global rank of the last stage, which owns the loss.
+        grad_group: the pipeline group over the same ranks for gradients (module
+            docstring); ``None`` sends them on ``group``, which only gloo tolerates.
     """
 
     prev_rank: int | None
     next_rank: int | None
     group: Group
     last_rank: int
+    grad_group: Group = None
 
     @classmethod
     def of(cls, ctx: ParallelContext) -> "StageLinks":
-        return cls(ctx.prev_rank, ctx.next_rank, ctx.pp_group, ctx.last_stage_rank)
+        return cls(ctx.prev_rank, ctx.next_rank, ctx.pp_group, ctx.last_stage_rank, ctx.pp_grad_group)
+
+    def group_for(self, kind: str) -> Group:
+        """The process group a transfer of ``kind`` travels on (:data:`CHANNEL`)."""
+        if CHANNEL[kind] == "grad" and self.grad_group is not None:
+            return self.grad_group
+        return self.group
 
 
 @dataclass
@@ -220,13 +230,13 @@ class PipelineExecutor(Executor):
                 raise RuntimeError(f"{ins}: a stage boundary carries one tensor, got {len(acts)} "
                                    f"({'None' if acts and acts[0] is None else 'tuple'})")
             dst = links.next_rank if ins.kind == "send_act" else links.prev_rank
-            pending: Pending = self.comm.send(acts[0], dst, links.group)
+            pending: Pending = self.comm.send(acts[0], dst, links.group_for(ins.kind))
         else:
             layer = self.model.stage.start - 1 if ins.kind == "recv_act" else self.model.stage.end - 1
             shape = self.model.boundary_shape(layer, micro.sub_batch, micro.seq_len)
             param = next(self.model.parameters())
             src = links.prev_rank if ins.kind == "recv_act" else links.next_rank
-            pending = self.comm.recv(shape, param.dtype, param.device, src, links.group)
+            pending = self.comm.recv(shape, param.dtype, param.device, src, links.group_for(ins.kind))
         self._buffers[("p2p", ins.kind, ins.op, ins.sub)] = (pending, t0)
 
     def _p2p_sync(self, ins: P2PSync) -> None:

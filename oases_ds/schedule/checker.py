@@ -9,20 +9,22 @@ the checker is tested against hand-broken schedules.
 Pipeline schedules (:mod:`oases_ds.schedule.pipeline`) are checked per stage -- each
 micro-batch's instructions satisfy the invariants above, with the stage boundary's
 buffers received rather than given -- and across stages: every send is matched by a
-receive on the neighbour in the same order, and an abstract run of all stages
-together, where a wait blocks until its partner has started, ends (no deadlock).
+receive on the neighbour in the same order, and two abstract runs of all stages
+together end (no deadlock): one with gloo's transport, where each transfer has its own
+channel, and one with NCCL's, where the transfers of one communicator run one after
+another in issue order and a send completes only together with its receive.
 """
 from __future__ import annotations
 
-from collections import Counter
-from typing import Sequence
+from collections import Counter, deque
+from typing import Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
 from oases_ds.schedule.dataflow import effects, initial_buffers
 from oases_ds.schedule.generators import Schedule
-from oases_ds.schedule.instructions import (Backward, Forward, Instruction, P2PStart, P2PSync, Recompute, StartAsync,
-                                            Sync)
-from oases_ds.schedule.pipeline import PipelineSchedule, transfers
+from oases_ds.schedule.instructions import (P2P_TAG, Backward, Forward, Instruction, P2PStart, P2PSync, Recompute,
+                                            StartAsync, Sync)
+from oases_ds.schedule.pipeline import CHANNEL, PipelineSchedule, transfers
 
 
 class ScheduleError(ValueError):
@@ -144,16 +146,18 @@ _PARTNER = {"send_act": ("recv_act", +1), "recv_act": ("send_act", -1),
             "send_grad": ("recv_grad", -1), "recv_grad": ("send_grad", +1)}
 
 
-def check_pipeline_links(pipes: Sequence[PipelineSchedule]) -> None:
+def check_pipeline_links(pipes: Sequence[PipelineSchedule], channel: Mapping[str, str] = CHANNEL) -> None:
     """Raise :class:`ScheduleError` unless the stages' schedules (stage 0 first) fit together.
 
     1. On each link every send has a receive on the neighbour, in the same order
        (NCCL matches point-to-point messages in issue order).
-    2. No deadlock: an abstract run of all stages, where a receive's wait blocks until the
-       neighbour started the matching send and -- conservatively, as a rendezvous
-       transport may -- a send's wait until the neighbour posted the receive, and
-       everything else runs (collectives stay inside one stage, whose TMP ranks all run
-       the same list), reaches the end of every stage's list.
+    2. No deadlock on gloo: an abstract run of all stages, where a receive's wait blocks
+       until the neighbour started the matching send and -- conservatively, as a
+       rendezvous transport may -- a send's wait until the neighbour posted the receive,
+       and everything else runs (collectives stay inside one stage, whose TMP ranks all
+       run the same list), reaches the end of every stage's list.
+    3. No deadlock on NCCL (:func:`simulate_nccl`), with the transfers on the process
+       groups ``channel`` names (the executor's :data:`~oases_ds.schedule.pipeline.CHANNEL`).
     """
     if [p.stage for p in pipes] != list(range(len(pipes))) or any(p.stages != len(pipes) for p in pipes):
         raise ScheduleError(f"expected the schedules of stages 0..{len(pipes) - 1} in order")
@@ -169,6 +173,7 @@ def check_pipeline_links(pipes: Sequence[PipelineSchedule]) -> None:
                     f"link {s}-{s + 1}: stage {sender.stage} sends {kind} (micro, sub) {sent[first:first + 3]} where stage "
                     f"{receiver.stage} receives {received[first:first + 3]} (transfer #{first}); both sides must use one order")
     _simulate(pipes)
+    simulate_nccl(pipes, channel)
 
 
 def _simulate(pipes: Sequence[PipelineSchedule]) -> None:
@@ -194,3 +199,59 @@ def _simulate(pipes: Sequence[PipelineSchedule]) -> None:
             blocked = ", ".join(f"stage {s} at #{p} {pipe.steps[p]}" for s, (p, pipe) in enumerate(zip(pos, pipes))
                                 if p < len(pipe.steps))
             raise ScheduleError(f"deadlock: {blocked}")
+
+
+def simulate_nccl(pipes: Sequence[PipelineSchedule], channel: Mapping[str, str] = CHANNEL) -> None:
+    """Raise :class:`ScheduleError` if the stages can deadlock under NCCL's semantics.
+
+    The model, per stage (one rank stands for the stage's TMP ranks, which run the same
+    list), of what the device does with what the host issued:
+
+    * the compute stream runs the stage's instructions in order; a ``P2PStart`` queues
+      its transfer on the stream of its communicator (``channel[kind]``: one FIFO for
+      every transfer of that process group, whichever neighbour it goes to, so the
+      model is conservative for torch's per-peer communicators too) and moves on;
+    * a transfer at the head of its queue completes together with its partner on the
+      neighbour, once that one is at the head of the same channel's queue there (a
+      rendezvous: NCCL's large messages wait for the receiving kernel; small ones may
+      not, so this finds every order that can hang);
+    * a ``P2PSync`` holds the compute stream until its transfer completed.
+
+    The run must reach the end of every stage's list with every queue empty.
+    """
+    queues: list[dict[str, deque]] = [{} for _ in pipes]
+    done: list[set[tuple]] = [set() for _ in pipes]  # (kind, micro, sub) completed on each stage
+    pos = [0] * len(pipes)
+    while True:
+        moved = False
+        for s, pipe in enumerate(pipes):  # each compute stream as far as it goes
+            while pos[s] < len(pipe.steps):
+                step = pipe.steps[pos[s]]
+                ins = step.ins
+                if isinstance(ins, P2PSync) and (ins.kind, step.micro, ins.sub) not in done[s]:
+                    break
+                if isinstance(ins, P2PStart):
+                    queues[s].setdefault(channel[ins.kind], deque()).append((ins.kind, step.micro, ins.sub))
+                pos[s] += 1
+                moved = True
+        for s in range(len(pipes)):  # rendezvous of queue heads
+            for name, queue in queues[s].items():
+                if not queue:
+                    continue
+                kind, micro, sub = queue[0]
+                partner, direction = _PARTNER[kind]
+                other = queues[s + direction].get(name)
+                if other and other[0] == (partner, micro, sub):
+                    queue.popleft()
+                    other.popleft()
+                    done[s].add((kind, micro, sub))
+                    done[s + direction].add((partner, micro, sub))
+                    moved = True
+        if all(p == len(pipe.steps) for p, pipe in zip(pos, pipes)) and not any(q for qs in queues for q in qs.values()):
+            return
+        if not moved:
+            heads = "; ".join(
+                f"stage {s} at #{p} {pipe.steps[p] if p < len(pipe.steps) else 'end'}, queued "
+                + ", ".join(f"{name}: {P2P_TAG[q[0][0]]}{q[0][1]}.{q[0][2]}" for name, q in queues[s].items() if q)
+                for s, (p, pipe) in enumerate(zip(pos, pipes)))
+            raise ScheduleError(f"NCCL deadlock: {heads}")

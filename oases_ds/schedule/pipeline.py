@@ -27,11 +27,23 @@ collectives (started, then waited by a :class:`P2PSync`)::
   could wait on this stage -- the simulation in
   :func:`~oases_ds.schedule.checker.check_pipeline_links` checks it for each schedule.
 
-Order on the wire, hence no deadlock by construction: on every link each side
-sends and receives in the same order -- micro-batch ascending (both schedules
-below run forwards in micro-batch order and backwards in micro-batch order) and
-sub-batch ascending within one -- which is what NCCL needs (it matches
-point-to-point messages in order, with no tags) and what the checker verifies.
+Order on the wire: on every link each side sends and receives in the same order --
+micro-batch ascending (both schedules below run forwards in micro-batch order and
+backwards in micro-batch order) and sub-batch ascending within one -- which is what
+NCCL needs (it matches point-to-point messages in order, with no tags) and what the
+checker verifies.
+
+One channel per direction (:data:`CHANNEL`).  NCCL runs the point-to-point operations
+of one communicator in issue order on one stream, and a send larger than its staging
+buffer (a few MiB; a real sub-batch's activation is tens) completes only while the
+peer's matching receive runs.  With both directions on one communicator, 1F1B's steady
+state deadlocks: after ``F(m+w)`` a stage's stream holds the activation send, the next
+stage's holds its gradient send for ``B(m)``, and each waits for a receive queued behind
+the other.  So activations and gradients travel on two process groups over the same
+ranks (the context's ``pp_group`` and ``pp_grad_group``): each stream then carries
+one direction, whose order is the same on both ends, and the checker's NCCL model
+(:func:`~oases_ds.schedule.checker.check_pipeline_links`) proves the whole step ends
+for each pipeline order.  gloo, whose channels per peer are independent, runs the same.
 
 The two pipeline orders of the halves, ``F``/``B`` of a micro-batch, 4 stages and
 8 micro-batches; time goes right::
@@ -126,6 +138,12 @@ class PipelineSchedule:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+#: The process-group channel each transfer kind travels on (module docstring): the
+#: executor sends and receives ``act`` transfers on the pipeline group, ``grad`` ones
+#: on the pipeline gradient group.
+CHANNEL: dict[str, str] = {"send_act": "act", "recv_act": "act", "send_grad": "grad", "recv_grad": "grad"}
 
 
 # -- the per-micro-batch body -------------------------------------------------------

@@ -12,10 +12,11 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.stages import Stage, split_stages, stage_layer_counts
 from oases_ds.parallel.topology import Coord, Topology
-from oases_ds.schedule.checker import ScheduleError, check_pipeline, check_pipeline_links
+from oases_ds.schedule.checker import ScheduleError, check_pipeline, check_pipeline_links, simulate_nccl
 from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
 from oases_ds.schedule.instructions import P2PStart, P2PSync, PipeStep, SendActivation
-from oases_ds.schedule.pipeline import PipelineSchedule, build_pipeline, gpipe_order, one_f_one_b_order, transfers
+from oases_ds.schedule.pipeline import (CHANNEL, PipelineSchedule, build_pipeline, gpipe_order, one_f_one_b_order,
+                                       transfers)
 
 
 # -- topology ------------------------------------------------------------------------
@@ -195,6 +196,49 @@ def test_checker_finds_a_deadlock_between_mismatched_orders():
     check_pipeline(eager, models[0].ops)  # fine on its own
     with pytest.raises(ScheduleError, match="deadlock: stage 0 at .*W<g.*stage 1 at .*W<a"):
         check_pipeline_links([eager, pipes[1]])
+
+
+ONE_GROUP = {kind: "pp" for kind in CHANNEL}  # both directions on one communicator: the order before the fix
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("schedule", ["oases", "megatron", "none"])
+def test_nccl_model_catches_1f1b_on_one_group_and_passes_one_group_per_direction(stages, schedule):
+    # NCCL runs one communicator's transfers in issue order; with activations and gradients on
+    # one group, 1F1B's first steady-state step puts a send at the head of both neighbours'
+    # streams (the activation of F(m+w), the gradient of B(m)), each waiting for a receive
+    # queued behind the other's send.
+    models = _stage_models("gpt", stages, layers=4)
+    pipes = [build_pipeline("1f1b", ScheduleSpec(schedule), m.ops, s, stages, 4) for s, m in enumerate(models)]
+    heads = rf"^NCCL deadlock: stage 0 at .* queued pp: >a{stages - 1}\.0; .*stage {stages - 1} at .* queued pp: >g0\.0$"
+    with pytest.raises(ScheduleError, match=heads):
+        simulate_nccl(pipes, ONE_GROUP)
+    simulate_nccl(pipes, CHANNEL)  # what the executor uses: a group per direction
+    check_pipeline_links(pipes)  # gloo and NCCL models, with CHANNEL
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("micro_batches", [1, 4, 8])
+def test_gpipe_is_safe_on_nccl_with_one_group_or_two(stages, micro_batches):
+    # every forward send precedes every gradient transfer on both ends, so the FIFO orders agree
+    models = _stage_models("gpt", stages, layers=4)
+    pipes = [build_pipeline("gpipe", ScheduleSpec("oases"), m.ops, s, stages, micro_batches) for s, m in enumerate(models)]
+    simulate_nccl(pipes, ONE_GROUP)
+    simulate_nccl(pipes, CHANNEL)
+
+
+def test_nccl_model_finds_a_receive_posted_behind_a_send_to_the_same_peer():
+    # 1 micro-batch, 1F1B on two stages is safe; move stage 1's first gradient send before its
+    # activation receive is even waited on and the one-group FIFO on stage 1 is >g before <a
+    pipes, _ = _pipes(["1f1b", "1f1b"], micro_batches=1)
+    simulate_nccl(pipes, ONE_GROUP)
+    one = pipes[1]
+    steps = list(one.steps)
+    send = next(i for i, s in enumerate(steps) if isinstance(s.ins, P2PStart) and s.ins.kind == "send_grad")
+    steps.insert(0, steps.pop(send))
+    broken = PipelineSchedule(one.name, 1, 2, 1, one.body, one.order, tuple(steps))
+    with pytest.raises(ScheduleError, match="NCCL deadlock"):
+        simulate_nccl([pipes[0], broken], ONE_GROUP)
 
 
 def test_checker_finds_sends_out_of_order():
