@@ -239,6 +239,8 @@ class OperatorModel(nn.Module):
             raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
         if plan.layers != cfg.num_layers:
             raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
+        # every group of the whole plan, on every rank, before this stage picks its own (ParallelContext)
+        ctx.create_plan_groups([d for pair in zip(plan.attn_degrees, plan.mlp_degrees) for d in pair])
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
         return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group, stage)
 

@@ -16,6 +16,7 @@ With ``pp_size = 1`` (the default) this is the old ``rank = dp * tp_size + tp``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -167,15 +168,44 @@ class Topology:
                 return ranks
         raise ValueError(f"rank {rank} is in none of the {len(groups)} groups")
 
-    def eager_group_count(self) -> int:
-        """How many ``new_group`` calls every rank made when all plan groups were built
-        up front: each TMP and DP group, each sub-TMP group of every degree in 2..tp_size/2,
-        each reshard group of every degree pair.  Kept to state what lazy creation saves."""
-        degrees = self.degrees()
-        count = len(self.tp_group_ranks()) + len(self.dp_group_ranks())
-        count += sum(len(self.sub_tp_group_ranks(d)) for d in degrees if 1 < d < self.tp_size)
-        count += sum(len(self.reshard_group_ranks(s, l)) for s in degrees for l in degrees if s < l)
-        return count
+    def plan_group_keys(self, block_degrees: Sequence[int], data_parallel_reduce: bool = True) -> list[tuple]:
+        """The partitions of plan groups a plan with per-block TMP degrees ``block_degrees``
+        (``[L0.attn, L0.mlp, L1.attn, ...]``) uses on any rank, in one canonical order.
+
+        * ``("sub", d)``: the groups sharding one replica of a degree-``d`` block, for each
+          degree ``1 < d < tp_size`` of the plan (degree 1 needs none, ``tp_size`` is the TMP group);
+        * ``("reshard", small, large)``: for each change of degree along embedding ->
+          L0.attn -> L0.mlp -> ... -> head (both ends at ``tp_size``), the groups moving
+          activations across it, and for each degree ``d < tp_size`` the groups summing its
+          replicas' gradients (``(d, tp_size)``);
+        * ``("replica_dp", d)``: with ``data_parallel_reduce`` and more than one DP replica,
+          the groups summing a degree-``d`` block's gradient over its replicas and DP at once.
+
+        A function of the whole plan, not of a stage's layers: every rank must create the
+        same groups (``ParallelContext`` explains why)."""
+        for d in block_degrees:
+            if d < 1 or self.tp_size % d:
+                raise ValueError(f"degree {d} must divide tensor_parallel_size {self.tp_size}")
+        degrees = sorted(set(block_degrees))
+        keys: set[tuple] = {("sub", d) for d in degrees if 1 < d < self.tp_size}
+        path = [self.tp_size, *block_degrees, self.tp_size]
+        keys |= {("reshard", min(a, b), max(a, b)) for a, b in zip(path, path[1:]) if a != b}
+        keys |= {("reshard", d, self.tp_size) for d in degrees if d < self.tp_size}
+        if data_parallel_reduce and self.dp_size > 1:
+            keys |= {("replica_dp", d) for d in degrees if d < self.tp_size}
+        kinds = ("sub", "reshard", "replica_dp")
+        return sorted(keys, key=lambda k: (kinds.index(k[0]), k[1:]))
+
+    def plan_group_partition(self, key: tuple) -> list[list[int]]:
+        """The groups of the partition ``key`` names (:meth:`plan_group_keys`)."""
+        kind, *degrees = key
+        if kind == "sub":
+            return self.sub_tp_group_ranks(*degrees)
+        if kind == "reshard":
+            return self.reshard_group_ranks(*degrees)
+        if kind == "replica_dp":
+            return self.replica_dp_group_ranks(degrees[0], self.tp_size)
+        raise ValueError(f"unknown plan group kind {kind!r}")
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

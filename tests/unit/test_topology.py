@@ -45,33 +45,91 @@ class _CountingNewGroup:
         return tuple(ranks)
 
 
-def test_eager_plan_groups_at_512_ranks_were_about_1500_per_rank():
-    # tp 64 + dp 8 + sub-TMP 256 + 128 + reshard 256+128+64 + 256+128 + 256
-    assert Topology(world_size=512, tp_size=8).eager_group_count() == 1544
+class _FakeGroup:
+    """What ``_RecordingNewGroup`` hands its own rank: the members, so that the model code's
+    ``dist.get_world_size(group)`` / ``dist.get_rank(group)`` can be answered."""
+
+    def __init__(self, ranks, me) -> None:
+        self.ranks, self.me = list(ranks), me
 
 
-def test_lazy_groups_at_512_ranks_create_only_what_a_rank_uses_each_with_a_timeout():
+class _RecordingNewGroup:
+    """``new_group`` for one rank: records every call in order; a group holding the rank
+    comes back as a :class:`_FakeGroup`, any other as torch's non-member marker."""
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self.calls: list[tuple] = []
+
+    def __call__(self, ranks, **kwargs):
+        self.calls.append((tuple(ranks), kwargs["timeout"].total_seconds(), kwargs["use_local_synchronization"]))
+        return _FakeGroup(ranks, self.me) if self.me in ranks else object()
+
+
+@pytest.fixture
+def fake_groups(monkeypatch):
+    """Let ``torch.distributed`` size and rank :class:`_FakeGroup`s (the models read both)."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(group.ranks) if isinstance(group, _FakeGroup) else size(group))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.ranks.index(group.me) if isinstance(group, _FakeGroup) else rank(group))
+
+
+def test_every_rank_creates_the_same_groups_in_one_order_for_a_mixed_plan_across_stages(fake_groups):
+    # PP 2 x DP 2 x TMP 2.  Stage 0's blocks all run at degree 2, stage 1 mixes 1 and 2: before,
+    # only stage 1 created the reshard and replica groups (lazily), so the two stages made a
+    # different number of world-wide NCCL splits and start-up hung.  Now every rank builds its
+    # stage, its executor and the engine's DP reducer groups from the same sequence of calls.
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.models.stages import split_stages
     from oases_ds.parallel.context import ParallelContext
+    from oases_ds.planner.plan import Plan
 
-    topo = Topology(world_size=512, tp_size=8)
-    totals = []
-    for rank in (0, 13, 511):
-        fake = _CountingNewGroup()
+    topo = Topology(world_size=8, tp_size=2, pp_size=2)
+    cfg = ModelConfig(family="gpt", vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, ffn_size=32,
+                      seq_len=8, dropout=0.0)
+    plan = Plan(attn_degrees=(2, 2, 1, 2), mlp_degrees=(2, 2, 2, 1), devices=2)
+    stages = split_stages(cfg.num_layers, 2)
+    sequences = {}
+    for rank in range(topo.world_size):
+        fake = _RecordingNewGroup(rank)
         ctx = ParallelContext.for_rank(topo, rank, timeout_s=42.0, new_group=fake)
-        assert [c["ranks"] for c in fake.calls] == [list(range(rank // 8 * 8, rank // 8 * 8 + 8)),
-                                                     list(range(rank % 8, 512, 8))]
-        assert ctx.plan_groups_created == 0  # a homogeneous plan needs nothing more
-        assert ctx.layout(8).group == ctx.tp_group and ctx.layout(1).group is None
-        # every group a rank could ever need: sub-TMP 2, 4 and all 6 reshard pairs
-        for degree in (2, 4, 2, 4):
-            assert rank in ctx.sub_group(degree)
-        for small, large in [(1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (2, 4)]:
-            assert rank in ctx.reshard_group(small, large)
-        assert ctx.plan_groups_created == 8  # repeats come from the cache
-        assert all(c["timeout"].total_seconds() == 42.0 and c["use_local_synchronization"] for c in fake.calls)
-        assert all(rank in c["ranks"] for c in fake.calls)  # never a group this rank is not in
-        totals.append(len(fake.calls))
-    assert totals == [10, 10, 10]  # vs 1544 eagerly
+        model = OperatorModel.for_plan(cfg, ctx, plan, stage=stages[ctx.pp_rank])
+        model.sharding.replica_groups(model.layers)  # what every executor asks for at start-up
+        for layout in (lay for pair in model.sharding.layouts for lay in pair):
+            if layout.replicas > 1:
+                assert rank in ctx.replica_dp_group(layout.degree).ranks  # what the engine's DP reducer asks for
+        sequences[rank] = fake.calls
+        assert all(timeout == 42.0 and not local for _, timeout, local in fake.calls)
+    assert all(seq == sequences[0] for seq in sequences.values())
+    # tp 4 + dp 4 + pp 4 + pp_grad 4 + model 2 + reshard(1, 2) 4 + replica_dp(1) 2
+    assert len(sequences[0]) == 24
+    assert [c[0] for c in sequences[0][-6:]] == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_a_plan_group_asked_for_after_start_up_is_an_error_not_a_hang():
+    from oases_ds.parallel.context import LateGroupError, ParallelContext
+
+    ctx = ParallelContext.for_rank(Topology(8, 4), 0, new_group=_RecordingNewGroup(0))
+    ctx.create_plan_groups([4, 2, 4, 4])  # uses degree 2 only
+    with pytest.raises(LateGroupError, match=r"^plan group \('reshard', 1, 4\) was not created at start-up"):
+        ctx.reshard_group(1, 4)
+    assert ctx.plan_groups_created == 2 + 1  # sub 2, reshard (2, 4), replica_dp 2 (DP 2)
+
+
+def test_plan_group_keys_follow_the_whole_plan_in_one_order():
+    topo = Topology(world_size=16, tp_size=8)  # DP 2
+    assert topo.plan_group_keys([8, 8, 8, 8]) == []
+    assert topo.plan_group_keys([8, 2, 4, 8], data_parallel_reduce=False) == [
+        ("sub", 2), ("sub", 4), ("reshard", 2, 4), ("reshard", 2, 8), ("reshard", 4, 8)]
+    assert topo.plan_group_keys([1, 1]) == [("reshard", 1, 8), ("replica_dp", 1)]
+    # a 512-rank TMP-8 plan with degrees 2 and 8 creates 256 + 128 + 8... groups, not all 1,544 of every degree
+    big = Topology(world_size=512, tp_size=8)
+    keys = big.plan_group_keys([2, 8] * 40)
+    assert keys == [("sub", 2), ("reshard", 2, 8), ("replica_dp", 2)]
+    assert sum(len(big.plan_group_partition(k)) for k in keys) == 256 + 128 + 2
 
 
 def test_an_unavailable_degree_names_the_allowed_ones():
