@@ -64,7 +64,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 import oases_ds
 from lightning_strategy.module import OasesLightningModule
 from oases_ds import build_model
-from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
+from oases_ds._deepspeed_compat import choose_deepspeed_defaults
 from oases_ds.config import parse_oases_section
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.context import ParallelContext
@@ -201,7 +201,7 @@ class OasesStrategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
-        avoid_cpu_jit_builds(self.config)  # before DeepSpeed's comm starts (it would JIT-build an op on CPU)
+        choose_deepspeed_defaults(self.config)  # before DeepSpeed's comm starts (it would JIT-build an op on CPU)
         if self.root_device.type == "cpu":
             # DeepSpeedStrategy.setup_distributed, less its check that CUDA device
             # indices equal local ranks (CPU devices have no index).

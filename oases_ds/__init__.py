@@ -13,13 +13,13 @@ import json
 import os
 from typing import Any
 
-from oases_ds._deepspeed_compat import avoid_cpu_jit_builds
+from oases_ds._deepspeed_compat import choose_deepspeed_defaults
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
 from oases_ds.hf import SUPPORTED, HFCheckpoint, is_hf_model
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
-from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.context import ParallelContext, check_devices
 from oases_ds.planner.plan import Plan
 
 __all__ = ["initialize", "build_model", "HFCheckpoint", "ModelConfig", "OperatorModel", "OasesConfig", "OasesConfigError", "ParallelContext"]
@@ -126,7 +126,7 @@ def initialize(
     cfg = _load_config(args, config, config_params)
     oases = with_planned_stages(parse_oases_section(cfg.pop("oases", None)))
     check_batch_section(cfg)
-    avoid_cpu_jit_builds(cfg)
+    choose_deepspeed_defaults(cfg)
     if args is not None and getattr(args, "deepspeed_config", None):
         args = copy.copy(args)
         args.deepspeed_config = None  # the dict we pass wins; DeepSpeed refuses both
@@ -150,6 +150,11 @@ def initialize(
         oases.stages(model.num_layers)  # more stages than layers, a bad split: one line before any group is made
     if mpu is not None:
         raise OasesConfigError("mpu: Oases builds its own groups from oases.tensor_parallel_size; do not pass mpu")
+    if get_accelerator().device_name() == "cuda":  # DeepSpeed binds cuda:LOCAL_RANK: "invalid device ordinal" beyond
+        try:
+            check_devices(int(os.environ.get("LOCAL_RANK", "0")) + 1, get_accelerator().device_count())
+        except ValueError as err:
+            raise OasesConfigError(str(err)) from None
     ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(), distributed_port=port,
                              dist_init_required=dist_init_required,
                              timeout=datetime.timedelta(seconds=oases.process_group_timeout_s))

@@ -1,12 +1,22 @@
-"""Keep DeepSpeed from JIT-compiling C++ ops on CPU machines (~90 s on a first run).
+"""DeepSpeed defaults that keep every accelerator on the code path the tests run.
 
-On its CPU accelerator DeepSpeed 0.19.8 builds (a) a shared-memory all-reduce op
-whenever its comm backend starts -- used only by inference all-reduce, never by
-training -- and (b) a fused Adam unless the config says ``torch_adam``.  Neither
-helps a CPU training run, so on CPU we skip the first (by replacing the private
-``deepspeed.comm.torch.build_shm_op`` with "not available", the same answer
-DeepSpeed gives on platforms without the op) and select torch's Adam for the
-second.  GPUs are untouched.
+Two of DeepSpeed 0.19.8's choices differ by accelerator:
+
+* **Adam.** Unless the config says ``"torch_adam": true``, an ``Adam``/``AdamW`` optimizer
+  becomes DeepSpeed's FusedAdam: a JIT build on first use (~90 s on CPU; on CUDA it needs
+  nvcc matching torch's CUDA and ninja, and fails with "CUDA_HOME does not exist" on a
+  pip-only host).  And for bf16 with ZeRO 0 a FusedAdam makes DeepSpeed wrap it in its
+  *fused* ``FP16_Optimizer`` -- another clipping-norm computation (a flat-buffer mask built
+  on the first step), an fp32 copy of every gradient the planner does not count, and a
+  host sync per parameter -- where torch's Adam gets ``FP16_UnfusedOptimizer``, the class
+  whose TMP clipping norm the engine fixes and the tests check
+  (``OasesEngine._mark_sharded_grads``).  So Oases selects torch's Adam on every
+  accelerator; on a GPU a config that sets ``torch_adam`` itself keeps its choice (``false``
+  then runs DeepSpeed's fused path, which no Oases test covers, and says so in the log).
+* **The shared-memory all-reduce op**, built whenever DeepSpeed's comm starts on its CPU
+  accelerator, is used only by inference all-reduce; on CPU we skip the build by replacing
+  the private ``deepspeed.comm.torch.build_shm_op`` with "not available", the answer
+  DeepSpeed gives on platforms without the op.  GPUs do not build it.
 """
 from __future__ import annotations
 
@@ -16,24 +26,38 @@ import logging
 log = logging.getLogger("oases_ds")
 
 
-def on_cpu() -> bool:
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator (``cpu``, ``cuda``, ...)."""
     # local: ``oases_ds/__init__`` and the Lightning strategy import this module, and
     # importing them must not load DeepSpeed (seconds; it fixes the accelerator)
     from deepspeed.accelerator import get_accelerator
 
-    return get_accelerator().device_name() == "cpu"
+    return get_accelerator().device_name()
 
 
-def avoid_cpu_jit_builds(config: dict) -> None:
-    if not on_cpu():
-        return
-    # importlib, not ``import deepspeed.comm.torch``: the package re-exports the name
-    # ``torch`` (the PyTorch module), which shadows its submodule of the same name.
-    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
-    ds_torch_comm.build_shm_op = lambda: None
+def on_cpu() -> bool:
+    return accelerator_name() == "cpu"
+
+
+def choose_deepspeed_defaults(config: dict) -> None:
+    """Set, in ``config`` (a DeepSpeed config dict), the choices the module docstring gives."""
+    name = accelerator_name()
+    if name == "cpu":
+        # importlib, not ``import deepspeed.comm.torch``: the package re-exports the name
+        # ``torch`` (the PyTorch module), which shadows its submodule of the same name.
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+        ds_torch_comm.build_shm_op = lambda: None
     opt = config.get("optimizer") or {}
-    if str(opt.get("type", "")).lower() in ("adam", "adamw"):
-        params = opt.setdefault("params", {})
-        if not params.get("torch_adam", False):
-            log.info("oases: CPU run, using torch's Adam (DeepSpeed's fused Adam would need a JIT build)")
-            params["torch_adam"] = True
+    if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
+        return
+    params = opt.setdefault("params", {})
+    if name == "cpu" and not params.get("torch_adam", True):
+        log.info("oases: CPU run, optimizer.params.torch_adam=false overridden (the fused Adam is a CUDA kernel)")
+        params["torch_adam"] = True
+    if "torch_adam" not in params:
+        log.info("oases: using torch's Adam (DeepSpeed's fused Adam needs a JIT build and, with bf16, another "
+                 "optimizer wrapper); set optimizer.params.torch_adam=false to choose it")
+        params["torch_adam"] = True
+    elif not params["torch_adam"] and name != "cpu":
+        log.warning("oases: optimizer.params.torch_adam=false on %s runs DeepSpeed's FusedAdam (a JIT build) and, with "
+                    "bf16, its fused FP16_Optimizer, a path no Oases test covers", name)

@@ -137,7 +137,9 @@ def parse_oases_section(section: Any) -> OasesConfig:
 def check_deepspeed_section(config: dict) -> None:
     """Refuse DeepSpeed features the Oases engine does not drive: ZeRO >= 2 partitions
     gradients inside backward hooks, which the executor's per-operator backward would
-    fire out of order; fp16 loss scaling is not wired through the schedule."""
+    fire out of order; fp16 loss scaling is not wired through the schedule; DeepSpeed's
+    ``torch_autocast`` would wrap only ``engine(batch)`` (evaluation), never the schedule,
+    and make activations differ in dtype from the parameters a pipeline receive is sized by."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1):
@@ -147,6 +149,9 @@ def check_deepspeed_section(config: dict) -> None:
                                "would reduce inside the schedule); set it to false")
     if (config.get("fp16") or {}).get("enabled", False):
         raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
+    if (config.get("torch_autocast") or {}).get("enabled", False):
+        raise OasesConfigError("torch_autocast.enabled=true is not supported with oases (the schedule runs outside "
+                               "DeepSpeed's forward); use bf16.enabled=true for bf16 training")
     if config.get("pipeline") or config.get("tensor_parallel", {}).get("autotp_size", 0):
         raise OasesConfigError("tensor_parallel.autotp_size / pipeline are not supported with oases; set "
                                "oases.tensor_parallel_size / oases.pipeline_stages")

@@ -69,6 +69,7 @@ What the engine refuses instead of doing silently wrong:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -97,6 +98,9 @@ from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.runtime.timeline import clock_for
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
+HANDOFF_BUCKET_ELEMENTS = 1024
+"""Staging buffer of DeepSpeed's ZeRO-1 optimizer on a step whose gradients the overlapped
+reducer reduces (:meth:`OasesEngine._small_zero_buckets`): it stages nothing then."""
 USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule: call engine.train_batch(batch) instead "
                    "of engine(batch)/engine.backward(loss)/engine.step() (engine(batch) is fine for evaluation, after "
                    "engine.eval() or under torch.no_grad())")
@@ -136,6 +140,9 @@ class OasesEngine(DeepSpeedEngine):
         model = self.module
         link = oases.link.model() if oases.link else None
         self._sharded_params = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+        # every plan group on every rank before the first step (a no-op after OperatorModel.for_plan),
+        # then sealed: a group some rank asks for later would hang NCCL (ParallelContext)
+        parallel_context.create_plan_groups([lay.degree for pair in model.sharding.layouts for lay in pair])
         self.pipelined = parallel_context.pp_size > 1
         if self.pipelined:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
@@ -231,6 +238,22 @@ class OasesEngine(DeepSpeedEngine):
         opt.set_gradient_accumulation_boundary(True)
         opt.setup_buckets()  # what its gradient hooks do before a reduction (empty staging buffers)
         opt.overlapping_partition_gradients_reduce_epilogue()
+
+    @contextlib.contextmanager
+    def _small_zero_buckets(self) -> Iterator[None]:
+        """DeepSpeed's ZeRO-1 optimizer with staging buffers of :data:`HANDOFF_BUCKET_ELEMENTS`.
+
+        Its gradient hooks allocate a ``reduce_bucket_size`` buffer (5e8 elements by default: 1 GiB
+        per rank in bf16, 2 in fp32) as soon as a gradient lands, in the schedule's backward too,
+        though on a step the overlapped reducer reduces nothing is staged there; the caching
+        allocator would keep that memory reserved, outside the planner's count."""
+        opt = self.optimizer
+        size = opt.reduce_bucket_size
+        opt.reduce_bucket_size = HANDOFF_BUCKET_ELEMENTS
+        try:
+            yield
+        finally:
+            opt.reduce_bucket_size = size
 
     def _safe_checkpoint_engine(self) -> SafeCheckpointEngine:
         """DeepSpeed's default engine with a load that cannot run code; the others
@@ -346,14 +369,15 @@ class OasesEngine(DeepSpeedEngine):
             if zero:
                 self.optimizer.clear_backward_seen_flag()  # what DeepSpeedEngine.forward does
             self.dp_reducer.arm(list(zip(params, accumulated)), 1.0 / self.gradient_accumulation_steps())
-            try:
-                loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
-            except BaseException:
-                self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
-                raise
-            self.dp_reducer.finish()
-            if zero:
-                self._hand_reduced_grads_to_zero()
+            with self._small_zero_buckets() if zero else contextlib.nullcontext():
+                try:
+                    loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
+                except BaseException:
+                    self.dp_reducer.abandon()  # the next step starts disarmed; the error is the user's news
+                    raise
+                self.dp_reducer.finish()
+                if zero:
+                    self._hand_reduced_grads_to_zero()
             return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         grads = [p.grad for p in params]

@@ -91,6 +91,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     engine, *_ = oases_ds.initialize(model=tiny_config(family), optimizer=sgd if optimizer == "sgd" else None, config=cfg)
     ctx = engine.parallel_context
     ds_reductions = _count_deepspeed_reductions(engine)
+    handoff_buffers = _record_handoff_buffers(engine)
     params, losses, grad_norms = [], [], []
     per_rank = micro * gas
     for step in range(steps):
@@ -113,7 +114,32 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
             "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
             "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,
-            "deepspeed_reductions": ds_reductions[0]}
+            "deepspeed_reductions": ds_reductions[0], "handoff_buffer_elements": handoff_buffers}
+
+
+def _record_handoff_buffers(engine) -> list[int]:
+    """The elements of every staging buffer DeepSpeed's ZeRO-1 optimizer holds once the hand-off
+    of the overlapped reducer's gradients has set up its buckets (freed at its step, but kept
+    by the caching allocator).  Instance attributes: this engine only."""
+    sizes: list[int] = []
+    handoff, opt = engine._hand_reduced_grads_to_zero, engine.optimizer
+    if not hasattr(opt, "setup_buckets"):
+        return sizes
+    setup = opt.setup_buckets
+
+    def recorded_setup():
+        setup()
+        sizes.extend(buf.numel() for bucket in opt.ipg_buckets.values() for buf in bucket.buffer)
+
+    def recorded():
+        opt.setup_buckets = recorded_setup
+        try:
+            handoff()
+        finally:
+            opt.setup_buckets = setup
+
+    engine._hand_reduced_grads_to_zero = recorded
+    return sizes
 
 
 def _count_deepspeed_reductions(engine) -> list[int]:

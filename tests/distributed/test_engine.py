@@ -56,6 +56,12 @@ def test_tmp2_dp2_zero1_matches_plain_deepspeed():
     out = launch(ew.oases_run, 4, ("gpt", 2, STEPS, GLOBAL_BATCH // 2, 1, 1), timeout_s=600)[0]
     assert_params_match(out, reference())
     assert out["eval_loss"] == pytest.approx(reference()["eval_loss"], rel=TOL)
+    # One micro-batch per step, each reduced by the overlapped reducer: ZeRO-1's gradient hooks, firing
+    # in the schedule's backward, allocated reduce_bucket_size elements (5e8: 2 GB in fp32 per rank) a
+    # step to stage nothing.
+    from oases_ds.engine import HANDOFF_BUCKET_ELEMENTS
+    assert out["dp_overlap"] and len(out["handoff_buffer_elements"]) == STEPS
+    assert max(out["handoff_buffer_elements"]) <= HANDOFF_BUCKET_ELEMENTS
 
 
 @pytest.mark.parametrize("zero", [0, 1])

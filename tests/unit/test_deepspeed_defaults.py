@@ -1,0 +1,81 @@
+"""Which Adam and which bf16 optimizer wrapper DeepSpeed ends up with, per accelerator.
+
+On CUDA, DeepSpeed 0.19.8 turns an Adam config into FusedAdam (a JIT build needing nvcc) and,
+for bf16 ZeRO 0, wraps it in its fused FP16_Optimizer -- not the FP16_UnfusedOptimizer whose
+TMP clipping norm the engine fixes and the CPU tests check.  The CUDA accelerator class is
+instantiated here on a CPU machine (it needs no device to say its name) and DeepSpeed's own
+selection code is run against it."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+@pytest.fixture(params=["cuda", "cpu"])
+def accelerator(request, monkeypatch):
+    """DeepSpeed's accelerator, replaced by its CUDA or CPU class for this test."""
+    import deepspeed.accelerator as ds_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    accel = CUDA_Accelerator() if request.param == "cuda" else CPU_Accelerator()
+    monkeypatch.setattr(ds_accelerator, "get_accelerator", lambda: accel)
+    return accel
+
+
+def _deepspeeds_adam_class(params: dict):
+    """The optimizer class ``DeepSpeedEngine.get_optimizer_configuration`` picks for these params
+    (no CPU offload), run unbound on a stand-in for the engine."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class NoOffload:
+        def zero_use_cpu_optimizer(self) -> bool:
+            return False
+
+    cls, _ = DeepSpeedEngine.get_optimizer_configuration(NoOffload(), dict(params), adam_w_mode=True)
+    return cls
+
+
+def test_torch_adam_is_chosen_on_every_accelerator_so_the_tested_wrapper_runs(accelerator):
+    import torch
+    from deepspeed.ops.adam import FusedAdam
+
+    from oases_ds._deepspeed_compat import choose_deepspeed_defaults
+
+    untouched = copy.deepcopy(ADAMW)
+    assert _deepspeeds_adam_class(untouched["optimizer"]["params"]) is FusedAdam  # DeepSpeed's own choice
+    cfg = copy.deepcopy(ADAMW)
+    choose_deepspeed_defaults(cfg)
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert _deepspeeds_adam_class(cfg["optimizer"]["params"]) is torch.optim.AdamW
+    # DeepSpeedEngine._configure_fp16_optimizer (bf16, ZeRO 0) fuses only for a FusedAdam instance:
+    # torch's AdamW gets FP16_UnfusedOptimizer, the wrapper the engine's clipping-norm fix is for.
+    assert not issubclass(torch.optim.AdamW, FusedAdam)
+
+
+def test_an_explicit_choice_is_kept_on_cuda_and_logged(accelerator, caplog):
+    from deepspeed.ops.adam import FusedAdam
+
+    from oases_ds._deepspeed_compat import choose_deepspeed_defaults
+
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": False}}}
+    with caplog.at_level(logging.INFO, logger="oases_ds"):
+        choose_deepspeed_defaults(cfg)
+    if accelerator.device_name() == "cuda":
+        assert cfg["optimizer"]["params"]["torch_adam"] is False
+        assert _deepspeeds_adam_class(cfg["optimizer"]["params"]) is FusedAdam
+        assert "a path no Oases test covers" in caplog.text
+    else:  # no fused Adam to run on a CPU: torch's, as before
+        assert cfg["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_other_optimizers_are_left_alone(accelerator):
+    from oases_ds._deepspeed_compat import choose_deepspeed_defaults
+
+    cfg = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    choose_deepspeed_defaults(cfg)
+    assert cfg == {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
