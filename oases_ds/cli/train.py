@@ -39,6 +39,7 @@ from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
 from oases_ds.models.config import ModelConfig
+from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
 from oases_ds.planner.plan import Plan
@@ -160,6 +161,12 @@ def ds_config(cfg: dict) -> dict:
     }
 
 
+def cuda_ranks() -> bool:
+    """Whether this run's ranks will sit on GPUs: CUDA is visible and DeepSpeed is not told
+    to use its CPU accelerator (``CUDA_VISIBLE_DEVICES=`` or ``DS_ACCELERATOR=cpu`` train on CPU)."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
 def validate(cfg: dict) -> None:
     """Fail before launching anything, with one line naming the field: a rank that finds a
     bad value fails alone, after every other rank has started and waits for it."""
@@ -184,6 +191,8 @@ def validate(cfg: dict) -> None:
     check_tensorboard(cfg["metrics"]["tensorboard"])
     world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
     Topology(world, oases.tensor_parallel_size, oases.pipeline_stages)
+    if cuda_ranks():
+        check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
     model.check_tp(oases.tensor_parallel_size)
     stages = oases.stages(model.num_layers)
     replicas = 1
@@ -313,7 +322,7 @@ def main(dcfg: DictConfig) -> None:
         return
 
     # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
-    env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    env = {} if cuda_ranks() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     try:
         summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env)
     except LaunchInterrupted as err:
