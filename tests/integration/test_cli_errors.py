@@ -172,6 +172,12 @@ def test_plan_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, 
     assert not (tmp_path / "p.json").exists()
 
 
+def test_plan_names_the_out_path_it_cannot_write_not_a_temporary(capsys, monkeypatch, tmp_path):
+    """``out=/proc/plan.json`` (no file can be created there): the line names the path the user gave."""
+    line = refused(capsys, monkeypatch, tmp_path, plan, "cost=analytic", "cluster=pcie_3090", "out=/proc/plan.json")
+    assert line == "error: [Errno 2] No such file or directory: '/proc/plan.json'", line
+
+
 def test_plan_layers_null_still_means_all_layers(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["oases-plan", "cost=analytic", "cluster=pcie_3090", "layers=null", "out=p.json"])
