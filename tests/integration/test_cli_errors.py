@@ -83,6 +83,10 @@ def files(tmp_path):
     ("checkpoint.every=-1", "error: checkpoint.every must be >= 0, got -1", ""),
     ("checkpoint.keep=-1", "error: checkpoint.keep must be >= 0, got -1", ""),
     ("timeout_s=0", "error: timeout_s must be a finite number > 0", ""),
+    ("model.num_heads=0", "error: model.num_heads must be >= 1, got 0", ""),
+    ("model.num_kv_heads=-1", "error: model.num_kv_heads must be >= 0 (0: num_heads), got -1", ""),
+    ("model.ffn_size=-4", "error: model.ffn_size must be >= 0 (0: 4 x hidden_size), got -4", ""),
+    ("model.rope_theta=0", "error: model.rope_theta must be > 0, got 0.0", ""),
     ("model=gpt_huge", "error: model=gpt_huge is not a preset in configs/model; choose from", "gpt_small"),
     ("cluster.link.bandwidth_gbps=3", "error: cluster.link.bandwidth_gbps=3: a key below a null node", "cluster=eth_25g"),
     ("experiment=e2e", "error: experiment=e2e: Could not override 'experiment'", ""),
@@ -199,6 +203,7 @@ def test_bench_refuses_an_unknown_preset_naming_the_known_ones(capsys, monkeypat
     ("train", ["steps=abc"], "error: steps: "),
     ("train", ["+model.hiden_size=64"], "error: model.hiden_size: "),
     ("train", ["data=mmap"], "error: data.path "),
+    ("train", ["model.num_heads=0"], "error: model.num_heads must be >= 1, got 0"),
     ("plan", ["micro_batch=-16", "cost=analytic", "cluster=pcie_3090"], "error: micro_batch "),
     ("bench", ["experiment=foo"], "error: experiment=foo "),
 ])
