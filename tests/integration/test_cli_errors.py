@@ -96,6 +96,16 @@ def test_train_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path,
     assert line.startswith(start) and fix in line
 
 
+def test_train_refuses_a_link_too_slow_for_its_timeout_before_launching(capsys, monkeypatch, tmp_path):
+    """One TMP AllReduce of gpt_small's sub-batch (4 x 128 x 128 fp32 = 0.25 MiB, 2 ranks: 0.25 MiB on
+    the wire) at 1e-9 Gbit/s takes 2.1e6 s; the ranks used to start, warn, then wait out timeout_s."""
+    line = refused(capsys, monkeypatch, tmp_path, train, "cluster=eth_25g", "cluster.link.bandwidth_gbps=1e-9",
+                   "timeout_s=15")
+    assert line == ("error: cluster.link: the TMP activation AllReduce (0.25 MiB over 2 ranks) needs 2.1e+06 s at "
+                    "cluster.link.bandwidth_gbps=1e-09, longer than timeout_s=15: ranks waiting on it would time out; "
+                    "raise timeout_s above 2097153 or cluster.link.bandwidth_gbps"), line
+
+
 # -- oases-train: data problems found before any rank reads the data --------------------------------
 @pytest.mark.parametrize("args, start", [
     (["data=mmap"], "error: data.path is not set; data.source=mmap needs a token file"),
@@ -204,6 +214,7 @@ def test_bench_refuses_an_unknown_preset_naming_the_known_ones(capsys, monkeypat
     ("train", ["+model.hiden_size=64"], "error: model.hiden_size: "),
     ("train", ["data=mmap"], "error: data.path "),
     ("train", ["model.num_heads=0"], "error: model.num_heads must be >= 1, got 0"),
+    ("train", ["cluster=eth_25g", "cluster.link.bandwidth_gbps=1e-9", "timeout_s=30"], "error: cluster.link: the TMP "),
     ("plan", ["micro_batch=-16", "cost=analytic", "cluster=pcie_3090"], "error: micro_batch "),
     ("bench", ["experiment=foo"], "error: experiment=foo "),
 ])

@@ -191,18 +191,29 @@ def test_initialize_names_gradient_accumulation_steps_before_deepspeed_asserts(e
         oases_ds.initialize(model=ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16), config=cfg)
 
 
-def test_slow_link_warning_names_both_times_and_the_fix():
-    from oases_ds.engine import slow_link_warning
+def test_slow_link_message_names_both_times_and_the_fix():
+    from oases_ds.config import Collective, slow_link_message
 
     link = LinkModel(bandwidth_gbps=1e-6)
     # one sub-batch's [2, 8, 32] fp32 activations over 2 ranks: 2 KiB on the wire -> 16.4 s at 1 kbit/s
-    collectives = [("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2), ("DP gradient AllReduce", "all_reduce", 64, 2)]
-    msg = slow_link_warning(link, 10.0, collectives)
+    collectives = [Collective("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2),
+                   Collective("DP gradient AllReduce", "all_reduce", 64, 2)]
+    msg = slow_link_message(link, 10.0, collectives)
     assert msg == ("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 16.4 s at "
-                   "link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it would "
-                   "time out; raise process_group_timeout_s above 17 or the bandwidth")
-    assert slow_link_warning(link, 20.0, collectives) is None  # fits
-    assert slow_link_warning(LinkModel(bandwidth_gbps=1e-6), 10.0, [("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
+                   "oases.link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it "
+                   "would time out; raise oases.process_group_timeout_s above 17 or oases.link.bandwidth_gbps")
+    assert slow_link_message(link, 10.0, collectives, bandwidth_key="cluster.link.bandwidth_gbps",
+                             timeout_key="timeout_s").startswith("cluster.link: the TMP activation AllReduce")
+    assert slow_link_message(link, 20.0, collectives) is None  # fits
+    assert slow_link_message(link, 10.0, [Collective("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
+
+
+def test_the_activation_all_reduce_is_one_sub_batch_of_hidden_states():
+    from oases_ds.config import Collective, activation_all_reduce
+
+    cfg = ModelConfig(hidden_size=32, seq_len=8)
+    assert activation_all_reduce(cfg, 4, 2, 2, 4) == Collective("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2)
+    assert activation_all_reduce(cfg, 1, 2, 4, 2).nbytes == 8 * 32 * 2  # a micro-batch smaller than the split: one row
 
 
 @pytest.mark.parametrize(
