@@ -85,7 +85,7 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
-                                 check_save_tag, prune, publish, read_latest)
+                                 check_rank_files, check_save_tag, prune, publish, read_latest)
 from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message
 from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
 from oases_ds.parallel.collectives import group_size, start_all_reduce
@@ -471,8 +471,9 @@ class OasesEngine(DeepSpeedEngine):
         else:
             tag = check_complete(load_dir, str(tag))
         tag_dir = os.path.join(load_dir, tag)
-        CheckpointMeta.read(tag_dir).refuse_mismatch(tag_dir, self.checkpoint_meta(),
-                                                     optimizer_states=load_optimizer_states and not load_module_only)
+        saved, optimizer_states = CheckpointMeta.read(tag_dir), load_optimizer_states and not load_module_only
+        saved.refuse_mismatch(tag_dir, self.checkpoint_meta(), optimizer_states=optimizer_states)
+        check_rank_files(load_dir, tag, saved, optimizer_states)  # every rank sees the same files: all raise alike
         result, error = (None, None), None
         try:
             result = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
