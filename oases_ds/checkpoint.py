@@ -1,6 +1,6 @@
 """Checkpoints that are safe to load and safe to lose power during.
 
-Why this exists, in four parts:
+Why this exists, in five parts:
 
 * **No code from a checkpoint.**  DeepSpeed 0.19.8 reads every checkpoint file
   with ``torch.load(weights_only=False)``: a file whose pickle carries a
@@ -19,6 +19,11 @@ Why this exists, in four parts:
   ``oases_meta.json`` (:class:`CheckpointMeta`: model, TMP degree and per-block
   degrees, precision, ZeRO stage, DP size); a run that differs is refused
   before DeepSpeed reads anything, instead of failing deep inside it.
+* **Every file its layout needs, checked first.**  The meta says which rank files
+  DeepSpeed wrote (:meth:`CheckpointMeta.rank_files`); :func:`check_rank_files` names
+  a missing, empty, unreadable or cut-short one before any rank starts.  DeepSpeed
+  itself would find it only inside the ranks, as an ``EOFError`` on one of them or an
+  ``AssertionError`` about the checkpoint count.
 
 All functions are filesystem logic for one process; the engine calls the
 writers on rank 0 between barriers.  Several nodes need a shared filesystem.
@@ -32,6 +37,7 @@ import re
 import shutil
 import tempfile
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -161,6 +167,22 @@ class CheckpointMeta:
                 pairs.append(("data_parallel_size (ZeRO partitions)", self.data_parallel_size, run.data_parallel_size))
         return diffs + [(name, saved, now) for name, saved, now in pairs if saved != now]
 
+    def rank_files(self, optimizer_states: bool = True) -> list[tuple[str, str]]:
+        """``(file name, what it holds)`` of every rank file DeepSpeed 0.19.8 writes for this
+        layout: the model states of each model-parallel rank (``mpu.get_model_parallel_rank``:
+        pipeline stage x TMP degree + TMP rank; written by DP rank 0) and, with ZeRO, the
+        optimizer-state partition of each DP rank for each of them (``bf16_`` in front in bf16)."""
+        model_parallel = self.tensor_parallel_size * len(self.pipeline_layers)
+        files = [(f"mp_rank_{mp:02d}_model_states.pt", f"model states of model-parallel rank {mp} of {model_parallel}")
+                 for mp in range(model_parallel)]
+        if optimizer_states and self.zero_stage > 0:
+            prefix = "bf16_" if self.precision == "bf16" else ""
+            files += [(f"{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt",
+                       f"ZeRO optimizer states of data-parallel rank {dp} of {self.data_parallel_size}, "
+                       f"model-parallel rank {mp} of {model_parallel}")
+                      for dp in range(self.data_parallel_size) for mp in range(model_parallel)]
+        return files
+
     def refuse_mismatch(self, tag_dir: str, run: CheckpointMeta, optimizer_states: bool = True) -> None:
         diffs = self.differences(run, optimizer_states)
         if diffs:
@@ -202,6 +224,38 @@ def check_complete(directory: str, tag: str, source: str = "tag") -> str:
         raise CheckpointError(f"{source} names tag {tag!r}, but {tag_dir} has no {META_FILE} (not saved by oases_ds, "
                               "or not completed)")
     return tag
+
+
+def check_rank_files(directory: str, tag: str, saved: CheckpointMeta, optimizer_states: bool = True) -> None:
+    """Every file ``saved``'s layout needs is in ``directory/tag``, a non-empty file, readable,
+    and a complete torch file (``torch.save`` writes a zip archive; its directory is at the end,
+    so a file cut short by a crash or an interrupted copy has none).  Reads only each file's
+    zip directory, not the tensors."""
+    tag_dir = os.path.join(directory, tag)
+    for name, holds in saved.rank_files(optimizer_states):
+        path = os.path.join(tag_dir, name)
+        problem = _rank_file_problem(path)
+        if problem:
+            raise CheckpointError(f"checkpoint file {path} {problem}: it holds the {holds}; copy the whole checkpoint "
+                                  f"{tag_dir} again, or write an older tag into {os.path.join(directory, LATEST)}")
+
+
+def _rank_file_problem(path: str) -> str | None:
+    """What is wrong with one rank file, as the end of "checkpoint file <path> ...", or None."""
+    if not os.path.lexists(path):
+        return "is missing"
+    if not os.path.isfile(path):
+        return "is not a file"
+    try:
+        if os.path.getsize(path) == 0:
+            return "is empty"
+        with zipfile.ZipFile(path):
+            pass
+    except zipfile.BadZipFile as err:
+        return f"is damaged (not a complete torch file: {err})"
+    except OSError as err:
+        return f"is unreadable ({err.strerror or err})"
+    return None
 
 
 def check_save_tag(tag: str) -> str:
@@ -321,6 +375,8 @@ def preflight(directory: str | None, resume: bool, expected: CheckpointMeta | No
     if tag is None:
         raise CheckpointError(f"checkpoint.resume=true but checkpoint.dir={directory} holds no checkpoint (no {LATEST} "
                               "file); drop checkpoint.resume to start from step 0")
+    tag_dir = os.path.join(directory, tag)
+    saved = CheckpointMeta.read(tag_dir)
     if expected is not None:
-        tag_dir = os.path.join(directory, tag)
-        CheckpointMeta.read(tag_dir).refuse_mismatch(tag_dir, expected)
+        saved.refuse_mismatch(tag_dir, expected)
+    check_rank_files(directory, tag, saved)

@@ -10,11 +10,14 @@ one line naming the field and what to change.
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from oases_ds.models.config import ModelConfig
 from oases_ds.models.stages import Stage, split_stages
 from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
@@ -109,6 +112,52 @@ class OasesConfig(BaseModel):
         """The schedule these flat keys describe (the JSON keeps them flat: DeepSpeed users
         write ``"sub_batches": 4`` next to ``"schedule": "oases"``)."""
         return ScheduleSpec(self.schedule, self.sub_batches, self.cross_pass, self.fine_grained_recompute)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a training step issues, as the link check prices it.
+
+    Attributes:
+        what: its name in messages ("TMP activation AllReduce").
+        kind: a :meth:`LinkModel.seconds` kind ("all_reduce", "all_gather", "p2p").
+        nbytes: payload bytes on each rank.
+        ranks: ranks of its group.
+    """
+
+    what: str
+    kind: str
+    nbytes: int
+    ranks: int
+
+
+def activation_all_reduce(model: ModelConfig, micro_batch: int, sub_batches: int, tensor_parallel_size: int,
+                          element_size: int) -> Collective:
+    """The TMP AllReduce every layer issues: one sub-batch's ``[b, s, h]`` activations (the
+    embedding, attention and MLP outputs all have that size).  Computed from the config alone,
+    so ``oases-train`` can price it before any rank starts and the engine after it has."""
+    sub_batch = max(1, micro_batch // sub_batches)
+    return Collective("TMP activation AllReduce", "all_reduce", sub_batch * model.seq_len * model.hidden_size * element_size,
+                      tensor_parallel_size)
+
+
+def slow_link_message(link: LinkModel, timeout_s: float, collectives: Sequence[Collective], *,
+                      bandwidth_key: str = "oases.link.bandwidth_gbps",
+                      timeout_key: str = "oases.process_group_timeout_s") -> str | None:
+    """One line if the slowest of ``collectives`` cannot cross ``link`` within the process-group
+    timeout, else ``None``.  Without it a too-slow link shows up only as ranks waiting out the
+    whole timeout.  The keys are named as the caller's user sets them: the engine's DeepSpeed
+    section by default, ``oases-train``'s ``cluster.link.bandwidth_gbps`` and ``timeout_s``."""
+    timed = [(link.seconds(c.kind, c.nbytes, c.ranks), c) for c in collectives]
+    if not timed:
+        return None
+    seconds, slowest = max(timed, key=lambda pair: pair[0])
+    if seconds <= timeout_s:
+        return None
+    return (f"{bandwidth_key.rpartition('.')[0]}: the {slowest.what} ({slowest.nbytes / 2**20:.3g} MiB over "
+            f"{slowest.ranks} ranks) needs {seconds:.3g} s at {bandwidth_key}={link.bandwidth_gbps:g}, longer than "
+            f"{timeout_key}={timeout_s:g}: ranks waiting on it would time out; raise {timeout_key} above "
+            f"{math.ceil(seconds)} or {bandwidth_key}")
 
 
 def one_line(err: ValidationError, prefix: str) -> str:

@@ -86,12 +86,11 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
-                                 check_save_tag, prune, publish, read_latest)
-from oases_ds.config import OasesConfig, OasesConfigError
+                                 check_rank_files, check_save_tag, prune, publish, read_latest)
+from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message
 from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
 from oases_ds.parallel.collectives import group_size, start_all_reduce
 from oases_ds.parallel.context import ParallelContext
-from oases_ds.parallel.link import LinkModel
 from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
@@ -108,21 +107,6 @@ USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule:
 
 class NonFiniteLossError(FloatingPointError):
     """A training step's loss is NaN or infinite; the message names the optimizer step."""
-
-
-def slow_link_warning(link: LinkModel, timeout_s: float, collectives: list[tuple[str, str, int, int]]) -> str | None:
-    """One line if the slowest of ``collectives`` (``(what, kind, payload bytes, ranks)``)
-    cannot cross ``link`` within the process-group timeout, else ``None``.  Without it a
-    too-slow link shows up only as a rank waiting out the whole timeout."""
-    timed = [(link.seconds(kind, nbytes, ranks), what, nbytes, ranks) for what, kind, nbytes, ranks in collectives]
-    if not timed:
-        return None
-    seconds, what, nbytes, ranks = max(timed)
-    if seconds <= timeout_s:
-        return None
-    return (f"oases.link: the {what} ({nbytes / 2**20:.3g} MiB over {ranks} ranks) needs {seconds:.3g} s at "
-            f"link.bandwidth_gbps={link.bandwidth_gbps:g}, longer than oases.process_group_timeout_s={timeout_s:g}: "
-            f"ranks waiting on it would time out; raise process_group_timeout_s above {math.ceil(seconds)} or the bandwidth")
 
 
 class OasesEngine(DeepSpeedEngine):
@@ -159,27 +143,28 @@ class OasesEngine(DeepSpeedEngine):
         if self.dp_reducer is not None:
             self.executor.add_hook(self.dp_reducer)
         if oases.link is not None and dist.get_rank() == 0:
-            message = slow_link_warning(oases.link.model(), oases.process_group_timeout_s, self._largest_collectives())
+            message = slow_link_message(oases.link.model(), oases.process_group_timeout_s, self._largest_collectives())
             if message:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _largest_collectives(self) -> list[tuple[str, str, int, int]]:
-        """The biggest collective of each kind a training step issues, as
-        ``(what, kind, payload bytes, ranks)``: a TMP AllReduce carries one sub-batch's
-        ``[b, s, h]`` activations (the embedding, attention and MLP outputs all have that
-        size); a replica group of a plan sums a block's gradients; DeepSpeed sums the
-        gradients over the DP group in buckets (not held to the emulated link, but on a
-        real link of that speed it would cross it)."""
+    def _largest_collectives(self) -> list[Collective]:
+        """The biggest collective of each kind a training step issues: the TMP activation
+        AllReduce (priced from the config, as ``oases-train`` prices it before launching);
+        a replica group of a plan sums a block's gradients; DeepSpeed sums the gradients over
+        the DP group in buckets (not held to the emulated link, but on a real link of that
+        speed it would cross it).  The last two need the built model and DeepSpeed's buckets,
+        so only the engine checks them."""
         model, ctx, cfg = self.module, self.parallel_context, self.module.cfg
         element = next(model.parameters()).element_size()
-        sub_batch = max(1, self.train_micro_batch_size_per_gpu() // self.schedule.sub_batches)
-        out = [("TMP activation AllReduce", "all_reduce", sub_batch * cfg.seq_len * cfg.hidden_size * element, ctx.tp_size)]
+        out = [activation_all_reduce(cfg, self.train_micro_batch_size_per_gpu(), self.schedule.sub_batches, ctx.tp_size,
+                                     element)]
         for params, group in model.sharding.replica_groups(model.layers):
-            out.append(("replica gradient AllReduce", "all_reduce", sum(p.numel() for p in params) * element, group_size(group)))
+            out.append(Collective("replica gradient AllReduce", "all_reduce", sum(p.numel() for p in params) * element,
+                                  group_size(group)))
         bucket = self.zero_reduce_bucket_size() if self.zero_optimization_stage() else MEMORY_OPT_ALLREDUCE_SIZE
         grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
         dp_bytes = min(grads, int(bucket)) * torch.empty((), dtype=self.communication_data_type).element_size()
-        out.append(("DP gradient AllReduce", "all_reduce", dp_bytes, ctx.dp_size))
+        out.append(Collective("DP gradient AllReduce", "all_reduce", dp_bytes, ctx.dp_size))
         return out
 
     def _overlapped_dp_reducer(self) -> DPGradReducer | None:
@@ -510,8 +495,9 @@ class OasesEngine(DeepSpeedEngine):
         else:
             tag = check_complete(load_dir, str(tag))
         tag_dir = os.path.join(load_dir, tag)
-        CheckpointMeta.read(tag_dir).refuse_mismatch(tag_dir, self.checkpoint_meta(),
-                                                     optimizer_states=load_optimizer_states and not load_module_only)
+        saved, optimizer_states = CheckpointMeta.read(tag_dir), load_optimizer_states and not load_module_only
+        saved.refuse_mismatch(tag_dir, self.checkpoint_meta(), optimizer_states=optimizer_states)
+        check_rank_files(load_dir, tag, saved, optimizer_states)  # every rank sees the same files: all raise alike
         result, error = (None, None), None
         try:
             result = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,

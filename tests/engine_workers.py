@@ -261,6 +261,10 @@ def checkpoint_safety_run(root: str) -> dict:
     with open(os.path.join(root, "inner", "latest"), "w") as f:
         f.write("../outside/global_step1")
     out["traversal"] = refused(fp32, os.path.join(root, "inner"))
+    damaged = os.path.join(root, "damaged")
+    shutil.copytree(os.path.join(root, "fp32_zero1"), damaged)
+    open(os.path.join(damaged, "global_step1", "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "w").close()
+    out["damaged"] = refused(engine_for(False, 1), damaged)
     return out
 
 

@@ -34,7 +34,8 @@ import oases_ds
 from oases_ds.cli import schema
 from oases_ds.cli.common import CONFIG_DIR, fail, fail_launch, stop, strip_launcher_args
 from oases_ds.cli.schema import ClusterSchema, DataSchema, MetricsSchema, ScheduleSchema, unset_schema_of
-from oases_ds.config import OasesConfigError, check_deepspeed_section, parse_oases_section
+from oases_ds.config import (OasesConfigError, activation_all_reduce, check_deepspeed_section, parse_oases_section,
+                             slow_link_message)
 from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
@@ -216,6 +217,14 @@ def validate(cfg: dict) -> None:
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
                                                         if replicas > 1 else "")
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
+    if oases.link:  # else every rank starts, then waits out timeout_s on its first collective
+        element_size = (torch.bfloat16 if cfg["bf16"] else torch.float32).itemsize
+        slow = slow_link_message(oases.link.model(), oases.process_group_timeout_s,
+                                 [activation_all_reduce(model, cfg["micro_batch"], sub_batches, oases.tensor_parallel_size,
+                                                        element_size)],
+                                 bandwidth_key="cluster.link.bandwidth_gbps", timeout_key="timeout_s")
+        if slow:
+            raise ValueError(slow)
     ckpt = cfg["checkpoint"]
     expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
                                     cfg["bf16"], cfg["zero_stage"],

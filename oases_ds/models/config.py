@@ -13,6 +13,14 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 # normalises exactly as it was trained (GPT-2 1e-5, BERT 1e-12, LLaMA 1e-6).
 DEFAULT_NORM_EPS: dict[str, float] = {"gpt": 1e-5, "bert": 1e-12, "llama": 1e-6}
 DEFAULT_ACTIVATION: dict[str, str] = {"gpt": "gelu", "bert": "gelu", "llama": "silu"}
+AT_LEAST: dict[str, tuple[int, str]] = {
+    "vocab_size": (1, ""), "hidden_size": (1, ""), "num_heads": (1, ""), "num_layers": (1, ""), "seq_len": (1, ""),
+    "ffn_size": (0, " (0: 4 x hidden_size)"), "num_kv_heads": (0, " (0: num_heads)"),
+    "type_vocab_size": (0, " (0: no token types)"), "rope_original_max_positions": (1, ""),
+}
+"""The smallest value of each whole-number field, and what its 0 means where 0 is allowed."""
+POSITIVE: tuple[str, ...] = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+"""Float fields that must be > 0 (``norm_eps`` too, once its family default is resolved)."""
 
 
 @dataclass(frozen=True)
@@ -84,26 +92,38 @@ class ModelConfig:
             raise ValueError(f"model.family={self.family!r} unknown; choose one of {', '.join(FAMILIES)}")
         # The unset values (None, "", 0) stay as given and resolve in properties, so that
         # dataclasses.replace(cfg, family="llama") takes the new family's defaults.
+        self._check_ranges()
         self._check_options()
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} does not divide model.hidden_size={self.hidden_size}"
             )
         if self.family == "llama" and self.head_dim % 2:
             raise ValueError(f"llama needs an even head dim for RoPE, got {self.head_dim}")
+
+    def _check_ranges(self) -> None:
+        """Each numeric field against its own range, before anything computes with one:
+        ``num_heads=0`` must be refused by name, not surface as a ``ZeroDivisionError`` from
+        ``num_heads % kv_heads``.  Written so that NaN fails too (``not nan > 0``)."""
+        for name, (least, meaning) in AT_LEAST.items():
+            if not getattr(self, name) >= least:
+                raise ValueError(f"model.{name} must be >= {least}{meaning}, got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
+        for name in POSITIVE:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"model.pad_token_id={self.pad_token_id} is not a token of model.vocab_size="
+                             f"{self.vocab_size}; give an id below it, or null for no padding token")
 
     def _check_options(self) -> None:
         """One-line errors for the options real checkpoints need (GQA, RoPE, ties, activation)."""
-        if not self.eps > 0:
-            raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
-        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+        if self.num_heads % self.kv_heads:
             raise ValueError(
-                f"model.num_kv_heads={self.num_kv_heads} must be >= 1 (0: num_heads) and divide model.num_heads={self.num_heads}"
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} (0: num_heads)"
             )
         if self.kv_heads != self.num_heads and self.family == "bert":
             raise ValueError("model.num_kv_heads applies to gpt and llama; leave it 0 for bert")
@@ -118,22 +138,15 @@ class ModelConfig:
             raise ValueError(
                 f"model.rope_scaling={self.rope_scaling!r} unknown; choose one of {', '.join(ROPE_SCALINGS)}"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
             raise ValueError(f"model.rope_factor must be >= 1 with rope_scaling={self.rope_scaling}, got {self.rope_factor}")
-        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        if self.rope_scaling == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(
                 f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be > 0 and below "
                 f"model.rope_high_freq_factor={self.rope_high_freq_factor}"
             )
-        if self.rope_original_max_positions < 1:
-            raise ValueError(f"model.rope_original_max_positions must be >= 1, got {self.rope_original_max_positions}")
-        if self.type_vocab_size < 0 or (self.type_vocab_size and self.family != "bert"):
+        if self.type_vocab_size and self.family != "bert":
             raise ValueError(f"model.type_vocab_size={self.type_vocab_size} applies to bert only (>= 1), else 0")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"model.pad_token_id={self.pad_token_id} is not a token of model.vocab_size="
-                             f"{self.vocab_size}; give an id below it, or null for no padding token")
 
     @property
     def ffn(self) -> int:

@@ -12,7 +12,8 @@ never a torn one, even after a crash or a power cut.  So every writer here
 4. ``fsync``\\ s the directory where the platform allows it (the rename itself is
    on disk; Windows cannot open a directory, some filesystems refuse the call).
 
-A failure at any step removes the temporary file and leaves the target as it was.
+A failure at any step removes the temporary file and leaves the target as it was, and
+an ``OSError`` names the target (the path the caller gave), never the temporary.
 This module imports nothing of ours: every layer may use it.
 """
 from __future__ import annotations
@@ -43,8 +44,11 @@ def write_bytes_atomic(path: PathLike, data: bytes) -> None:
     """
     target = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(target)
-    os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    except OSError as err:
+        raise _against(err, path) from None
     try:
         if hasattr(os, "fchmod"):  # not on Windows, where modes mean little
             os.fchmod(handle, 0o666 & ~_UMASK)
@@ -53,11 +57,23 @@ def write_bytes_atomic(path: PathLike, data: bytes) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _against(err, path) from None
         raise
     fsync_directory(directory)
+
+
+def _against(err: OSError, path: PathLike) -> OSError:
+    """``err`` told against ``path``, the file the caller asked for.  Why: the OS names the
+    file it was handed -- the hidden ``.<name>.<random>.tmp``, or the directory being made --
+    and an error line naming a file the user never gave sends them looking for it.  Same
+    class (``FileNotFoundError`` ...) and errno, so callers catch what they caught before."""
+    if err.errno is None:  # raised without an errno (by a wrapper, a test): nothing to re-tell
+        return err
+    return type(err)(err.errno, err.strerror, os.fspath(path))
 
 
 def write_text_atomic(path: PathLike, text: str) -> None:

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +198,74 @@ def test_preflight_names_checkpoint_dir_when_it_cannot_be_used(tmp_path):
     preflight(None, resume=False)
 
 
+# What DeepSpeed 0.19.8 writes into a tag directory (seen in checkpoints it saved; the engine and
+# oases-train tests below compare real ones): one model-states file per model-parallel rank (TMP
+# rank x pipeline stage, saved by DP rank 0) and, with ZeRO 1, one optimizer-states file per DP rank
+# and model-parallel rank ("bf16_" in front in bf16).
+LAYOUTS = {
+    "tmp2": (meta(), ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]),
+    "tmp2_dp2_zero1_bf16": (meta(zero_stage=1, data_parallel_size=2, bf16=True), [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"]),
+    "tmp1_dp1_zero1": (meta(tensor_parallel_size=1, zero_stage=1), [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]),
+    "two_stages": (meta(tensor_parallel_size=1, pipeline_layers=[1, 1]),
+                   ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]),
+}
+
+
+def complete_checkpoint(directory, saved: CheckpointMeta, files: list[str], tag: str = "global_step2") -> str:
+    """A published checkpoint holding ``files`` as small torch files (zip archives, as
+    ``torch.save`` writes them), ``saved`` as its meta and ``latest`` naming it; returns its directory."""
+    tag_dir = os.path.join(directory, tag)
+    os.makedirs(tag_dir)
+    for name in files:
+        torch.save({"name": name, "weight": torch.zeros(16)}, os.path.join(tag_dir, name))
+    saved.write(tag_dir, global_steps=2)
+    (Path(directory) / LATEST).write_text(tag)
+    return tag_dir
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_layout_lists_the_files_deepspeed_writes(layout):
+    saved, files = LAYOUTS[layout]
+    assert sorted(name for name, _ in saved.rank_files()) == sorted(files)
+    assert [name for name, _ in saved.rank_files(optimizer_states=False)] == [f for f in files if "_model_states" in f]
+
+
+@pytest.mark.parametrize("layout, damage, name, problem, role", [
+    ("tmp2", "remove", "mp_rank_01_model_states.pt", "is missing", "model states of model-parallel rank 1 of 2"),
+    ("tmp2", "empty", "mp_rank_00_model_states.pt", "is empty", "model states of model-parallel rank 0 of 2"),
+    ("tmp2", "directory", "mp_rank_01_model_states.pt", "is not a file", "model states of model-parallel rank 1 of 2"),
+    ("tmp2_dp2_zero1_bf16", "truncate", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+     "is damaged (not a complete torch file: File is not a zip file)",
+     "ZeRO optimizer states of data-parallel rank 1 of 2, model-parallel rank 0 of 2"),
+    ("tmp1_dp1_zero1", "remove", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "is missing",
+     "ZeRO optimizer states of data-parallel rank 0 of 1, model-parallel rank 0 of 1"),
+])
+def test_preflight_names_a_missing_empty_or_damaged_rank_file(tmp_path, layout, damage, name, problem, role):
+    """Before: DeepSpeed's ``checkpoint count 1 is different from saved mp_world_size 2`` for a missing
+    file, ``EOFError`` on one rank for an empty one, both after every rank had started."""
+    saved, files = LAYOUTS[layout]
+    tag_dir = complete_checkpoint(tmp_path, saved, files)
+    preflight(str(tmp_path), resume=True, expected=saved)  # complete: passes
+    path = Path(tag_dir) / name
+    if damage == "remove":
+        path.unlink()
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as err:
+        preflight(str(tmp_path), resume=True, expected=saved)
+    assert str(err.value) == (f"checkpoint file {path} {problem}: it holds the {role}; copy the whole checkpoint "
+                              f"{tag_dir} again, or write an older tag into {tmp_path / LATEST}")
+
+
 @pytest.fixture
 def world_readable_tmp():
     """pytest's tmp_path sits under a 0700 directory an unprivileged user cannot enter."""
@@ -243,7 +312,7 @@ def test_preflight_resume_needs_a_checkpoint_that_matches(tmp_path):
         preflight(None, resume=True)
     with pytest.raises(CheckpointError, match=rf"^checkpoint.resume=true but checkpoint.dir={tmp_path} holds no checkpoint"):
         preflight(str(tmp_path), resume=True)
-    fake_checkpoint(tmp_path, "global_step2", "x", latest=True)
+    complete_checkpoint(tmp_path, meta(), ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"])
     preflight(str(tmp_path), resume=True, expected=meta())
     with pytest.raises(CheckpointError, match=r"was saved with precision=fp32, this run has precision=bf16$"):
         preflight(str(tmp_path), resume=True, expected=meta(bf16=True))
@@ -274,8 +343,17 @@ def test_engine_loads_every_mode_safely_and_refuses_bad_checkpoints(tmp_path):
                     out["payload"])
     assert not out["marker_exists"]
     assert "not a plain checkpoint tag" in out["traversal"]
-    for msg in (out["mismatch"], out["payload"], out["traversal"]):
+    damaged = tmp_path / "damaged" / "global_step1"
+    assert out["damaged"] == (f"checkpoint file {damaged / 'zero_pp_rank_0_mp_rank_00_optim_states.pt'} is empty: it "
+                              f"holds the ZeRO optimizer states of data-parallel rank 0 of 1, model-parallel rank 0 of 1; "
+                              f"copy the whole checkpoint {damaged} again, or write an older tag into "
+                              f"{tmp_path / 'damaged' / LATEST}")
+    for msg in (out["mismatch"], out["payload"], out["traversal"], out["damaged"]):
         assert "\n" not in msg
+    for mode in out["roundtrip"]:  # the layout names exactly what DeepSpeed wrote, in every mode
+        tag_dir = tmp_path / mode / "global_step1"
+        assert sorted(os.listdir(tag_dir)) == sorted([n for n, _ in CheckpointMeta.read(str(tag_dir)).rank_files()]
+                                                     + [META_FILE]), mode
 
 
 # -- oases-train ---------------------------------------------------------------------
@@ -315,6 +393,30 @@ def test_train_refuses_a_mismatched_resume_before_launching(saved, override, sav
     assert proc.returncode == 2
     assert last_line(proc) == f"error: checkpoint {saved / 'global_step2'} was saved with {saved_with}, this run has {has}"
     assert "oases-train:" not in proc.stdout  # no rank started
+
+
+@pytest.mark.distributed
+def test_train_saves_exactly_the_files_its_layout_lists(saved):
+    tag_dir = saved / "global_step2"
+    names = [name for name, _ in CheckpointMeta.read(str(tag_dir)).rank_files()]
+    assert sorted(os.listdir(tag_dir)) == sorted(names + [META_FILE])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("damage, problem", [("remove", "is missing"), ("empty", "is empty")])
+def test_train_names_a_missing_or_empty_rank_file_before_launching(saved, tmp_path, damage, problem):
+    """Was ``error: rank 0: AssertionError: checkpoint count 1 is different from saved mp_world_size 2``
+    (missing) and ``error: rank 1: EOFError`` (empty), after both ranks had started."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    path = ckpt / "global_step2" / "mp_rank_01_model_states.pt"
+    path.unlink() if damage == "remove" else path.write_bytes(b"")
+    proc = train("steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "timeout_s=120", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert last_line(proc) == (f"error: checkpoint file {path} {problem}: it holds the model states of model-parallel "
+                               f"rank 1 of 2; copy the whole checkpoint {ckpt / 'global_step2'} again, or write an "
+                               f"older tag into {ckpt / LATEST}")
+    assert "oases-train:" not in proc.stdout and "Traceback" not in proc.stderr  # no rank started
 
 
 @pytest.mark.distributed

@@ -174,8 +174,8 @@ def test_a_link_too_slow_for_the_timeout_warns_at_start(misuse):
     warned = misuse[0]["link_warnings"]
     assert len(warned) == 1 and "\n" not in warned[0]
     assert warned[0].startswith("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 164 s at "
-                                "link.bandwidth_gbps=1e-07, longer than oases.process_group_timeout_s=120"), warned[0]
-    assert warned[0].endswith("raise process_group_timeout_s above 164 or the bandwidth")
+                                "oases.link.bandwidth_gbps=1e-07, longer than oases.process_group_timeout_s=120"), warned[0]
+    assert warned[0].endswith("raise oases.process_group_timeout_s above 164 or oases.link.bandwidth_gbps")
     assert misuse[1]["link_warnings"] == []  # rank 0 only
 
 

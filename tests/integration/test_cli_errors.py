@@ -83,6 +83,10 @@ def files(tmp_path):
     ("checkpoint.every=-1", "error: checkpoint.every must be >= 0, got -1", ""),
     ("checkpoint.keep=-1", "error: checkpoint.keep must be >= 0, got -1", ""),
     ("timeout_s=0", "error: timeout_s must be a finite number > 0", ""),
+    ("model.num_heads=0", "error: model.num_heads must be >= 1, got 0", ""),
+    ("model.num_kv_heads=-1", "error: model.num_kv_heads must be >= 0 (0: num_heads), got -1", ""),
+    ("model.ffn_size=-4", "error: model.ffn_size must be >= 0 (0: 4 x hidden_size), got -4", ""),
+    ("model.rope_theta=0", "error: model.rope_theta must be > 0, got 0.0", ""),
     ("model=gpt_huge", "error: model=gpt_huge is not a preset in configs/model; choose from", "gpt_small"),
     ("cluster.link.bandwidth_gbps=3", "error: cluster.link.bandwidth_gbps=3: a key below a null node", "cluster=eth_25g"),
     ("experiment=e2e", "error: experiment=e2e: Could not override 'experiment'", ""),
@@ -90,6 +94,16 @@ def files(tmp_path):
 def test_train_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, override, start, fix):
     line = refused(capsys, monkeypatch, tmp_path, train, override)
     assert line.startswith(start) and fix in line
+
+
+def test_train_refuses_a_link_too_slow_for_its_timeout_before_launching(capsys, monkeypatch, tmp_path):
+    """One TMP AllReduce of gpt_small's sub-batch (4 x 128 x 128 fp32 = 0.25 MiB, 2 ranks: 0.25 MiB on
+    the wire) at 1e-9 Gbit/s takes 2.1e6 s; the ranks used to start, warn, then wait out timeout_s."""
+    line = refused(capsys, monkeypatch, tmp_path, train, "cluster=eth_25g", "cluster.link.bandwidth_gbps=1e-9",
+                   "timeout_s=15")
+    assert line == ("error: cluster.link: the TMP activation AllReduce (0.25 MiB over 2 ranks) needs 2.1e+06 s at "
+                    "cluster.link.bandwidth_gbps=1e-09, longer than timeout_s=15: ranks waiting on it would time out; "
+                    "raise timeout_s above 2097153 or cluster.link.bandwidth_gbps"), line
 
 
 # -- oases-train: data problems found before any rank reads the data --------------------------------
@@ -172,6 +186,12 @@ def test_plan_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, 
     assert not (tmp_path / "p.json").exists()
 
 
+def test_plan_names_the_out_path_it_cannot_write_not_a_temporary(capsys, monkeypatch, tmp_path):
+    """``out=/proc/plan.json`` (no file can be created there): the line names the path the user gave."""
+    line = refused(capsys, monkeypatch, tmp_path, plan, "cost=analytic", "cluster=pcie_3090", "out=/proc/plan.json")
+    assert line == "error: [Errno 2] No such file or directory: '/proc/plan.json'", line
+
+
 def test_plan_layers_null_still_means_all_layers(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["oases-plan", "cost=analytic", "cluster=pcie_3090", "layers=null", "out=p.json"])
@@ -193,6 +213,8 @@ def test_bench_refuses_an_unknown_preset_naming_the_known_ones(capsys, monkeypat
     ("train", ["steps=abc"], "error: steps: "),
     ("train", ["+model.hiden_size=64"], "error: model.hiden_size: "),
     ("train", ["data=mmap"], "error: data.path "),
+    ("train", ["model.num_heads=0"], "error: model.num_heads must be >= 1, got 0"),
+    ("train", ["cluster=eth_25g", "cluster.link.bandwidth_gbps=1e-9", "timeout_s=30"], "error: cluster.link: the TMP "),
     ("plan", ["micro_batch=-16", "cost=analytic", "cluster=pcie_3090"], "error: micro_batch "),
     ("bench", ["experiment=foo"], "error: experiment=foo "),
 ])

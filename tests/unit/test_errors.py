@@ -1,4 +1,6 @@
 """Bad input gets one clear line naming the field."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,58 @@ def test_tp_degree_must_divide_model(cfg, tp, field):
 def test_heads_must_divide_hidden():
     with pytest.raises(ValueError, match="model.num_heads=3 does not divide model.hidden_size=32"):
         ModelConfig(hidden_size=32, num_heads=3)
+
+
+# One value outside its range for every numeric field of ModelConfig, with the line it gets.  The
+# zero head counts failed as a ZeroDivisionError in ``num_heads % kv_heads`` before the range checks
+# ran; a negative ffn_size or rope factor was accepted and failed later, inside a layer.
+OUT_OF_RANGE = {
+    "vocab_size": (0, "model.vocab_size must be >= 1, got 0"),
+    "hidden_size": (0, "model.hidden_size must be >= 1, got 0"),
+    "num_heads": (0, "model.num_heads must be >= 1, got 0"),
+    "num_layers": (0, "model.num_layers must be >= 1, got 0"),
+    "ffn_size": (-4, "model.ffn_size must be >= 0 (0: 4 x hidden_size), got -4"),
+    "seq_len": (-1, "model.seq_len must be >= 1, got -1"),
+    "dropout": (1.0, "model.dropout must be in [0, 1), got 1.0"),
+    "norm_eps": (float("nan"), "model.norm_eps must be > 0, got nan"),
+    "num_kv_heads": (-2, "model.num_kv_heads must be >= 0 (0: num_heads), got -2"),
+    "rope_theta": (0.0, "model.rope_theta must be > 0, got 0.0"),
+    "rope_factor": (-1.0, "model.rope_factor must be > 0, got -1.0"),
+    "rope_low_freq_factor": (0.0, "model.rope_low_freq_factor must be > 0, got 0.0"),
+    "rope_high_freq_factor": (-4.0, "model.rope_high_freq_factor must be > 0, got -4.0"),
+    "rope_original_max_positions": (0, "model.rope_original_max_positions must be >= 1, got 0"),
+    "type_vocab_size": (-1, "model.type_vocab_size must be >= 0 (0: no token types), got -1"),
+    "pad_token_id": (-1, "model.pad_token_id=-1 is not a token of model.vocab_size=256; give an id below it, "
+                         "or null for no padding token"),
+}
+
+
+def test_every_numeric_model_field_has_a_range_case():
+    """A new numeric field of ModelConfig needs its range checked, and a case above."""
+    numeric = [f.name for f in dataclasses.fields(ModelConfig) if f.type.split(" |")[0] in ("int", "float")]
+    assert sorted(numeric) == sorted(OUT_OF_RANGE)
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_every_model_field_is_range_checked_by_name(name, family):
+    value, line = OUT_OF_RANGE[name]
+    with pytest.raises(ValueError) as exc:
+        ModelConfig(family=family, **{name: value})
+    assert str(exc.value) == line
+
+
+@pytest.mark.parametrize("fields, line", [
+    (dict(num_heads=0, num_kv_heads=2), "model.num_heads must be >= 1, got 0"),
+    (dict(num_heads=0, hidden_size=0), "model.hidden_size must be >= 1, got 0"),
+    (dict(family="llama", num_heads=0, norm_eps=-1.0), "model.num_heads must be >= 1, got 0"),
+    (dict(num_heads=0, pad_token_id=300), "model.num_heads must be >= 1, got 0"),
+])
+def test_ranges_are_checked_before_any_arithmetic_or_relation(fields, line):
+    """The first field out of range is named, whatever else is wrong, and never as a ZeroDivisionError."""
+    with pytest.raises(ValueError) as exc:
+        ModelConfig(**fields)
+    assert str(exc.value) == line
 
 
 def test_unknown_family():
@@ -137,18 +191,29 @@ def test_initialize_names_gradient_accumulation_steps_before_deepspeed_asserts(e
         oases_ds.initialize(model=ModelConfig(hidden_size=16, num_heads=2, num_layers=1, seq_len=4, vocab_size=16), config=cfg)
 
 
-def test_slow_link_warning_names_both_times_and_the_fix():
-    from oases_ds.engine import slow_link_warning
+def test_slow_link_message_names_both_times_and_the_fix():
+    from oases_ds.config import Collective, slow_link_message
 
     link = LinkModel(bandwidth_gbps=1e-6)
     # one sub-batch's [2, 8, 32] fp32 activations over 2 ranks: 2 KiB on the wire -> 16.4 s at 1 kbit/s
-    collectives = [("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2), ("DP gradient AllReduce", "all_reduce", 64, 2)]
-    msg = slow_link_warning(link, 10.0, collectives)
+    collectives = [Collective("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2),
+                   Collective("DP gradient AllReduce", "all_reduce", 64, 2)]
+    msg = slow_link_message(link, 10.0, collectives)
     assert msg == ("oases.link: the TMP activation AllReduce (0.00195 MiB over 2 ranks) needs 16.4 s at "
-                   "link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it would "
-                   "time out; raise process_group_timeout_s above 17 or the bandwidth")
-    assert slow_link_warning(link, 20.0, collectives) is None  # fits
-    assert slow_link_warning(LinkModel(bandwidth_gbps=1e-6), 10.0, [("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
+                   "oases.link.bandwidth_gbps=1e-06, longer than oases.process_group_timeout_s=10: ranks waiting on it "
+                   "would time out; raise oases.process_group_timeout_s above 17 or oases.link.bandwidth_gbps")
+    assert slow_link_message(link, 10.0, collectives, bandwidth_key="cluster.link.bandwidth_gbps",
+                             timeout_key="timeout_s").startswith("cluster.link: the TMP activation AllReduce")
+    assert slow_link_message(link, 20.0, collectives) is None  # fits
+    assert slow_link_message(link, 10.0, [Collective("DP gradient AllReduce", "all_reduce", 4096, 1)]) is None
+
+
+def test_the_activation_all_reduce_is_one_sub_batch_of_hidden_states():
+    from oases_ds.config import Collective, activation_all_reduce
+
+    cfg = ModelConfig(hidden_size=32, seq_len=8)
+    assert activation_all_reduce(cfg, 4, 2, 2, 4) == Collective("TMP activation AllReduce", "all_reduce", 2 * 8 * 32 * 4, 2)
+    assert activation_all_reduce(cfg, 1, 2, 4, 2).nbytes == 8 * 32 * 2  # a micro-batch smaller than the split: one row
 
 
 @pytest.mark.parametrize(

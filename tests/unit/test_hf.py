@@ -245,8 +245,8 @@ def test_save_refuses_what_is_not_a_model(tmp_path):
 
 
 @pytest.mark.parametrize("fields,words", [
-    (dict(num_kv_heads=3), "model.num_kv_heads=3 must be >= 1 (0: num_heads) and divide model.num_heads=4"),
-    (dict(num_kv_heads=-1), "model.num_kv_heads=-1 must be >= 1"),
+    (dict(num_kv_heads=3), "model.num_kv_heads=3 must divide model.num_heads=4 (0: num_heads)"),
+    (dict(num_kv_heads=-1), "model.num_kv_heads must be >= 0 (0: num_heads), got -1"),
     (dict(family="bert", num_kv_heads=2), "leave it 0 for bert"),
     (dict(activation="relu"), "model.activation='relu' unknown"),
     (dict(family="llama", activation="gelu"), "does not fit family llama; use silu"),

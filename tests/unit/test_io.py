@@ -105,3 +105,18 @@ def test_replace_marked_section_rewrites_only_between_the_markers(tmp_path):
     with pytest.raises(ValueError, match=r"markers '<!-- v:begin -->' / '<!-- v:end -->' missing"):
         replace_marked_section(path, "<!-- v:begin -->", "<!-- v:end -->", "x", append=False)
     assert path.read_text() == before  # a refused rewrite leaves the file as it was
+
+
+def test_a_failed_write_names_the_target_not_the_hidden_temporary(tmp_path) -> None:
+    """The user gave the target's path; ``.<name>.<random>.tmp`` is ours and means nothing to them.
+    A directory where the file should go fails at the rename, ``/proc`` (no new files) at mkstemp."""
+    taken = tmp_path / "plan.json"
+    taken.mkdir()
+    with pytest.raises(IsADirectoryError) as exc:
+        write_json_atomic(taken, {"attn": [2]})
+    assert str(exc.value) == f"[Errno 21] Is a directory: '{taken}'"
+    assert os.listdir(tmp_path) == ["plan.json"] and os.listdir(taken) == []  # no temporary left
+    with pytest.raises(FileNotFoundError) as exc:
+        write_text_atomic("/proc/plan.json", "{}")
+    assert str(exc.value) == "[Errno 2] No such file or directory: '/proc/plan.json'"
+    assert exc.value.filename == "/proc/plan.json" and exc.value.filename2 is None
