@@ -50,8 +50,8 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
 HookPhase = Literal["before", "after"]
 InstructionHook = Callable[[Instruction, HookPhase], None]
 
-# Phase names in the timeline (and so in Chrome traces), per instruction type / comm phase.
-_COMPUTE_PHASE = {Forward: "fwd", Recompute: "rec", Backward: "bwd"}
+# Phase names in the timeline (and so in Chrome traces) per comm phase; the compute
+# handlers name theirs ("fwd", "rec", "bwd").
 _COMM_PHASE = {"forward": "fwd", "recompute": "rec", "backward": "bwd"}
 
 
@@ -120,6 +120,7 @@ class Executor:
         They run with ``OpContext.outputs_needed`` off: an op marked ``graph_only_recompute``
         builds only the graph its Backward needs (no output GEMM)."""
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
+        self._is_comm = [isinstance(op, CommOp) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
         self.sum_replica_grads = True
@@ -193,14 +194,17 @@ class Executor:
         Returns the micro-batch's mean loss (detached).
         """
         self._prepare(batch, sample_offset, global_batch)
-        for idx, ins in enumerate(self.schedule.instructions):
-            for hook in self._hooks:
-                hook(ins, "before")
-            self._handlers[type(ins)](ins)
-            for hook in self._hooks:
-                hook(ins, "after")
-            for buf in self._frees[idx]:
-                self._buffers.pop(buf, None)
+        handlers, hooks, buffers = self._handlers, self._hooks, self._buffers
+        for ins, frees in zip(self.schedule.instructions, self._frees):  # the hot loop: see benchmarks/host_overhead.py
+            if hooks:
+                for hook in hooks:
+                    hook(ins, "before")
+            handlers[type(ins)](ins)
+            if hooks:
+                for hook in hooks:
+                    hook(ins, "after")
+            for buf in frees:
+                buffers.pop(buf, None)
         leftover = list(self._buffers)
         self._buffers.clear()
         if leftover:
@@ -251,24 +255,18 @@ class Executor:
         return self._ctx
 
     # -- handlers ------------------------------------------------------------------
-    def _timed(self, ins: Instruction, lane: str, fn: Callable[[], None]) -> None:
-        if not self.record:
-            fn()
-            return
-        clock = self.timeline.clock
-        t0 = clock.mark()
-        fn()
-        self.timeline.add(str(ins), lane, ins.sub, t0, clock.mark(), self._labels[ins.op], _COMPUTE_PHASE[type(ins)])
-
+    # Each compute handler times itself inline (no closure per instruction) and hands the
+    # timeline the instruction, whose name is formatted only when the timeline is read.
     def _run_compute(self, ins: Instruction, keep_graph: bool, phase: str) -> None:
         op = self.ops[ins.op]
-        inputs = self._buffers[("act", ins.op, ins.sub)]
-        if isinstance(op, CommOp):  # identity in this direction
-            self._buffers[("act", ins.op + 1, ins.sub)] = inputs
+        buffers = self._buffers
+        inputs = buffers[("act", ins.op, ins.sub)]
+        if self._is_comm[ins.op]:  # identity in this direction
+            buffers[("act", ins.op + 1, ins.sub)] = inputs
             return
         ctx = self._ctx[ins.sub]
         ctx.phase = phase
-        ctx.outputs_needed = ins not in self.unread_recomputes
+        ctx.outputs_needed = not (phase == "recompute" and ins in self.unread_recomputes)
         key = (ins.op, ins.sub)
         if phase == "forward":
             self._rng_states[key] = self.rng.capture()
@@ -292,17 +290,33 @@ class Executor:
         self._buffers[("act", ins.op + 1, ins.sub)] = passed
 
     def _forward(self, ins: Forward) -> None:
-        self._timed(ins, "compute", lambda: self._run_compute(ins, ins.keep_graph, "forward"))
+        if not self.record:
+            return self._run_compute(ins, ins.keep_graph, "forward")
+        t0 = self.timeline.clock.mark()
+        self._run_compute(ins, ins.keep_graph, "forward")
+        self._record_compute(ins, t0, "fwd")
 
     def _recompute(self, ins: Recompute) -> None:
-        self._timed(ins, "compute", lambda: self._run_compute(ins, True, "recompute"))
+        if not self.record:
+            return self._run_compute(ins, True, "recompute")
+        t0 = self.timeline.clock.mark()
+        self._run_compute(ins, True, "recompute")
+        self._record_compute(ins, t0, "rec")
 
     def _backward(self, ins: Backward) -> None:
-        self._timed(ins, "compute", lambda: self._run_backward(ins))
+        if not self.record:
+            return self._run_backward(ins)
+        t0 = self.timeline.clock.mark()
+        self._run_backward(ins)
+        self._record_compute(ins, t0, "bwd")
+
+    def _record_compute(self, ins: Instruction, t0, phase: str) -> None:
+        timeline = self.timeline
+        timeline.add(ins, "compute", ins.sub, t0, timeline.clock.mark(), self._labels[ins.op], phase)
 
     def _run_backward(self, ins: Backward) -> None:
         op = self.ops[ins.op]
-        if isinstance(op, CommOp):
+        if self._is_comm[ins.op]:
             self._buffers[("grad", ins.op, ins.sub)] = self._buffers[("grad", ins.op + 1, ins.sub)]
             return
         slots, outputs = self._buffers[("graph", ins.op, ins.sub)]
@@ -312,7 +326,7 @@ class Executor:
             grads = self._buffers[("grad", ins.op + 1, ins.sub)]
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                _backward_from(tuple(o for o, _ in pairs), tuple(g for _, g in pairs))
         self._buffers[("grad", ins.op, ins.sub)] = tuple(slot[0] for slot in slots)
 
     def _start(self, ins: StartAsync) -> None:
@@ -334,7 +348,7 @@ class Executor:
         t0 = clock.mark()
         result = pending.wait()
         t1 = clock.mark()  # on CUDA: fires once the compute stream may go on, i.e. the transfer is done
-        self.timeline.add(str(ins), "wait", ins.sub, t0, t1, label, phase)
+        self.timeline.add(ins, "wait", ins.sub, t0, t1, label, phase)
         self.timeline.add(comm_name, "comm", ins.sub, started, t1, label, phase)
         return result
 
@@ -345,6 +359,24 @@ class Executor:
                                   _COMM_PHASE[ins.phase])
         dst = ("grad", ins.op, ins.sub) if ins.phase == "backward" else ("act", ins.op + 1, ins.sub)
         self._buffers[dst] = _replace(acts, op.index, result)
+
+
+def _backward_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
+    """``torch.autograd.backward(outputs, grads)`` without its argument checks.
+
+    Each gradient here is the one autograd computed for the next op's input, the detached
+    twin of ``outputs``, so shapes and dtypes match by construction; the public function's
+    ``_make_grads`` checks them again through symbolic-shape comparisons, a tenth of the host
+    time of a step of small ops (``benchmarks/host_overhead.py``).  torch's own engine call
+    (``torch.autograd.graph._engine_run_backward``, private, tested with torch 2.13) takes them
+    as they are; without it, the public function runs."""
+    if _ENGINE_RUN_BACKWARD is None:
+        torch.autograd.backward(list(outputs), list(grads))
+        return
+    _ENGINE_RUN_BACKWARD(outputs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _replace(acts: Acts, index: int, value: torch.Tensor) -> Acts:
