@@ -281,7 +281,11 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Replicated RMSNorm (LLaMA): ``x / rms(x) * weight``, no bias."""
+    """Replicated RMSNorm (LLaMA): ``x / rms(x) * weight``, no bias.
+
+    The normalisation runs in fp32 and is cast back before the weight, as Hugging Face's
+    ``LlamaRMSNorm`` does: in bf16 the mean of squares over thousands of channels loses
+    the bits an imported checkpoint was trained with.  Identity in fp32."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -289,7 +293,8 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rotary_inverse_frequencies(

@@ -301,3 +301,21 @@ def test_a_checkpoint_missing_a_tensor_names_it(tmp_path):
     with pytest.raises(ValueError) as e:
         load_hf(src)
     assert "tensor 'model.layers.1.mlp.up_proj.weight' is missing from the checkpoint" in _one_line(e)
+
+
+def test_rmsnorm_in_bf16_matches_hugging_faces_bit_for_bit():
+    # HF LLaMA normalises in fp32 and casts back before the weight; in bf16 the old
+    # x * rsqrt(mean(x^2)) differed from it, so imported LLaMA drifted in bf16.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from oases_ds.parallel.layers import RMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(512, 1e-5), LlamaRMSNorm(512, eps=1e-5)
+    with torch.no_grad():
+        theirs.weight.copy_(1 + 0.1 * torch.randn(512))
+        ours.weight.copy_(theirs.weight)
+    ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+    x = (3 * torch.randn(4, 16, 512)).to(torch.bfloat16)
+    assert torch.equal(ours(x), theirs(x))
+    assert torch.equal(ours.float()(x.float()), theirs.float()(x.float()))
