@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from oases_ds._deepspeed_compat import choose_deepspeed_defaults
+from oases_ds._deepspeed_compat import choose_deepspeed_defaults, quiet_scheduler_start
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
 from oases_ds.hf import SUPPORTED, HFCheckpoint, is_hf_model
@@ -141,7 +141,9 @@ def initialize(
             model = OperatorModel(model, group=None, seed=oases.seed)
             if checkpoint is not None:
                 checkpoint.load_into(model)
-        return deepspeed.initialize(model=model, mpu=mpu, config=cfg, mesh_param=mesh_param, distributed_port=port, **common)
+        with quiet_scheduler_start():
+            return deepspeed.initialize(model=model, mpu=mpu, config=cfg, mesh_param=mesh_param, distributed_port=port,
+                                        **common)
 
     from oases_ds.engine import OasesEngine  # local: imports DeepSpeed (see above)
 
@@ -188,6 +190,7 @@ def initialize(
     check_batch_section(cfg, ctx.dp_size)
     model_mpu = ctx.mpu()
     config_class = DeepSpeedConfig(cfg, model_mpu)
-    engine = OasesEngine(model=model, mpu=model_mpu, config=cfg, config_class=config_class, oases=oases,
-                         parallel_context=ctx, **common)
+    with quiet_scheduler_start():
+        engine = OasesEngine(model=model, mpu=model_mpu, config=cfg, config_class=config_class, oases=oases,
+                             parallel_context=ctx, **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

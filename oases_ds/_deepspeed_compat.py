@@ -13,6 +13,12 @@ Two of DeepSpeed 0.19.8's choices differ by accelerator:
   (``OasesEngine._mark_sharded_grads``).  So Oases selects torch's Adam on every
   accelerator; on a GPU a config that sets ``torch_adam`` itself keeps its choice (``false``
   then runs DeepSpeed's fused path, which no Oases test covers, and says so in the log).
+* **A warning at every start.**  DeepSpeed's ``WarmupLR`` (and its other warm-up
+  schedulers) set the optimizer's first learning rate in their constructor by calling
+  their own ``get_lr`` before their first step, which logs "Attempting to get learning
+  rate from scheduler before it has started" -- once per rank, on every run, about
+  nothing the user did.  :func:`quiet_scheduler_start` drops that one message while the
+  engine is built; a later call before the scheduler started still warns.
 * **The shared-memory all-reduce op**, built whenever DeepSpeed's comm starts on its CPU
   accelerator, is used only by inference all-reduce; on CPU we skip the build by replacing
   the private ``deepspeed.comm.torch.build_shm_op`` with "not available", the answer
@@ -20,8 +26,10 @@ Two of DeepSpeed 0.19.8's choices differ by accelerator:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from typing import Iterator
 
 log = logging.getLogger("oases_ds")
 
@@ -61,3 +69,23 @@ def choose_deepspeed_defaults(config: dict) -> None:
     elif not params["torch_adam"] and name != "cpu":
         log.warning("oases: optimizer.params.torch_adam=false on %s runs DeepSpeed's FusedAdam (a JIT build) and, with "
                     "bf16, its fused FP16_Optimizer, a path no Oases test covers", name)
+
+
+_SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
+
+
+class _DropSchedulerStart(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_SCHEDULER_NOT_STARTED)
+
+
+@contextlib.contextmanager
+def quiet_scheduler_start() -> Iterator[None]:
+    """DeepSpeed's logger without the scheduler-construction warning (module docstring)."""
+    ds_logger = logging.getLogger("DeepSpeed")
+    drop = _DropSchedulerStart()
+    ds_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(drop)

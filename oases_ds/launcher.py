@@ -6,7 +6,9 @@ process group was destroyed.  So each rank sends its result (or its exception)
 through a pipe before exiting; the launcher returns the results when every rank
 reported success, raises :class:`LaunchError` for the first failing rank
 otherwise, and never waits longer than ``timeout_s`` (a rank that hangs or dies
-without a report makes the whole launch fail, and the others are killed).
+without a report makes the whole launch fail, and the others are killed).  A rank that
+has reported leaves with ``os._exit`` (:func:`_exit_now`), skipping the teardown where
+that abort, and its "terminate called without an active exception", happen.
 
 Why pipes and not report files: a launcher killed with SIGKILL cannot clean up
 after itself, and a rank that outlives it just long enough to clean is a rank
@@ -139,6 +141,24 @@ def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], 
     report.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _exit_now(0 if payload[0] == "ok" else 1)
+
+
+def _exit_now(code: int) -> None:
+    """End a rank that has reported without the interpreter's teardown.
+
+    At a normal exit, C++ objects of torch's (gloo's worker threads among them) are
+    destroyed while their threads may still be joinable, and the process aborts with
+    "terminate called without an active exception" on stderr: printed after a run that
+    succeeded, it reads as a crash.  The rank's result is already with the launcher, so
+    flush what Python holds (standard streams, logging handlers) and leave."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

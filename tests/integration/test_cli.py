@@ -69,3 +69,15 @@ def test_train_with_a_plan_file(tmp_path):
     wrong = run("model=gpt_small", "steps=3", f"plan={path}", timeout=120)
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: plan={path} is for 2 layers on 2 devices")
+
+
+@pytest.mark.distributed
+def test_a_clean_run_prints_only_its_own_lines(tmp_path):
+    # DeepSpeed's WarmupLR warned "Attempting to get learning rate from scheduler before it has
+    # started" once per rank at every start; a rank's teardown could print "terminate called
+    # without an active exception".  A run that succeeds prints its header, steps, eval and summary.
+    proc = run("steps=3", "log_every=1", f"hydra.run.dir={tmp_path}/hydra")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    ours = ("oases-train: ", "step ", "eval ", "done: ")
+    assert lines and all(line.startswith(ours) for line in lines), [l for l in lines if not l.startswith(ours)]

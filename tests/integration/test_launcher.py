@@ -64,6 +64,13 @@ def report_then_abort(value: int) -> int:
     return value
 
 
+def report_then_print_at_teardown(value: int) -> int:
+    # what gloo's C++ threads do at interpreter teardown after a successful run
+    atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr, flush=True),
+                             os.abort()))
+    return value
+
+
 def exit_without_report(code: int) -> None:
     os._exit(code)
 
@@ -147,6 +154,19 @@ def test_rank_exception_carries_rank_type_message_and_traceback():
 @pytest.mark.distributed
 def test_a_rank_that_reported_then_aborted_still_succeeded():
     assert launch(report_then_abort, 2, (7,), timeout_s=300) == [7, 7]
+
+
+@pytest.mark.distributed
+def test_a_rank_that_reported_ends_without_the_interpreters_teardown():
+    # "terminate called without an active exception" after a run that succeeded reads as a
+    # crash: a reported rank leaves with os._exit, so nothing of the teardown runs or prints
+    code = ("import sys; sys.path.insert(0, 'tests/integration'); sys.path.insert(0, 'tests');"
+            "import test_launcher as t; from oases_ds.launcher import launch;"
+            "print(launch(t.report_then_print_at_teardown, 2, (5,), timeout_s=120))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0 and done.stdout.strip() == "[5, 5]", done.stderr[-2000:]
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.distributed
