@@ -343,10 +343,7 @@ class OasesEngine(DeepSpeedEngine):
                 p.grad.tensor_model_parallel = True  # type: ignore[attr-defined]
 
     def _run_schedule(self, batch: dict[str, torch.Tensor], offset: int, global_batch: int) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        accumulated = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        params, accumulated = self._stash_grads()
         if self.dp_reducer is not None and self.is_gradient_accumulation_boundary():
             # The schedule's hooks reduce each block over DP as its backward ends; DeepSpeed's
             # backward (gas scaling + reduction) is replaced by the reducer's fold, 1/gas each.
@@ -365,19 +362,36 @@ class OasesEngine(DeepSpeedEngine):
                     self._hand_reduced_grads_to_zero()
             return loss
         loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
+        self.backward(self._surrogate(params, accumulated, "the schedule produced no parameter gradient; is the "
+                                                           "model's loss connected to its parameters?"))
+        return loss
+
+    def _stash_grads(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor | None]]:
+        """The trainable parameters and their accumulated ``.grad``, which is cleared so the
+        schedule leaves exactly this run's gradients there."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        accumulated = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return params, accumulated
+
+    def _surrogate(self, params: list[torch.nn.Parameter], accumulated: list[torch.Tensor | None],
+                   no_grad_message: str) -> torch.Tensor:
+        """Hand the schedule's gradients ``g`` (in ``.grad``) to DeepSpeed: put the accumulated
+        ones back and return ``sum_p <p, g_p>``, whose backward through ``self.backward`` is
+        exactly ``g`` (module docstring), with the hooks DeepSpeed's forward would register."""
         grads = [p.grad for p in params]
         for p, g in zip(params, accumulated):
             p.grad = g
         if isinstance(self.optimizer, ZeROOptimizer):
             self.optimizer.clear_backward_seen_flag()  # what DeepSpeedEngine.forward does
         if all(g is None for g in grads):
-            raise RuntimeError("the schedule produced no parameter gradient; is the model's loss connected to its parameters?")
+            raise RuntimeError(no_grad_message)
         surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
         register_output_backward_hooks(
             surrogate, preprocess_once_fn=self._backward_prologue, preprocess_per_tensor_fn=self._backward_prologue_per_tensor
         )
-        self.backward(surrogate)
-        return loss
+        return surrogate
 
     def _run_pipeline(self, micro_batches: list[dict[str, torch.Tensor]], gas: int, micro: int) -> torch.Tensor:
         """One step's micro-batches through the stage's pipeline schedule, then DeepSpeed's
@@ -390,23 +404,10 @@ class OasesEngine(DeepSpeedEngine):
         micro-batches it did not see one by one, so its counters read as without stages.
         Returns the step's mean loss (the last stage's, on every stage)."""
         ctx = self.parallel_context
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        accumulated = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        params, accumulated = self._stash_grads()
         offsets = [(acc * ctx.dp_size + ctx.dp_rank) * micro for acc in range(gas)]
         loss = self.executor.run_step(micro_batches, offsets, gas * ctx.dp_size * micro)
-        grads = [p.grad for p in params]
-        for p, g in zip(params, accumulated):
-            p.grad = g
-        if isinstance(self.optimizer, ZeROOptimizer):
-            self.optimizer.clear_backward_seen_flag()
-        if all(g is None for g in grads):
-            raise RuntimeError("the pipeline schedule produced no parameter gradient on this stage")
-        surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
-        register_output_backward_hooks(
-            surrogate, preprocess_once_fn=self._backward_prologue, preprocess_per_tensor_fn=self._backward_prologue_per_tensor
-        )
+        surrogate = self._surrogate(params, accumulated, "the pipeline schedule produced no parameter gradient on this stage")
         self.micro_steps += gas - 1
         self.set_gradient_accumulation_boundary(True)
         try:
