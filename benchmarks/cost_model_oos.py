@@ -45,8 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
-from oases_ds.planner.costs import COST_MODEL_VERSION, PRICED_PROFILE_VERSIONS, CostTable  # noqa: E402
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
 from oases_ds.planner.pooled import (  # noqa: E402
+    PRICED_PROFILE_VERSIONS,
     PooledScore,
     kept_profile_path,
     pooled_markdown,

@@ -42,6 +42,7 @@ from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import solve  # noqa: E402
 from oases_ds.planner.objective import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
+from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
 from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 DEVICES = 32
@@ -91,7 +92,7 @@ def synthetic_table(layers: int) -> CostTable:
     return CostTable(
         model=f"gpt-h{HIDDEN}-l{layers}",
         cluster="3090-pcie-25gbe",
-        schedule="oases",
+        schedule=ScheduleSpec("oases"),
         devices=DEVICES,
         degrees=DEGREES,
         blocks={

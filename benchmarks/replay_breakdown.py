@@ -33,7 +33,7 @@ from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown, plan_of_r
 from oases_ds.planner.costs import CostTable  # noqa: E402
 from oases_ds.planner.plan import Plan  # noqa: E402
 from oases_ds.planner.pooled import stored_tables  # noqa: E402
-from oases_ds.planner.replay import replay_inputs, replay_plan  # noqa: E402
+from oases_ds.planner.replay import replay_plan  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     table = dataclasses.replace(table, layers=layers)
     plans = ([parse_plan(text, table.devices) for text in args.plan] if args.plan
              else [plan_of_row(r, table.devices) for r in result["rows"]])
-    family, schedule = replay_inputs(result)
-    replays = [replay_plan(table, family, plan, schedule) for plan in plans]  # refuses a plan the table cannot price
+    replays = [replay_plan(table, plan) for plan in plans]  # refuses a plan the table cannot price
     spec = AccuracySpec.from_config(cfg, layers, table.devices, args.warmup, args.rounds)  # as oases-plan measured it
     per_rank = measure_breakdown(spec, plans, timeout_s=cfg.get("timeout_s", 1800))
     rows = [compare(plan, replay, [rank[i] for rank in per_rank]) for i, (plan, replay) in enumerate(zip(plans, replays))]

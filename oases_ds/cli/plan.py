@@ -215,15 +215,6 @@ def _solve(table: Any, limit: float | None, planner: dict) -> Any:
     return solve(table, limit, time_limit_s=planner["time_limit_s"], backend=planner["backend"])
 
 
-def replay_family(cfg: dict, table: Any) -> str | None:
-    """The model family to replay plans of (:mod:`oases_ds.planner.replay`), or None where the
-    additive costs must do: a table without per-op times, or a ``table=`` file made for another
-    family or schedule than the config's."""
-    family = cfg["model"]["family"]
-    same = table.model.startswith(f"{family}-") and table.schedule == ScheduleSpec.from_mapping(cfg["schedule"]).label
-    return family if same and can_replay(table) else None
-
-
 def best_uniform(table: Any, limit: float | None,
                  replayed: list[tuple[Plan, float]] | None = None) -> tuple[int, float] | None:
     """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None;
@@ -266,9 +257,9 @@ def run(cfg: dict) -> None:
         plan = _solve(table, limit, cfg["planner"])
     except PlanInfeasibleError as err:
         raise ValueError(f"memory_limit: {err}") from None
-    family, priced = replay_family(cfg, table), None
-    if family is not None:  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
-        plan, priced = rank_by_replay(table, family, ScheduleSpec.from_mapping(cfg["schedule"]), plan, limit)
+    priced = None
+    if can_replay(table):  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
+        plan, priced = rank_by_replay(table, plan, limit)
         print(f"replayed steps (cost model {COST_MODEL_VERSION}), attn / mlp degrees: " + "; ".join(
             f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in priced))
     limit_text = "unbounded" if limit is None else f"limit {limit / 2**20:.3f} MiB"
@@ -348,7 +339,6 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     spec = AccuracySpec.from_config(cfg, table.layers, table.devices, acc["warmup"], acc["repeats"])
     label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
     print(f"measuring {len(plans)} plans x {spec.repeats} interleaved steps on {spec.devices} ranks ({label}) ...", flush=True)
-    family = replay_family(cfg, table)
     interleaved = None
     if acc["interleave_profile"]:
         if not can_replay(table):
@@ -357,9 +347,9 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
         times, interleaved = measure_with_profile(spec, plans, ProfileSpec.from_config(cfg), timeout_s=cfg["timeout_s"])
     else:
         times = measure(spec, plans, timeout_s=cfg["timeout_s"])
-    result = report(table, plans, times, family, spec.schedule)
+    result = report(table, plans, times)
     if interleaved is not None:
-        result["interleaved"] = _interleaved_entry(cfg, interleaved, plans, times, family, spec.schedule)
+        result["interleaved"] = _interleaved_entry(cfg, interleaved, plans, times)
     for r in result["rows"]:
         r["is_solver_plan"] = r["attn"] == list(solved.attn_degrees) and r["mlp"] == list(solved.mlp_degrees)
     print(f"{'attn degrees':<16}{'mlp degrees':<16}{'predicted ms':>13}{'measured ms':>13}{'min-max':>18}")
@@ -385,14 +375,14 @@ def check_accuracy(cfg: dict, table: Any, solved: Any) -> None:
     print(f"wrote {acc['out']}")
 
 
-def _interleaved_entry(cfg: dict, table: CostTable, plans: list, times: list, family: Any, schedule: Any) -> dict:
+def _interleaved_entry(cfg: dict, table: CostTable, plans: list, times: list) -> dict:
     """Keep the interleaved profile beside the result (``profiles/interleaved/<key>-<profiled at>.json``,
     where ``--pooled`` finds it) and score the same measured steps with it."""
     out = Path(cfg["accuracy"]["out"])
     path = kept_profile_path(out.parent, "interleaved", table)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.to_json(path)
-    scored = report(table, plans, times, family, schedule)
+    scored = report(table, plans, times)
     return {"table": os.path.relpath(path, out.parent), "table_key": table.key(), "profiled_at": table.measurements.get("profiled_at"),
             **{k: scored[k] for k in ("spearman", "spearman_mixed", "spearman_additive", "spearman_additive_mixed")}}
 

@@ -35,7 +35,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.planner.costs import CostTable
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.replay import can_replay, replay_inputs, replay_plan, replayed_or_additive
+from oases_ds.planner.replay import can_replay, replay_plan, replayed_or_additive
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec
@@ -237,8 +237,7 @@ def without_overhead(table: CostTable) -> CostTable:
     return dataclasses.replace(table, blocks=blocks, collective_overhead_ms={})
 
 
-def report(table: CostTable, plans: list[Plan], times: list[list[float]], family: str | None = None,
-           schedule: ScheduleSpec | None = None) -> dict[str, Any]:
+def report(table: CostTable, plans: list[Plan], times: list[list[float]]) -> dict[str, Any]:
     """Per plan its predicted and measured step, and the rank correlations between them.
 
     ``predicted_ms`` is the plan's replayed step (:func:`~oases_ds.planner.replay.replay_plan`,
@@ -247,13 +246,13 @@ def report(table: CostTable, plans: list[Plan], times: list[list[float]], family
     the solvers search (``predicted_additive_ms``, ``spearman_additive``) and the prediction
     without the per-collective overhead (``predicted_without_overhead_ms``)."""
     rows = []
-    replayed = family is not None and schedule is not None and can_replay(table)
+    replayed = can_replay(table)
     ablated = None if replayed else without_overhead(table)
     for plan, t in zip(plans, times):
         additive = predict_step_ms(table, plan)
         if replayed:  # the overhead is host time inside the simulation (cost model 9): replay without it
-            predicted = replay_plan(table, family, plan, schedule).step_ms
-            plain = replay_plan(table, family, plan, schedule, overhead=False).step_ms
+            predicted = replay_plan(table, plan).step_ms
+            plain = replay_plan(table, plan, overhead=False).step_ms
         else:
             predicted, plain = additive, predict_step_ms(ablated, plan)
         rows.append({
@@ -344,8 +343,7 @@ def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) ->
     rows = scored_rows(setup, result)
     if len(rows) < MIN_RANKED:
         return None
-    family, schedule = replay_inputs(result) if "config" in result else (None, None)
-    predicted = replayed_or_additive(table, family, schedule, [plan_of_row(r, table.devices) for r in rows])
+    predicted = replayed_or_additive(table, [plan_of_row(r, table.devices) for r in rows])
     return spearman(predicted, [r["measured_ms"] for r in rows])[0]
 
 

@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.parallel.link import LinkModel
+from oases_ds.planner.costs import OpTimes
 from oases_ds.schedule.generators import Schedule, ScheduleSpec
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 
@@ -152,13 +153,11 @@ class OpCosts:
     recompute_ms: Mapping[int, float] = field(default_factory=dict)
 
     @classmethod
-    def from_profile(cls, ops: Sequence[Op], op_ms: Mapping[str, float], payload_bytes: int, degree: int) -> OpCosts:
+    def from_profile(cls, ops: Sequence[Op], times: OpTimes, payload_bytes: int, degree: int) -> OpCosts:
         """Simulator inputs of the profiler's one-layer model at ``degree`` from its per-op times
-        (``"<op>:F|R|B"``, ms per sub-batch) and the payload of every collective it issues."""
-        def by_letter(letter: str) -> dict[int, float]:
-            return {int(k.split(":")[0]): float(v) for k, v in op_ms.items() if k.endswith(":" + letter)}
-
-        return cls(forward_ms=by_letter("F"), backward_ms=by_letter("B"), recompute_ms=by_letter("R"),
+        (ms per sub-batch) and the payload of every collective it issues."""
+        return cls(forward_ms=dict(times.forward_ms), backward_ms=dict(times.backward_ms),
+                   recompute_ms=dict(times.recompute_ms),
                    comm_bytes={i: payload_bytes for i, op in enumerate(ops) if isinstance(op, CommOp)},
                    default_ranks=degree)
 
@@ -294,15 +293,14 @@ def issue_ms_hiding(schedule: Schedule, ops: Sequence[Op], costs: OpCosts, link:
     makes :func:`simulate_step` of ``schedule`` as much longer as ``flat_ms`` per collective charged in
     full after it would (``flat_ms x`` the collectives among ``ranks``).
 
-    Why (cost model 9): :func:`collective_overhead_ms` measures what a collective costs beyond the
-    link and the compute as a share of a profiled step, and cost models 4-8 added that share once per
-    collective after the simulation, as if nothing could hide it.  Most of it is host time (gloo's
-    threads and the emulator's exchange share the cores with compute), and host time spent while the
-    compute lane would wait for the link anyway costs nothing: uniform TMP 4, a step that is almost
-    all link, ran at 0.955-0.992 of a prediction that charged every one of its 36 collectives in full
-    (benchmarks/README.md, "Where tmp4's prediction is off").  So the overhead is placed where it
-    happens, on the compute lane before the message leaves, and its size per collective is the one
-    that reproduces the profiled step: the step the share was measured on.
+    Why: :func:`collective_overhead_ms` measures what a collective costs beyond the link and the
+    compute as a share of a profiled step; added once per collective after the simulation, as if
+    nothing could hide it, it over-prices link-bound plans.  Most of it is host time (gloo's threads
+    and the emulator's exchange share the cores with compute), and host time spent while the compute
+    lane would wait for the link anyway costs nothing: uniform TMP 4, a step that is almost all link,
+    ran below a prediction that charged every one of its collectives in full.  So the overhead is
+    placed where it happens, on the compute lane before the message leaves, and its size per
+    collective is the one that reproduces the profiled step: the step the share was measured on.
 
     The step grows monotonically with the host time (max-plus), so a bisection finds it; under a
     blocking schedule, where nothing hides it, the answer is ``flat_ms``.

@@ -62,7 +62,9 @@ T = TypeVar("T")
 
 
 def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[dict[str, Any]], T] | None = None) -> T:
-    """Read the JSON file at ``path`` into ``cls`` (through ``build`` for nested fields).
+    """Read the JSON file at ``path`` into ``cls``: its fields checked (:func:`check_fields`) and passed
+    to ``cls``, or, with ``build``, handed to ``build`` as they are (nested fields, an older layout to
+    upgrade first), which checks them.
 
     Every ``ValueError`` -- not JSON, a truncated file, a wrong field, a value the
     dataclass rejects -- comes back as one line that starts with the file's name, so a
@@ -78,7 +80,9 @@ def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a JSON text file") from None
     try:
+        if build is not None:
+            return build(data)
         check_fields(data, cls)
-        return build(data) if build is not None else cls(**data)
+        return cls(**data)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None

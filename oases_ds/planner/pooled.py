@@ -31,7 +31,6 @@ the inputs a user's planner would have had, the runs are the measurements.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -41,11 +40,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oases_ds.planner.accuracy import MIN_RANKED, TARGET_SPEARMAN, Setup, plan_of_row, scored_rows, spearman
-from oases_ds.planner.costs import PRICED_PROFILE_VERSIONS, CostTable
+from oases_ds.planner.costs import CostTable, DegreeProfile, PassTimes
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import cache_path
-from oases_ds.planner.replay import can_replay, replay_inputs, replayed_or_additive
+from oases_ds.planner.replay import can_replay, replayed_or_additive
+
+
+PRICED_PROFILE_VERSIONS: tuple[int, ...] = (8, 9)
+"""The cost model versions whose stored profiles this cost model prices: 9 changed how the replay
+uses a profile, not what the profiler measures."""
 
 
 def unversioned(key: str) -> str:
@@ -179,27 +183,23 @@ def lowest_degree_step_ms(table: CostTable) -> float | None:
 def scaled_compute(table: CostTable, factor: float) -> CostTable:
     """``table`` with every compute time (per-op and per-block, forward, recompute, backward) times
     ``factor``; link, collective overhead and gradient sync unchanged."""
-    measurements = copy.deepcopy(table.measurements)
-    for evidence in measurements.get("degrees", {}).values():
-        evidence["op_ms_rank0"] = {op: ms * factor for op, ms in evidence.get("op_ms_rank0", {}).items()}
-        for timing in evidence.get("blocks", {}).values():
-            for part in ("fwd_ms", "recompute_ms", "bwd_ms"):
-                if part in timing:
-                    timing[part] *= factor
+    profiles = {degree: DegreeProfile(profile.op_ms.scaled(factor), profile.payload_bytes,
+                                      {kind: PassTimes(t.forward_ms * factor, t.recompute_ms * factor, t.backward_ms * factor)
+                                       for kind, t in profile.block_ms.items()})
+                for degree, profile in table.op_profile.items()}
     blocks = {kind: {d: dataclasses.replace(c, fwd_ms=c.fwd_ms * factor, bwd_ms=c.bwd_ms * factor)
                      for d, c in per.items()} for kind, per in table.blocks.items()}
-    return dataclasses.replace(table, measurements=measurements, blocks=blocks)
+    return dataclasses.replace(table, op_profile=profiles, blocks=blocks)
 
 
-def speed_matched_table(table: CostTable, family: str, schedule: Any, plan: Plan, measured_ms: float,
-                        iterations: int = 12) -> CostTable | None:
+def speed_matched_table(table: CostTable, plan: Plan, measured_ms: float, iterations: int = 12) -> CostTable | None:
     """``table`` with its compute scaled (:func:`scaled_compute`) until its replay of ``plan`` takes
     ``measured_ms`` (to 1e-6): what the profile would have priced on the machine as fast as during
     the measurement.  Secant steps on the factor: the replay is close to affine in it (compute
     scales, the link does not).  ``None`` when no positive factor can: the measured step is shorter
     than the replay's non-compute part alone."""
     def replay(factor: float) -> float:
-        return replayed_or_additive(scaled_compute(table, factor), family, schedule, [plan])[0]
+        return replayed_or_additive(scaled_compute(table, factor), [plan])[0]
 
     if replay(0.0) >= measured_ms:
         return None
@@ -226,15 +226,14 @@ def _lowest_uniform_ms(results: Sequence[dict[str, Any]], devices: int, lowest: 
     return plan_of_row(row, devices), math.exp(statistics.fmean(math.log(ms) for ms in steps))
 
 
-def _priced(pool: PooledSteps, tables: Sequence[tuple[str, CostTable]], family: str,
-            schedule: Any) -> tuple[list[float], list[float]]:
+def _priced(pool: PooledSteps, tables: Sequence[tuple[str, CostTable]]) -> tuple[list[float], list[float]]:
     """Per table, the Spearman of its replayed and of its additive prediction against ``pool``."""
     layers = len(pool.rows[0]["attn"])
     replayed, additive = [], []
     for _, table in tables:
         table = dataclasses.replace(table, layers=layers)
         plans = [plan_of_row(r, table.devices) for r in pool.rows]
-        replayed.append(spearman(replayed_or_additive(table, family, schedule, plans), pool.relative)[0])
+        replayed.append(spearman(replayed_or_additive(table, plans), pool.relative)[0])
         additive.append(spearman([predict_step_ms(table, p) for p in plans], pool.relative)[0])
     return replayed, additive
 
@@ -242,15 +241,14 @@ def _priced(pool: PooledSteps, tables: Sequence[tuple[str, CostTable]], family: 
 def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
                  tables: Sequence[tuple[str, CostTable]]) -> PooledScore:
     """Score ``setup``: ``runs`` (name, result) pooled (:func:`pooled_steps`), priced by each of
-    ``tables`` (name, profile) as the run's own report would (replayed from the model and schedule in
-    its ``config``), and by the additive sum; with >= 3 runs, also against each pool that leaves
+    ``tables`` (name, profile) as the run's own report would (replayed over the table's own model
+    family and schedule), and by the additive sum; with >= 3 runs, also against each pool that leaves
     one run out."""
     if not tables:
         raise ValueError(f"{setup.name}: no stored profile with per-op times to price the pooled runs")
     results = [result for _, result in runs]
     pool = pooled_steps(setup, results)
-    family, schedule = replay_inputs(results[0])
-    replayed, additive = _priced(pool, tables, family, schedule)
+    replayed, additive = _priced(pool, tables)
     speed_matched: list[float | None] = []
     references: dict[tuple[int, int], tuple[Plan, float] | None] = {}  # the same for every profile of the setup
     for _, table in tables:
@@ -262,13 +260,13 @@ def pooled_score(setup: Setup, runs: Sequence[tuple[str, dict[str, Any]]],
         if reference is None:
             speed_matched.append(None)
             continue
-        matched = speed_matched_table(table, family, schedule, *reference)
-        speed_matched.append(None if matched is None else _priced(pool, [("", matched)], family, schedule)[0][0])
+        matched = speed_matched_table(table, *reference)
+        speed_matched.append(None if matched is None else _priced(pool, [("", matched)])[0][0])
     leave_one_out = []
     if len(results) >= 3:
         for left in range(len(results)):
             others = pooled_steps(setup, results[:left] + results[left + 1:])
-            leave_one_out.append(statistics.median(_priced(others, tables, family, schedule)[0]))
+            leave_one_out.append(statistics.median(_priced(others, tables)[0]))
     return PooledScore(setup.name, [name for name, _ in runs], len(pool.rows), pool.agreement,
                        [name for name, _ in tables], replayed, additive,
                        [str(table.measurements.get("profiled_at", "")) for _, table in tables],

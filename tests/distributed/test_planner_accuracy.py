@@ -23,6 +23,7 @@ from oases_ds.planner.accuracy import (
 )
 from oases_ds.planner.costs import COST_MODEL_VERSION, BlockCost, CostTable
 from oases_ds.planner.plan import Plan
+from oases_ds.schedule.generators import ScheduleSpec
 from support import ROOT, plan_cli
 from support import random_table
 
@@ -154,7 +155,7 @@ def two_layer_table() -> CostTable:
         return BlockCost(fwd_ms=ms, bwd_ms=0.0, comm_fwd_ms=0.0, comm_bwd_ms=0.0, state_bytes=0.0, act_bytes=0.0,
                          grad_sync_ms=0.0)
 
-    return CostTable(model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+    return CostTable(model="hand", cluster="hand", schedule=ScheduleSpec("oases"), devices=2, degrees=(1, 2),
                      blocks={kind: {1: block(1000.0), 2: block(1.0)} for kind in ("attn", "mlp")}, layers=2,
                      reshard_bytes=1e6, bandwidth_gbps=10.0, latency_us=10.0)
 
@@ -279,7 +280,7 @@ def test_report_scores_the_same_steps_with_and_without_the_overhead():
         return BlockCost(fwd_ms=ms, bwd_ms=0.0, comm_fwd_ms=0.0, comm_bwd_ms=0.0, state_bytes=0.0, act_bytes=0.0,
                          grad_sync_ms=0.0, overhead_ms=overhead)
 
-    table = CostTable(model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+    table = CostTable(model="hand", cluster="hand", schedule=ScheduleSpec("oases"), devices=2, degrees=(1, 2),
                       blocks={"attn": {1: cost(10, 0), 2: cost(8, 4)}, "mlp": {1: cost(11, 0), 2: cost(8, 4)}},
                       layers=1, reshard_bytes=0.0, bandwidth_gbps=8.0, latency_us=0.0,
                       collective_overhead_ms={2: 1.0})
@@ -327,17 +328,16 @@ def test_the_replay_breakdown_sets_measured_waits_against_the_replays(tmp_path):
     assert [(r["attn"], r["mlp"]) for r in data["rows"]] == [([2, 2], [2, 2]), ([1, 2], [2, 1])]
     assert len(data["steps"]) == 2 and all(len(rank) == 2 and all(len(steps) == 2 for steps in rank) for rank in data["steps"])
     from oases_ds.planner.plan import Plan
-    from oases_ds.planner.replay import replay_inputs, replay_plan
+    from oases_ds.planner.replay import replay_plan
 
     table = dataclasses.replace(CostTable.from_json(profile), layers=2)
-    family, schedule = replay_inputs({"config": config})
     for i, (row, blocks) in enumerate(zip(data["rows"], ([2, 2, 2, 2], [1, 2, 2, 1]))):
         recorded = {name for rank in data["steps"] for step in rank[i] for name in step["waits_ms"]}
         replayed = {name for name, w in row["syncs"].items() if w["predicted"] > 0}
         assert replayed <= recorded, (replayed - recorded)
         # Since cost model 9 the collectives' host time can fill every wait of a tiny model's replay, so the
         # names are also checked on the replay without it, which waits on this link.
-        plain = replay_plan(table, family, Plan.from_block_degrees(blocks, 2), schedule, overhead=False)
+        plain = replay_plan(table, Plan.from_block_degrees(blocks, 2), overhead=False)
         waited = {name for name, ms in plain.waits_ms.items() if ms > 0}
         assert waited and waited <= recorded, (waited - recorded)
         assert all(step["compute_ms"] > 0 for rank in data["steps"] for step in rank[i])
