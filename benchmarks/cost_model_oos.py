@@ -14,12 +14,12 @@ split-half check ranked the plans of three setups below 0.9 (benchmarks/README.m
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
 ``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
 ``benchmarks/reports/cost_model_oos-<date>.md`` is generated from those files
-(:func:`oases_ds.planner.accuracy.summary_markdown`).  ``--report-only`` regenerates
+(:func:`oases_ds.bench.cost_model.summary_markdown`).  ``--report-only`` regenerates
 it from the files already there.  ``--quick`` checks the harness in minutes (3 plans
 reach no conclusion: its Spearman is noise by design), into ``--results-dir``.
 
 ``--pooled`` measures nothing: it pools every stored run of each setup under ``--results-dir`` (the
-same seeded plans, measured at other times; :mod:`oases_ds.planner.pooled`) and prices the pool with
+same seeded plans, measured at other times; :mod:`oases_ds.bench.cost_model`) and prices the pool with
 every stored profile of this cost model, into ``cost_model_pooled.json`` there and the report
 ``cost_model_pooled-<date>.md``: one run of ~10 plans a few percent apart can rank them otherwise than
 the next run does, and the pool is the steadier measurement.
@@ -44,17 +44,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
-from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
-from oases_ds.planner.pooled import (  # noqa: E402
+from oases_ds.bench.cost_model import (  # noqa: E402
     PRICED_PROFILE_VERSIONS,
     PooledScore,
+    Setup,
     kept_profile_path,
     pooled_markdown,
     pooled_score,
+    repriced_spearman,
     stored_tables,
+    summary_markdown,
     unversioned,
 )
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +142,7 @@ def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
 
 
 def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
-    """Score every setup against its stored runs pooled (:mod:`oases_ds.planner.pooled`), priced by
+    """Score every setup against its stored runs pooled (:mod:`oases_ds.bench.cost_model`), priced by
     every stored profile: once over all runs, once over the runs of each earlier cost model whose
     profiles this one prices (:data:`PRICED_PROFILE_VERSIONS`: what the change was chosen on), once
     over the runs measured under this cost model (out of sample for it).  Writes ``<results_root>/cost_model_pooled.json`` and the report."""

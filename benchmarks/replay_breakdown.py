@@ -4,14 +4,14 @@ Not a test: a diagnostic for the cost model.  The accuracy study (``benchmarks/c
 says *whether* the replay (``oases_ds/planner/replay.py``) ranks plans as the machine does; this says
 *where* a plan's prediction is off.  For the setup of a stored accuracy result (its ``config``: model,
 devices, micro-batch, schedule, emulated link), it runs the chosen plans interleaved with timelines
-kept (``accuracy.measure_breakdown``) and sets, per plan,
+kept (``cost_model.measure_breakdown``) and sets, per plan,
 
 * the measured compute (per rank), each Sync's wait (median over steps; min / median / max over the
   ranks) and the rest of each rank's step (gradient sync, issuing collectives, the host)
 * against the replay's compute, its wait at the same Sync, and its overhead + gradient sync,
 
 priced by a stored profile (``--profile``; default: the newest stored profile of the result's
-setup and this cost model, ``pooled.stored_tables``).  Writes ``--out`` (JSON, every step of every
+setup and this cost model, ``cost_model.stored_tables``).  Writes ``--out`` (JSON, every step of every
 rank) and prints the Syncs whose measured wait differs most from the replay's.
 
     python benchmarks/replay_breakdown.py --result benchmarks/results/planner_accuracy-tmp4.json \\
@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown, plan_of_row  # noqa: E402
+from oases_ds.bench.cost_model import measure_breakdown, plan_of_row, stored_tables  # noqa: E402
+from oases_ds.planner.accuracy import AccuracySpec  # noqa: E402
 from oases_ds.planner.costs import CostTable  # noqa: E402
 from oases_ds.planner.plan import Plan  # noqa: E402
-from oases_ds.planner.pooled import stored_tables  # noqa: E402
 from oases_ds.planner.replay import replay_plan  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 

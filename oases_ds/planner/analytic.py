@@ -68,12 +68,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass
 
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, Op
+from oases_ds.models.ops import CommOp
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
 from oases_ds.planner.memory import memory_rows, one_layer_ops
@@ -109,6 +109,20 @@ class DeviceModel:
             raise ValueError(f"cluster.device.peak_tflops must be > 0, got {self.peak_tflops!r}")
         if not 0 < self.achieved_fraction <= 1:
             raise ValueError(f"cluster.device.achieved_fraction must be in (0, 1], got {self.achieved_fraction!r}")
+
+    @classmethod
+    def from_cluster(cls, cluster: dict[str, Any]) -> DeviceModel:
+        """The device of a cluster profile (``configs/cluster/*.yaml``: ``name``, ``link``, ``device``); one
+        line naming what is missing, since without a link and a device nothing can be computed."""
+        missing = [f"cluster.{key}" for key in ("link", "device") if not cluster.get(key)]
+        if missing:
+            raise ValueError(f"cost=analytic needs cluster.link and cluster.device; cluster={cluster['name']} has no "
+                             f"{' and no '.join(missing)}: pick a cluster that states both (e.g. cluster=pcie_3090) "
+                             f"or use cost=profile")
+        try:
+            return cls(**cluster["device"])
+        except TypeError as err:
+            raise ValueError(f"cluster.device: {err}; give name, peak_tflops and achieved_fraction") from None
 
     @property
     def flops_per_s(self) -> float:

@@ -31,8 +31,8 @@ so a cached profile from an older model is re-profiled, never silently reused.
 working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``.
 4: each collective's measured overhead beyond the link model (:attr:`BlockCost.overhead_ms`,
 :attr:`CostTable.collective_overhead_ms`, on nodes and reshards).
-5: tried and rejected (benchmarks/results/cost_model_v5_rejected-2026-12-01); skipped so its
-cached tables are never read as another model's.
+5: tried and rejected (the cost-model study's history); skipped so its cached tables are never
+read as another model's.
 6: a profiled block's collectives priced at the link model's time, not the measured blocking
 AllReduce's, whose fixed cost the collective overhead (v4) already holds.
 7: a plan's step is priced by replaying its schedule over the profile's per-op times

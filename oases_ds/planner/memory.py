@@ -54,9 +54,9 @@ from typing import Sequence
 from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, ComputeOp, Op, moves_bytes
+from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
-from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads, unread_recomputes
+from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
 

@@ -332,7 +332,7 @@ class ProfileSteps:
     The profiler steps them alone (:func:`_profile_rank`); the accuracy study can step them between
     its plans' steps (``accuracy.interleave_profile``), so that the profile sees the machine of the
     measurement: on a shared machine whose speed drifts over minutes, a profile of a few seconds can
-    catch a moment the minutes-long measurement does not (benchmarks/README.md, "Out of sample").
+    catch a moment the minutes-long measurement does not (the cost-model study found such profiles).
     Building it is collective (replica groups): every rank builds it at the same point."""
 
     def __init__(self, spec: ProfileSpec, ctx: ParallelContext) -> None:

@@ -1,4 +1,4 @@
-"""Pooling runs of the same plans (oases_ds/planner/pooled.py), against hand-computed pools."""
+"""The cost-model study's pooled scoring of stored runs (oases_ds/bench/cost_model.py), against hand-computed pools."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,19 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from oases_ds.planner.accuracy import Setup, plan_of_row, repriced_spearman
-from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
-from oases_ds.planner.pooled import (
+from oases_ds.bench.cost_model import (
     PooledScore,
+    Setup,
     is_interleaved,
     pooled_score,
+    plan_of_row,
     pooled_steps,
     profile_version,
+    repriced_spearman,
     scaled_compute,
     speed_matched_table,
     stored_tables,
     unversioned,
 )
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
 from oases_ds.planner.replay import replayed_or_additive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +210,7 @@ def test_the_runner_pools_the_stored_runs(tmp_path):
 def test_a_steps_breakdown_splits_the_ranks_wall_time_by_lane():
     """Compute 3 + 2 ms, waits 4 ms at W3.0 (twice: 1 + 3) and 5 ms at Wb7.1, on a rank whose own step took
     20 ms: rest 20 - 5 - 9 = 6 ms.  Comm lane intervals (the link) are not the rank's time."""
-    from oases_ds.planner.accuracy import step_breakdown
+    from oases_ds.bench.cost_model import step_breakdown
     from oases_ds.runtime.timeline import Event
 
     events = [Event("F0.0", "compute", 0, 0.000, 0.003), Event("W3.0", "wait", 0, 0.003, 0.004),

@@ -17,7 +17,8 @@ import pytest
 
 from oases_ds.models.ops import CommOp
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.accuracy import plan_of_row, spearman
+from oases_ds.bench.cost_model import plan_of_row
+from oases_ds.planner.accuracy import spearman
 from oases_ds.planner.costs import BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
 from oases_ds.planner.memory import one_layer_ops
 from oases_ds.planner.objective import predict_step_ms

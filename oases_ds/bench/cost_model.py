@@ -1,33 +1,33 @@
-"""Score the cost model against several runs of the same plans, pooled.
+"""The cost-model study: does the planner's pricing rank plans the way this machine runs them?
 
-One run of the accuracy study (:mod:`oases_ds.planner.accuracy`) ranks ~10 plans
-by their median step over 24-72 interleaved rounds.  Where the plans sit within a
-few percent of one another, a second run of the *same* plans on the same machine
-ranks them differently: over the five stored runs of 2026-12-01 (A-E), one run's
-medians against another's gave Spearman 0.83-0.99 for ``tmp4`` and 0.72-0.98 for
-``mixed``, while for ``tmp4`` each run's own split-half check (its odd rounds
-against its even ones, minutes apart) stayed at 0.90-1.00: runs hours apart agree
-less than the rounds of one run.  A model cannot rank one run's plans better than
-the next run of them does, so one run's score below the target can be that run's
-moment of the machine, not the model's error.
+The planner prices a plan by replaying it over a profile (:mod:`oases_ds.planner.replay`) and checks
+one table against measured plans in ``oases-plan mode=accuracy`` (:mod:`oases_ds.planner.accuracy`).
+This module is the study around that check (``benchmarks/cost_model_oos.py``, report index in
+``benchmarks/README.md``), none of which the planner needs to plan:
 
-Pooling the runs gives a measurement with more rounds and more moments of the
-machine behind it:
+* **setups** scored out of sample (:class:`Setup`, :data:`TARGET_SPEARMAN`) and the report over one
+  run of them (:func:`summary_markdown`);
+* **where a measured step goes**, lane by lane (:func:`step_breakdown`, :func:`measure_breakdown`),
+  against the replay's waits;
+* **stored runs pooled**.  One run ranks ~10 plans by their median step over 24-72 interleaved rounds.
+  Where the plans sit within a few percent of one another, a second run of the *same* plans on the same
+  machine ranks them differently, and runs hours apart agree less than the rounds of one run (its
+  split-half check): a model cannot rank one run's plans better than the next run of them does, so one
+  run's score below the target can be that run's moment of the machine, not the model's error.  Pooling
+  gives a measurement with more rounds and more moments behind it:
 
-* only the plans every pooled run measured are kept (the setups are seeded, so
-  every run of a setup measured the same plans);
-* each run's medians are divided by their geometric mean over those plans (a run
-  on a machine a few percent slower shifts every plan alike), and the pooled step
-  of a plan is the geometric mean of its relative steps over the runs;
-* each run's agreement with the pool (Spearman) is reported beside the score, so
-  a reader sees how much one run alone could be trusted.
+  - only the plans every pooled run measured are kept (the setups are seeded, so every run of a setup
+    measured the same plans);
+  - each run's medians are divided by their geometric mean over those plans (a run on a machine a few
+    percent slower shifts every plan alike), and the pooled step of a plan is the geometric mean of its
+    relative steps over the runs;
+  - each run's agreement with the pool (Spearman) is reported beside the score, so a reader sees how
+    much one run alone could be trusted.
 
-The pooled steps are then priced by every stored profile of the setup that this
-cost model's profiler took (each run's own profile and the fresh ones,
-``benchmarks/results/**/profiles``, :func:`stored_tables`): the
-replay the planner ranks with (:func:`~oases_ds.planner.replay.replay_plan`) and
-the additive sum the solvers search.  Nothing here fits anything: the profiles are
-the inputs a user's planner would have had, the runs are the measurements.
+  The pooled steps are then priced by every stored profile of the setup that this cost model's profiler
+  took (each run's own profile and the fresh and interleaved ones, :func:`stored_tables`): the replay the
+  planner ranks with and, as a named baseline, the additive sum the solvers search.  Nothing here fits
+  anything: the profiles are the inputs a user's planner would have had, the runs are the measurements.
 """
 from __future__ import annotations
 
@@ -39,14 +39,180 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from oases_ds.planner.accuracy import MIN_RANKED, TARGET_SPEARMAN, Setup, plan_of_row, scored_rows, spearman
+from oases_ds.launcher import launch
+from oases_ds.planner.accuracy import MIN_RANKED, AccuracySpec, is_mixed, measure_rank, spearman
 from oases_ds.planner.costs import CostTable, DegreeProfile, PassTimes
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.profile import cache_path
 from oases_ds.planner.replay import can_replay, replayed_or_additive
+from oases_ds.runtime.executor import Executor
 
 
+# -- setups and one run's score --------------------------------------------------------
+TARGET_SPEARMAN = 0.9
+"""What each out-of-sample setup should reach: above the paper's 0.844 / 0.876."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One setup the cost model is scored on without being tuned on it.
+
+    Attributes:
+        name: short label; names the result file ``planner_accuracy-<name>.json``.
+        differs: what differs from the setup the cost model was first tuned on, for the report.
+        overrides: ``oases-plan experiment=cost_model`` overrides that make the setup.
+        mixed_only: score the plans that mix degrees only (:func:`mixed_spearman`).
+    """
+
+    name: str
+    differs: str
+    overrides: tuple[str, ...]
+    mixed_only: bool = False
+
+
+def setup_score(setup: Setup, result: dict[str, Any]) -> tuple[float | None, int]:
+    """(rho, plans scored) of one setup's result, over the plans the setup scores."""
+    if setup.mixed_only:
+        return result.get("spearman_mixed"), result.get("mixed_plans", 0)
+    return result["spearman"], len(result["rows"])
+
+
+def scored_rows(setup: Setup, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result rows ``setup`` ranks: the mixed-degree plans for a ``mixed_only`` setup, else all."""
+    return [r for r in result["rows"] if is_mixed(r)] if setup.mixed_only else list(result["rows"])
+
+
+def plan_of_row(row: dict[str, Any], devices: int) -> Plan:
+    """The plan a result row measured (its per-layer attention and MLP degrees)."""
+    return Plan(attn_degrees=tuple(row["attn"]), mlp_degrees=tuple(row["mlp"]), devices=devices)
+
+
+def repriced_spearman(setup: Setup, result: dict[str, Any], table: CostTable) -> float | None:
+    """Spearman of ``setup``'s scored rows, their measured steps against ``table``'s predictions
+    (replayed as the run's own :func:`report` would, from the model and schedule in its ``config``).
+
+    Why: a setup's score depends on two measurements, the plans' steps and the profile that
+    priced them.  The profile is a few seconds of steps, so one taken in a bad moment moves
+    every prediction at once; pricing the same measured steps with profiles taken at other
+    times separates the model's error from that profile's (``benchmarks/cost_model_oos.py
+    --reprofile``).  ``None`` under :data:`MIN_RANKED` plans."""
+    rows = scored_rows(setup, result)
+    if len(rows) < MIN_RANKED:
+        return None
+    predicted = replayed_or_additive(table, [plan_of_row(r, table.devices) for r in rows])
+    return spearman(predicted, [r["measured_ms"] for r in rows])[0]
+
+
+def reprofiled_range(result: dict[str, Any]) -> dict[int, tuple[float, float, float, int]]:
+    """Per cost model version, (min, median, max, count) of the Spearmans a result was
+    re-scored with from fresh profiles (``result["reprofiled"]``); empty when it has none.
+    By version: a run measured once can be priced again by a later model, and the two
+    must not be pooled."""
+    scores: dict[int, list[float]] = {}
+    for entry in result.get("reprofiled", []):
+        if entry.get("spearman") is not None:
+            scores.setdefault(int(entry.get("cost_model", 0)), []).append(entry["spearman"])
+    return {version: (min(v), statistics.median(v), max(v), len(v)) for version, v in sorted(scores.items())}
+
+
+def top_pick_regret(rows: list[dict[str, Any]]) -> float | None:
+    """Measured step of the plan the model ranks first over the best measured step among ``rows``
+    (1.0: the model's pick is the fastest plan measured).  What a planner's choice costs, where a
+    rank correlation over near-tied plans says little; ``None`` without plans."""
+    if not rows:
+        return None
+    pick = min(rows, key=lambda r: r["predicted_ms"])
+    return pick["measured_ms"] / min(r["measured_ms"] for r in rows)
+
+
+def summary_markdown(entries: list[tuple[Setup, str, dict[str, Any] | None]], note: str) -> str:
+    """The out-of-sample report: per setup its Spearman against :data:`TARGET_SPEARMAN`,
+    computed from each ``(setup, result path, result or None when missing)``."""
+    md = ["# Cost-model accuracy out of sample", "",
+          "The cost model's ranking of plans, scored on setups it was not tuned on (the tuning setup, `in_sample`, is",
+          "the first row, for reference): each setup changes one thing (link, model family, T, plans ranked) and was",
+          "not looked at to build the model; the table key below names the cost model version each result was priced",
+          f"with. Target: Spearman >= {TARGET_SPEARMAN} in each. *Without overhead* scores the same measured steps",
+          "against the predictions without the per-collective overhead; *additive*, against the per-block sum the",
+          "solvers search, from the same profile. *Measurement* is the Spearman of the plans' medians over the even",
+          "rounds against the odd rounds: how well the measurement ranks the plans by itself. *Top pick*: the measured",
+          "step of the plan the model ranks first over the fastest measured step among the scored plans (1.000: the",
+          "planner would have chosen the fastest). *Fresh profiles*: the same measured steps priced by profiles taken",
+          "again after the run (per cost model version, min / median / max over them, count in brackets; `--reprofile`):",
+          "how much of the score is the one profile the run took. *Interleaved profile*: the same measured steps priced",
+          "by a profile whose one-layer steps ran in the measurement's own rounds (`accuracy.interleave_profile`): it",
+          "saw the machine the plans ran on.", "",
+          note, "",
+          "| setup | differs from the tuning setup | plans scored | Spearman | p | target met | without overhead "
+          "| additive | measurement | top pick | fresh profiles | interleaved profile | result |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setup, path, result in entries:
+        if result is None:
+            md.append(f"| {setup.name} | {setup.differs} | - | not run | - | - | - | - | - | - | - | - | `{path}` missing |")
+            continue
+        regret = top_pick_regret(scored_rows(setup, result))
+        rho, scored = setup_score(setup, result)
+        p = "-" if setup.mixed_only else f"{result['p_value']:.2g}"
+        which = f"{scored} mixed of {len(result['rows'])}" if setup.mixed_only else str(scored)
+        met = "-" if rho is None else ("yes" if rho >= TARGET_SPEARMAN else "**no**")
+        rho_text = "too few plans" if rho is None else f"{rho:.3f}"
+        suffix = "_mixed" if setup.mixed_only else ""
+        half, plain = result.get("split_half_spearman" + suffix), result.get("spearman_without_overhead" + suffix)
+        additive = result.get("spearman_additive" + suffix) if result.get("pricing") == "replay" else None
+        half_text, plain_text, additive_text = ("-" if v is None else f"{v:.3f}" for v in (half, plain, additive))
+        regret_text = "-" if regret is None else f"{regret:.3f}"
+        fresh_text = "; ".join(f"v{version}: {lo:.3f} / {mid:.3f} / {hi:.3f} ({n})"
+                               for version, (lo, mid, hi, n) in reprofiled_range(result).items()) or "-"
+        interleaved = result.get("interleaved", {}).get("spearman" + suffix)
+        interleaved_text = "-" if interleaved is None else f"{interleaved:.3f}"
+        md.append(f"| {setup.name} | {setup.differs} | {which} | {rho_text} | {p} | {met} | {plain_text} | {additive_text} | {half_text} "
+                  f"| {regret_text} | {fresh_text} | {interleaved_text} | `{path}` |")
+    md += ["", "Per setup: `oases-plan experiment=cost_model <overrides>`; overrides, machine, git commit and",
+           "settings are in each result file (`config`, `machine`, `git_commit`)."]
+    for setup, path, result in entries:
+        if result is None:
+            continue
+        m, acc = result.get("machine", {}), result.get("config", {}).get("accuracy", {})
+        md += ["", f"## {setup.name}", "",
+               f"- overrides: `{' '.join(setup.overrides) or '(none)'}`; table `{result.get('table_key')}`",
+               f"- measured {result.get('time')} on {m.get('cpu_count')} CPUs, git {str(result.get('git_commit'))[:10]}; "
+               f"{acc.get('warmup')} warm-up + {acc.get('repeats')} timed rounds",
+               "", "| attn | mlp | predicted ms | measured ms | measured / predicted |", "|---|---|---|---|---|"]
+        for r in sorted(result["rows"], key=lambda r: r["predicted_ms"]):
+            md.append(f"| {','.join(map(str, r['attn']))} | {','.join(map(str, r['mlp']))} | {r['predicted_ms']:.1f} | "
+                      f"{r['measured_ms']:.1f} | {r['measured_ms'] / r['predicted_ms']:.3f} |")
+    return "\n".join(md) + "\n"
+
+
+# -- where a measured step goes -----------------------------------------------------------
+def step_breakdown(events: list[Any], own_ms: float) -> dict[str, Any]:
+    """One rank's step from its timeline: ``compute_ms`` (compute lane), ``waits_ms`` per Sync
+    (``W<op>.<sub>``, ``Wb...``: time blocked on a collective) and ``rest_ms``, the rank's own
+    wall time outside both (gradient sync after the schedule, issuing collectives, the host)."""
+    compute = sum(e.end - e.start for e in events if e.lane == "compute") * 1e3
+    waits: dict[str, float] = {}
+    for e in events:
+        if e.lane == "wait":
+            waits[e.name] = waits.get(e.name, 0.0) + (e.end - e.start) * 1e3
+    return {"own_ms": own_ms, "compute_ms": compute, "waits_ms": waits,
+            "rest_ms": own_ms - compute - sum(waits.values())}
+
+
+
+def _kept_breakdown(executor: Executor, own_ms: float, step_ms: float) -> dict[str, Any]:
+    """What :func:`measure_breakdown` keeps of each timed step (runs in the rank processes)."""
+    return {**step_breakdown(executor.timeline.events, own_ms), "step_ms": step_ms}
+
+
+def measure_breakdown(spec: AccuracySpec, plans: list[Plan], timeout_s: float = 1800) -> list[list[list[dict[str, Any]]]]:
+    """Per rank, per plan, each timed step's :func:`step_breakdown` with the step as ``step_ms`` (the
+    accuracy check's interleaved rounds, with timelines kept): where a measured step and its replay
+    part (``benchmarks/replay_breakdown.py``)."""
+    return launch(measure_rank, spec.devices, (spec, plans, None, _kept_breakdown), timeout_s=timeout_s)
+
+
+# -- stored runs and their profiles --------------------------------------------------------
 PRICED_PROFILE_VERSIONS: tuple[int, ...] = (8, 9)
 """The cost model versions whose stored profiles this cost model prices: 9 changed how the replay
 uses a profile, not what the profiler measures."""
@@ -285,7 +451,7 @@ def _step_vs_score(score: PooledScore) -> str:
 def pooled_markdown(pools: Sequence[tuple[str, Sequence[PooledScore]]], note: str) -> str:
     """The pooled report: per pool (title, scores), one row per setup."""
     md = ["# Cost-model accuracy, runs pooled", "",
-          "Each setup's stored runs of the same plans are pooled (`oases_ds/planner/pooled.py`: per run, medians",
+          "Each setup's stored runs of the same plans are pooled (`oases_ds/bench/cost_model.py`: per run, medians",
           "over the run's geometric mean; per plan, the geometric mean over the runs) and every stored profile of the",
           "setup prices them. *Replayed*: the prediction the planner ranks with (cost model of this commit);",
           "*additive*: the per-block sum the solvers search, from the same profiles. Min / median / max over the",
