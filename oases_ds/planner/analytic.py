@@ -73,10 +73,11 @@ from dataclasses import dataclass
 
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import one_layer_ops
 from oases_ds.models.ops import CommOp
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
-from oases_ds.planner.memory import memory_rows, one_layer_ops
+from oases_ds.planner.memory import memory_rows
 from oases_ds.planner.profile import ProfileSpec
 from oases_ds.schedule.generators import schedule_segments
 

@@ -43,11 +43,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from oases_ds.models.operator_model import one_layer_ops, plan_ops
 from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import OpCosts, SimResult, issue_ms_hiding, simulate_step
 from oases_ds.planner.costs import PASS_LETTERS, CostTable, OpTimes, reshard_collective
-from oases_ds.planner.memory import one_layer_ops, plan_ops
 from oases_ds.planner.objective import check_plan_fits_table, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule

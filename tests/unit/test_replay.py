@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from oases_ds.bench.cost_model import plan_of_row
+from oases_ds.models.operator_model import one_layer_ops
 from oases_ds.models.ops import CommOp
 from oases_ds.parallel.link import LinkModel
-from oases_ds.bench.cost_model import plan_of_row
 from oases_ds.planner.accuracy import spearman
 from oases_ds.planner.costs import BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
-from oases_ds.planner.memory import one_layer_ops
 from oases_ds.planner.objective import predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.planner.replay import (block_scales, can_replay, rank_by_replay, replay_plan, replayed_or_additive,
@@ -86,7 +86,7 @@ def test_per_op_times_are_scaled_to_the_slowest_ranks_block_time():
 
 
 def test_a_uniform_one_layer_replay_is_the_profiled_layer_simulation():
-    """The same step built two ways: the plan's op sequence (memory.plan_ops) and the profiler's own
+    """The same step built two ways: the plan's op sequence (operator_model.plan_ops) and the profiler's own
     one-layer model (replay.simulate_profiled_layer), under the overlapped ``oases`` schedule; and
     there two sub-batches hide part of the 12 collectives (10 ms each on a 0.8 Gbit/s link) that the
     blocking schedule would wait for in full."""
