@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from oases_ds.launcher import launch  # noqa: E402
 from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
+from oases_ds.utils.rounds import rotated  # noqa: E402
 
 VARIANTS = ("dp1", "dp2_after", "dp2_overlap")
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
@@ -55,6 +56,7 @@ def _worker(args: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from oases_ds.data.batches import synthetic_batch
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
     from oases_ds.parallel.context import ParallelContext
@@ -68,9 +70,7 @@ def _worker(args: dict) -> dict:
     ctx = ParallelContext.build(tensor_parallel_size=1, timeout_s=300)
     cfg = ModelConfig(family="gpt", vocab_size=512, hidden_size=args["hidden"], num_heads=8,
                       num_layers=args["layers"], seq_len=args["seq"], dropout=0.1)
-    gen = torch.Generator().manual_seed(ctx.rank)
-    seq = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.seq_len + 1), generator=gen)
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+    batch = synthetic_batch(cfg.vocab_size, args["batch"], cfg.seq_len, seed=ctx.rank)
 
     def executor(link: LinkModel | None) -> Executor:
         model = OperatorModel(cfg, group=ctx.tp_group, seed=0)
@@ -114,8 +114,7 @@ def _worker(args: dict) -> dict:
 
     times: dict[str, list[float]] = {n: [] for n in VARIANTS}
     for rnd in range(args["warmup"] + args["repeats"]):
-        order = VARIANTS[rnd % 3:] + VARIANTS[: rnd % 3]
-        for name in order:
+        for name in rotated(VARIANTS, rnd):
             dist.barrier(ctx.dp_group)
             t0 = time.perf_counter()
             step(name)

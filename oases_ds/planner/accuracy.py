@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from oases_ds.data.batches import synthetic_batch
 from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
@@ -117,9 +118,7 @@ def plan_runners(spec: AccuracySpec, plans: list[Plan], record: bool = False
     executor per plan, on the rank's device as the profiler places its layers (collective: every rank
     builds them in the same order)."""
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices, timeout_s=600)
-    gen = torch.Generator().manual_seed(spec.seed)
-    seq = torch.randint(0, spec.model.vocab_size, (spec.micro_batch, spec.model.seq_len + 1), generator=gen).to(ctx.device)
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+    batch = synthetic_batch(spec.model.vocab_size, spec.micro_batch, spec.model.seq_len, spec.seed, ctx.device)
     runners = [Executor.for_schedule(OperatorModel.for_plan(spec.model, ctx, plan, seed=spec.seed).to(ctx.device),
                                      spec.schedule, spec.link, RNGTracker(), record=record) for plan in plans]
     return ctx, batch, runners

@@ -57,6 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from oases_ds.data.batches import synthetic_batch
 from oases_ds.launcher import launch
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
@@ -261,9 +262,7 @@ class _LayerRun:
         self.degree, self.sub = degree, spec.sub_batches
         self.group = ctx.sub_group(degree)
         self.share = spec.micro_batch * degree // spec.devices
-        gen = torch.Generator().manual_seed(spec.seed + ctx.rank // degree)
-        seq = torch.randint(0, cfg.vocab_size, (self.share, cfg.seq_len + 1), generator=gen).to(device)
-        self.batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+        self.batch = synthetic_batch(cfg.vocab_size, self.share, cfg.seq_len, spec.seed + ctx.rank // degree, device)
         self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed).to(device)
         self.executor = Executor.for_schedule(self.model, spec.schedule, spec.link, RNGTracker(spec.seed))
         self.block_of = [op.block for op in self.model.ops]

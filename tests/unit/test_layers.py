@@ -14,8 +14,8 @@ Layers, low to high (a module may import from its own layer and any lower one)::
     models    oases_ds/models/*, hf.py (Hugging Face configs and weights in and out of an
               OperatorModel; it reads an engine only through its ``module`` attribute)
     schedule  oases_ds/schedule/*
-    runtime   oases_ds/runtime/*, data.py (token batches a training step eats; imports nothing
-              of ours, so the planner may measure on real data)
+    runtime   oases_ds/runtime/*, data/* (token batches a training step eats and the corpus
+              tokenisation behind them; imports only utils, so the planner may measure on real data)
     config    config.py: the typed "oases" section; needs schedule names and LinkModel,
               is read by the engine, initialize() and the CLIs, never by the planner --
               so it sits between runtime and planner
@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "planner": "planner", "bench": "bench", "cli": "cli"}
-TOP_LEVEL = {"launcher": "parallel", "hf": "models", "data": "runtime", "config": "config", "engine": "engine",
+               "data": "runtime", "planner": "planner", "bench": "bench", "cli": "cli"}
+TOP_LEVEL = {"launcher": "parallel", "hf": "models", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
