@@ -167,6 +167,23 @@ def test_a_schedule_without_a_closed_form_is_named(monkeypatch):
         exposed_comm_ms(TIMING, ScheduleSpec("gpipe"))
 
 
+def test_a_schedule_is_priced_by_the_closed_form_it_registers(monkeypatch):
+    """The cost model asks the registry, not a list of names: a schedule registered with its own form
+    (here: everything exposed twice) is priced by it, and without a pipelined part leaves the edge nothing."""
+    from dataclasses import replace
+
+    from oases_ds.schedule import generators
+    from oases_ds.schedule.closed_forms import ClosedForm
+
+    monkeypatch.setattr(generators, "_REGISTRY", dict(generators._REGISTRY))
+    twice = ClosedForm(lambda t, s: (2 * t.comm_fwd_ms, 2 * t.comm_bwd_ms))
+    generators.register_schedule("twice", segments=lambda ops, spec: generators.layer_segments(ops), sub_batched=True,
+                                 closed_form=twice)(lambda ops, segs, spec: replace(build_schedule(ScheduleSpec("oases"), ops),
+                                                                                     name=spec.name))
+    assert exposed_comm_ms(TIMING, ScheduleSpec("twice")) == pytest.approx((6.0, 10.0))
+    assert pipelined_comm_ms(TIMING, ScheduleSpec("twice")) == pytest.approx((6.0, 10.0, 0.0, 0.0))
+
+
 # fwd 4, recompute 3, backward 5; collectives 10 forward, 12 backward (both sub-batches).
 SLOW_LINK_TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=10.0, comm_bwd_ms=12.0)
 
