@@ -21,7 +21,7 @@ Every step is timed as the study times it (:func:`oases_ds.planner.accuracy.time
 start together, the slowest rank sets the step).  Prints per cycle the median ratio interleaved / alone
 for each degree and interleaved / blocks for each plan, and writes every step to ``--out``.
 
-    python benchmarks/interleave_check.py --result benchmarks/results/cost_model_v8_run_j-2026-12-02/planner_accuracy-tmp4.json
+    python benchmarks/interleave_check.py --result /tmp/cost_model_v8_run_j-2026-12-02/planner_accuracy-tmp4.json  # tar xzf benchmarks/results/cost_model_runs/cost_model_v8_run_j-2026-12-02.tar.gz -C /tmp
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ priced by a stored profile (``--profile``; default: the newest stored profile of
 setup and this cost model, ``cost_model.stored_tables``).  Writes ``--out`` (JSON, every step of every
 rank) and prints the Syncs whose measured wait differs most from the replay's.
 
-    python benchmarks/replay_breakdown.py --result benchmarks/results/planner_accuracy-tmp4.json \\
+    tar xzf benchmarks/results/cost_model_runs/cost_model_v9_run_m-2026-12-02.tar.gz -C /tmp   # a stored run
+    python benchmarks/replay_breakdown.py --result /tmp/cost_model_v9_run_m-2026-12-02/planner_accuracy-tmp4.json \\
         --plan 4,4,4,4/4,4,4,4 --plan 1,1,1,1/1,1,1,1 --rounds 8
 """
 from __future__ import annotations

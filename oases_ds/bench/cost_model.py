@@ -32,12 +32,15 @@ This module is the study around that check (``benchmarks/cost_model_oos.py``, re
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import math
 import re
 import statistics
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from oases_ds.launcher import launch
 from oases_ds.planner.accuracy import MIN_RANKED, AccuracySpec, is_mixed, measure_rank, spearman
@@ -279,17 +282,65 @@ def kept_profile_path(results_dir: Path, kind: str, table: CostTable) -> Path:
     return Path(results_dir) / "profiles" / kind / f"{cache_path('.', table.key()).stem}-{stamp}.json"
 
 
+RUN_ARCHIVES = "cost_model_runs"
+"""The folder under a results root that holds the stored runs, one ``<run>.tar.gz`` each (the run's
+folder as ``cost_model_oos.py`` wrote it: result files, ``profiles/``, its notes), read in place."""
+
+
+def pack_run(folder: Path, archives: Path) -> Path:
+    """Pack a run's folder into ``<archives>/<folder name>.tar.gz`` (members under ``<folder name>/``,
+    sorted, with no owner or time, so the same files give the same archive) and return the archive;
+    :func:`stored_files` reads it where it lies.  The caller removes the folder."""
+    archives.mkdir(parents=True, exist_ok=True)
+    out = archives / f"{folder.name}.tar.gz"
+    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w") as tar:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder).as_posix()}")
+            info.size, info.mode = path.stat().st_size, 0o644
+            with open(path, "rb") as stream:
+                tar.addfile(info, stream)
+    return out
+
+
+def stored_files(root: Path, wanted: Callable[[Path], bool]) -> list[tuple[Path, bytes]]:
+    """(path, content) of every stored file under ``root`` that ``wanted`` keeps, in path order: the loose
+    files of a run just measured, and every member of the run archives under ``root``, named as if the
+    archive were unpacked where it lies (``<root>/cost_model_runs/<run>/profiles/...``).  Why archives:
+    a run is some forty files, and a study kept as loose files buries the few reports a reader wants."""
+    found = [(path, path.read_bytes()) for path in root.glob("**/*")
+             if path.is_file() and not path.name.endswith(".tar.gz") and wanted(path.relative_to(root))]
+    for archive in sorted(root.glob("**/*.tar.gz")):
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                name = archive.parent / member.name
+                if member.isfile() and wanted(name.relative_to(root)):
+                    stream = tar.extractfile(member)
+                    assert stream is not None
+                    found.append((name, stream.read()))
+    return sorted(found, key=lambda item: item[0])
+
+
+def stored_results(root: Path, setup: Setup) -> list[tuple[Path, dict[str, Any]]]:
+    """(run folder, result) of every stored run of ``setup`` under ``root`` (:func:`stored_files`;
+    ``--quick`` harness checks left out), in path order."""
+    def wanted(path: Path) -> bool:
+        return path.name == f"planner_accuracy-{setup.name}.json" and "quick" not in str(path)
+    return [(path.parent, json.loads(raw)) for path, raw in stored_files(root, wanted)]
+
+
 def stored_tables(root: Path, table_key: str,
                   versions: tuple[int, ...] = PRICED_PROFILE_VERSIONS) -> list[tuple[Path, CostTable]]:
-    """Every profile under ``root``'s ``profiles`` folders measured for ``table_key`` (a result's key,
-    of any cost model version) by the profiler of a cost model in ``versions``, with per-op times,
-    oldest first.  Those versions' only: the profiler changed with the cost model (what it measures
-    per op, how it interleaves degrees), and a user's planner prices with this commit's profiler."""
+    """Every profile under ``root``'s ``profiles`` folders (loose or archived, :func:`stored_files`)
+    measured for ``table_key`` (a result's key, of any cost model version) by the profiler of a cost
+    model in ``versions``, with per-op times, oldest first.  Those versions' only: the profiler changed
+    with the cost model (what it measures per op, how it interleaves degrees), and a user's planner
+    prices with this commit's profiler."""
+    def wanted(path: Path) -> bool:
+        return "profiles" in path.parts[:-1] and path.suffix == ".json" and profile_version(path) in versions
     found = []
-    for path in sorted(root.glob("**/profiles/**/*.json")):
-        if profile_version(path) not in versions:
-            continue
-        table = CostTable.from_json(path)
+    for path, raw in stored_files(root, wanted):
+        table = CostTable.from_bytes(raw, str(path))
         if unversioned(table.key()) == unversioned(table_key) and can_replay(table):
             found.append((path, table))
     return sorted(found, key=lambda item: str(item[1].measurements.get("profiled_at", "")))
@@ -341,7 +392,7 @@ def lowest_degree_step_ms(table: CostTable) -> float | None:
     """The profiled one-layer step at the table's lowest degree (ms; ``None`` if not recorded): all
     compute, no TMP collective, so it shows the machine's speed while the profile was taken.  The
     emulated link's time does not change with that speed, so a profile taken at a fast moment prices
-    low degrees cheap against high ones (benchmarks/README.md, "Out of sample")."""
+    low degrees cheap against high ones (``benchmarks/reports/cost_model_history-2026-12.md``)."""
     evidence = table.measurements.get("collective_overhead", {}).get(str(min(table.degrees)), {})
     return evidence.get("measured_step_ms")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from oases_ds.models.config import FAMILIES
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.jsonio import check_fields, load_dataclass
+from oases_ds.planner.jsonio import check_fields, load_dataclass, parse_dataclass
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
 
@@ -362,6 +362,11 @@ class CostTable:
     def from_json(cls, path: str | os.PathLike[str]) -> CostTable:
         """Load a table; any defect is one ``ValueError`` line naming the file and the field."""
         return load_dataclass(path, cls, _table_from_dict)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> CostTable:
+        """A table from a file's bytes read elsewhere than the file system (``where`` names it in errors)."""
+        return parse_dataclass(raw, where, cls, _table_from_dict)
 
 
 def table_key(model: str, cluster: str, schedule: ScheduleSpec, devices: int) -> str:

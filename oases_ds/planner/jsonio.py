@@ -72,6 +72,12 @@ def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[
     """
     with open(path, "rb") as stream:
         raw = stream.read()
+    return parse_dataclass(raw, str(path), cls, build)
+
+
+def parse_dataclass(raw: bytes, path: str, cls: type[T], build: Callable[[dict[str, Any]], T] | None = None) -> T:
+    """:func:`load_dataclass` on a file's bytes (``path`` names it in every error): for files read
+    from elsewhere than the file system, such as a run archive's members."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as err:

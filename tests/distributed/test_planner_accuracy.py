@@ -309,7 +309,7 @@ def test_the_replay_breakdown_sets_measured_waits_against_the_replays(tmp_path):
                     f"planner.cache_dir={tmp_path}", "planner.repeats=1", "planner.warmup=0", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (profile,) = tmp_path.glob("*.json")
-    stored = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "planner_accuracy-in_sample.json")).read())
+    stored = json.loads(open(os.path.join(ROOT, "tests", "fixtures", "study_runs", "run_e_in_sample.json")).read())  # run E
     tiny = yaml.safe_load(open(os.path.join(ROOT, "oases_ds", "configs", "model", "gpt_tiny.yaml")))
     config = {**stored["config"], "model": dataclasses.asdict(ModelConfig(**tiny))}
     result = tmp_path / "result.json"
@@ -352,7 +352,7 @@ def test_the_interleave_check_times_every_phase_and_reports_the_ratios_of_its_st
 
     from oases_ds.models.config import ModelConfig
 
-    stored = json.loads(open(os.path.join(ROOT, "benchmarks", "results", "planner_accuracy-in_sample.json")).read())
+    stored = json.loads(open(os.path.join(ROOT, "tests", "fixtures", "study_runs", "run_e_in_sample.json")).read())  # run E
     tiny = yaml.safe_load(open(os.path.join(ROOT, "oases_ds", "configs", "model", "gpt_tiny.yaml")))
     config = {**stored["config"], "model": dataclasses.asdict(ModelConfig(**tiny)),
               "planner": {**stored["config"]["planner"], "repeats": 1, "warmup": 0}}

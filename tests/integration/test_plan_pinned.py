@@ -25,7 +25,7 @@ FIXTURES = Path(ROOT) / "tests" / "fixtures"
 PROFILES = FIXTURES / "profiles"
 GPT_T2, GPT_T4, GPT_T2_CM8 = "gpt_t2_cm9.json", "gpt_t4_cm9.json", "gpt_t2_cm8.json"
 """Stored profiles (run M: ``gpt_small`` on an EMULATED 0.2 Gbit/s link, T=2 micro-batch 8 and T=4
-micro-batch 16; the cm8 one from ``benchmarks/results/profiles``), renamed: Hydra reads a comma in
+micro-batch 16; the cm8 one run E's, from ``benchmarks/results/cost_model_runs``), renamed: Hydra reads a comma in
 an override as a list."""
 SMALL = ("model=gpt_small", "cluster=cpu_0_2g")
 

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 from oases_ds.bench.cost_model import (
+    PRICED_PROFILE_VERSIONS,
+    RUN_ARCHIVES,
     PooledScore,
     Setup,
     is_interleaved,
+    pack_run,
     pooled_score,
     plan_of_row,
     pooled_steps,
@@ -23,6 +26,8 @@ from oases_ds.bench.cost_model import (
     repriced_spearman,
     scaled_compute,
     speed_matched_table,
+    stored_files,
+    stored_results,
     stored_tables,
     unversioned,
 )
@@ -231,3 +236,37 @@ def test_a_stored_results_config_rebuilds_the_profile_it_was_priced_with(setup):
     spec = ProfileSpec.from_config(result["config"])
     assert unversioned(spec.key()) == unversioned(result["table_key"])
     assert spec.devices == result["config"]["devices"] and spec.repeats == result["config"]["planner"]["repeats"]
+
+
+def test_a_packed_run_is_read_where_it_lies(tmp_path):
+    """A run folder packed into ``cost_model_runs/<run>.tar.gz`` gives the same results and profiles, under
+    the names they had unpacked; the same files pack to the same bytes."""
+    run = tmp_path / "work" / "run_x"
+    (run / "profiles" / "fresh").mkdir(parents=True)
+    shutil.copy(RUN_E, run / "planner_accuracy-in_sample.json")
+    shutil.copy(RUN_E_PROFILE, run / "profiles" / "fresh" / f"in_sample_cm{COST_MODEL_VERSION}-2026-12-01T221753.json")
+    (run / "notes.py").write_text("print('not a table')\n")
+    results = tmp_path / "results"
+    archive = pack_run(run, results / RUN_ARCHIVES)
+    assert pack_run(run, tmp_path / "again").read_bytes() == archive.read_bytes()
+    table = CostTable.from_json(RUN_E_PROFILE)
+    ((folder, result),) = stored_results(results, Setup("in_sample", "", ()))
+    assert folder == results / RUN_ARCHIVES / "run_x" and result == json.loads(RUN_E.read_text())
+    ((path, found),) = stored_tables(results, table.key())
+    assert path == results / RUN_ARCHIVES / "run_x" / "profiles" / "fresh" / f"in_sample_cm{COST_MODEL_VERSION}-2026-12-01T221753.json"
+    assert found == table and is_interleaved(path) is False
+
+
+def test_every_stored_profile_of_the_study_loads():
+    """The cost-model study's archived profiles (cost models 4-9, the older table layout) all load; the
+    ones this cost model prices (8 and 9) into typed profiles at every degree."""
+    root = ROOT / "benchmarks" / "results"
+    profiles = stored_files(root, lambda path: "profiles" in path.parts[:-1] and path.suffix == ".json")
+    assert len(profiles) > 200
+    priced = 0
+    for path, raw in profiles:
+        table = CostTable.from_bytes(raw, str(path))
+        if profile_version(path) in PRICED_PROFILE_VERSIONS:
+            priced += 1
+            assert table.family in ("gpt", "bert", "llama") and sorted(table.op_profile) == list(table.degrees), path
+    assert priced > 150
