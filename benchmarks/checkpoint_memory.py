@@ -1,7 +1,7 @@
 """Checkpoint bytes per layer and peak activation bytes, per schedule, measured.
 
 Not a test: run ``python benchmarks/checkpoint_memory.py`` (``--report-only``
-regenerates the README table from the result file without measuring).
+regenerates the report's table from the result file without measuring).
 
 Why measured this way: :class:`~oases_ds.bench.measure.ActivationProbe` counts,
 after every instruction, the storages of the executor's live buffers plus every
@@ -14,8 +14,9 @@ model, divided by ``L/2``.  Units: one ``[b, s, h]`` tensor of the micro-batch.
 One process, TMP 1 (nothing sharded), fp32, dropout on.
 
 Writes ``benchmarks/results/checkpoint_memory.json`` (atomically) and the table
-between the ``checkpoint_memory`` markers of ``benchmarks/README.md``; every number
-of the table is read from the result file.
+between the ``checkpoint_memory`` markers of the dated report
+``benchmarks/reports/checkpoint_memory-<date measured>.md``; every number of the table
+is read from the result file.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 from oases_ds.bench.measure import ActivationProbe  # noqa: E402
-from oases_ds.bench.provenance import git_commit, machine  # noqa: E402
+from oases_ds.bench.provenance import dated_report, git_commit, machine  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.models.operator_model import OperatorModel  # noqa: E402
 from oases_ds.parallel.random import RNGTracker  # noqa: E402
@@ -42,7 +43,6 @@ from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa:
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "checkpoint_memory.json"
-README = HERE / "README.md"
 BEGIN, END = "<!-- checkpoint_memory:begin -->", "<!-- checkpoint_memory:end -->"
 SCHEDULES = ("megatron", "megatron_selective", "split_overlap", "oases")
 
@@ -111,8 +111,11 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(result: dict, readme: Path = README) -> None:
-    replace_marked_section(readme, BEGIN, END, table(result), append=False)
+def update_report(result: dict, report: Path | None = None) -> Path:
+    """Replace the table in ``report`` (default: the dated report of ``result``'s day)."""
+    report = report or Path(dated_report("checkpoint_memory", result["date"]))
+    replace_marked_section(report, BEGIN, END, table(result))
+    return report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--report-only", action="store_true", help="regenerate the README table from --out")
+    parser.add_argument("--report", type=Path, help="report whose table is replaced (default: the result's dated report)")
+    parser.add_argument("--report-only", action="store_true", help="regenerate the report's table from --out")
     args = parser.parse_args(argv)
     if args.layers < 2:
         parser.error(f"--layers={args.layers}: need >= 2 (the per-layer bytes are a difference of two depths)")
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args)
         write_json_atomic(args.out, result)
         print(f"wrote {args.out}")
-    update_readme(result)
     print(table(result))
+    print(f"wrote the table in {update_report(result, args.report)}")
 
 
 if __name__ == "__main__":

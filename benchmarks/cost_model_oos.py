@@ -5,27 +5,28 @@ Not a test: run ``python benchmarks/cost_model_oos.py`` (all setups, 24 timed ro
 123 s, tmp4 304 s, mixed 487 s and 3 min of fresh profiles on 2026-12-01) or ``--setup link_1g`` (repeatable).  After the runs, each setup's measured
 steps are priced again by ``--reprofile`` (2) fresh profiles (``planner_accuracy-<setup>.json
 ["reprofiled"]``; ``--reprofile-only`` does that for the result files already there): one profile
-is seconds of steps, and the one a run took can sit apart from the others (benchmarks/README.md,
-"Out of sample").  The preset also steps a profile in the measurement's own rounds
+is seconds of steps, and the one a run took can sit apart from the others (``benchmarks/reports/cost_model_history-2026-12.md``).  The preset also steps a profile in the measurement's own rounds
 (``accuracy.interleave_profile``; kept in ``profiles/interleaved`` beside the results, scored as the report's
 *interleaved profile*): it saw the machine the plans ran on, where the planner's profile, taken before, can
 catch a moment the minutes of measurement do not.  24 rounds, not the preset's 8: with 8 the
-split-half check ranked the plans of three setups below 0.9 (benchmarks/README.md, "Out of sample").  Each setup is
+split-half check ranked the plans of three setups below 0.9 (``benchmarks/reports/cost_model_history-2026-12.md``).  Each setup is
 ``oases-plan experiment=cost_model`` plus the overrides in :data:`SETUPS`, writing
-``benchmarks/results/planner_accuracy-<setup>.json``; then the summary report
+``planner_accuracy-<setup>.json`` into the run's folder (``--results-dir``, default
+``benchmarks/results/cost_model_run-<date>``); then the summary report
 ``benchmarks/reports/cost_model_oos-<date>.md`` is generated from those files
-(:func:`oases_ds.planner.accuracy.summary_markdown`).  ``--report-only`` regenerates
-it from the files already there.  ``--quick`` checks the harness in minutes (3 plans
+(:func:`oases_ds.bench.cost_model.summary_markdown`).  ``--report-only`` regenerates
+it from the files already there; ``--pack <run folder>`` archives the run where ``--pooled`` reads it.  ``--quick`` checks the harness in minutes (3 plans
 reach no conclusion: its Spearman is noise by design), into ``--results-dir``.
 
-``--pooled`` measures nothing: it pools every stored run of each setup under ``--results-dir`` (the
-same seeded plans, measured at other times; :mod:`oases_ds.planner.pooled`) and prices the pool with
+``--pooled`` measures nothing: it pools every stored run of each setup under ``--results-dir`` (default
+``benchmarks/results``; the
+same seeded plans, measured at other times; :mod:`oases_ds.bench.cost_model`) and prices the pool with
 every stored profile of this cost model, into ``cost_model_pooled.json`` there and the report
 ``cost_model_pooled-<date>.md``: one run of ~10 plans a few percent apart can rank them otherwise than
 the next run does, and the pool is the steadier measurement.
 
 The model is *not* retuned on these setups: a miss is reported, not fitted away (what v2 and v4
-were built on: benchmarks/README.md, "Out of sample").
+were built on: ``benchmarks/reports/cost_model_history-2026-12.md``).
 """
 from __future__ import annotations
 
@@ -44,16 +45,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.planner.accuracy import Setup, repriced_spearman, summary_markdown  # noqa: E402
-from oases_ds.planner.costs import COST_MODEL_VERSION, PRICED_PROFILE_VERSIONS, CostTable  # noqa: E402
-from oases_ds.planner.pooled import (  # noqa: E402
+from oases_ds.bench.cost_model import (  # noqa: E402
+    PRICED_PROFILE_VERSIONS,
+    RUN_ARCHIVES,
     PooledScore,
+    Setup,
     kept_profile_path,
+    pack_run,
     pooled_markdown,
     pooled_score,
+    repriced_spearman,
+    stored_results,
     stored_tables,
+    summary_markdown,
     unversioned,
 )
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable  # noqa: E402
 from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +78,7 @@ SETUPS: tuple[Setup, ...] = (
           ("accuracy.plans=14", "accuracy.seed=1", "accuracy.repeats=72"), mixed_only=True),
 )
 """``mixed`` runs 72 rounds: at 24 its split-half was 0.615 (the mixes sit within ~7% of one another),
-at 72 0.965 in one run and 0.685 in the next (benchmarks/README.md, "Out of sample")."""
+at 72 0.965 in one run and 0.685 in the next (``benchmarks/reports/cost_model_history-2026-12.md``)."""
 
 QUICK = ("accuracy.plans=4", "accuracy.warmup=0", "accuracy.repeats=1", "planner.warmup=0", "planner.repeats=1")
 """Harness check: every stage runs, nothing is concluded.  Placed before a setup's own
@@ -139,7 +146,7 @@ def reprofile(setup: Setup, path: Path, count: int) -> list[float | None]:
 
 
 def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
-    """Score every setup against its stored runs pooled (:mod:`oases_ds.planner.pooled`), priced by
+    """Score every setup against its stored runs pooled (:mod:`oases_ds.bench.cost_model`), priced by
     every stored profile: once over all runs, once over the runs of each earlier cost model whose
     profiles this one prices (:data:`PRICED_PROFILE_VERSIONS`: what the change was chosen on), once
     over the runs measured under this cost model (out of sample for it).  Writes ``<results_root>/cost_model_pooled.json`` and the report."""
@@ -148,8 +155,7 @@ def pooled(chosen: list[Setup], results_root: Path, report_dir: Path) -> Path:
     payload: dict[str, Any] = {"cost_model": COST_MODEL_VERSION, "time": datetime.datetime.now().isoformat(timespec="seconds"),
                                "pools": {}}
     for setup in chosen:
-        files = sorted(p for p in results_root.glob(f"**/{result_path(Path(), setup)}") if "quick" not in str(p))
-        runs = [(os.path.relpath(p.parent, results_root.parent), json.loads(p.read_text())) for p in files]
+        runs = [(os.path.relpath(folder, results_root.parent), result) for folder, result in stored_results(results_root, setup)]
         if not runs:
             continue
         tables = [(os.path.relpath(p, results_root.parent), t) for p, t in stored_tables(results_root, runs[0][1]["table_key"])]
@@ -196,15 +202,26 @@ def main(argv: list[str] | None = None) -> Path:
                         help="fresh profiles that price each setup's measured steps again after its run (default 2)")
     parser.add_argument("--reprofile-only", action="store_true",
                         help="no measuring: price the result files there with --reprofile fresh profiles each, then report")
-    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--results-dir", help="the run's folder (default benchmarks/results/cost_model_run-<today>); "
+                                              "with --pooled or --pack, the results root (default benchmarks/results)")
     parser.add_argument("--report-dir", default=str(ROOT / "benchmarks" / "reports"))
     parser.add_argument("--cache-dir", default=".oases/profiles", help="profile cache (planner.cache_dir)")
+    parser.add_argument("--pack", type=Path, metavar="RUN_FOLDER",
+                        help="no measuring: pack a measured run's folder (results, profiles, notes) into "
+                             "<results-dir>/cost_model_runs/<folder>.tar.gz, where --pooled reads it, and remove the folder")
     parser.add_argument("--pooled", action="store_true",
                         help="no measuring: score each setup against all its stored runs under --results-dir pooled, "
                              "priced by every stored profile there")
     args = parser.parse_args(argv)
-    results_dir = Path(args.results_dir)
+    root = ROOT / "benchmarks" / "results"
+    results_dir = Path(args.results_dir) if args.results_dir else (
+        root if args.pooled or args.pack else root / f"cost_model_run-{datetime.date.today().isoformat()}")
     chosen = [s for s in SETUPS if not args.setup or s.name in args.setup]
+    if args.pack:
+        archive = pack_run(args.pack, results_dir / RUN_ARCHIVES)
+        shutil.rmtree(args.pack)
+        print(f"wrote {archive}")
+        return archive
     if args.pooled:
         return pooled(chosen, results_dir, Path(args.report_dir))
     walls: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""Issue 13's end-to-end table, reproduced: step times on loopback, 1 Gbit/s and 200 Mbit/s links.
+"""The end-to-end table: step times on loopback, 1 Gbit/s and 200 Mbit/s links, against DeepSpeed AutoTP.
 
 Two ranks (TMP 2), each in its own network namespace, gloo over a veth pair whose
 ends are shaped by ``tc tbf`` (``oases_ds/bench/netns.py``, as ``validate_link.py``
@@ -8,7 +8,7 @@ is importable -- DeepSpeed AutoTP + Hugging Face gradient checkpointing on the s
 dims in another (``oases_ds/bench/autotp.py``).  Rounds visit every link, the order
 of links and of the two pairs rotating each round; cells are medians of all timed
 steps.  The result JSON goes to ``benchmarks/results/``, and the table plus the
-issue's target checks are generated from it into ``benchmarks/README.md``
+target checks are generated from it into the dated report ``benchmarks/reports/e2e_shaped-<date>.md``
 (``oases_ds/bench/e2e.py``; ``--report-only`` regenerates from the JSON).
 
 Where namespaces cannot be made (not root, no ``ip``/``tc``), or with ``--emulate``,
@@ -21,8 +21,8 @@ is turned into SystemExit so it unwinds too), and namespaces left by a killed ru
 (``oasesvl<dead pid>``) are removed at start.
 
     python benchmarks/e2e_shaped.py --quick            # h128, seq 64, 1 round: the path end to end in ~2 min
-    python benchmarks/e2e_shaped.py                    # issue 13's dims: 1 round, 1 warm-up + 2 timed steps
-    python benchmarks/e2e_shaped.py --report-only      # README table again from the JSON
+    python benchmarks/e2e_shaped.py                    # the table's dims: 1 round, 1 warm-up + 2 timed steps
+    python benchmarks/e2e_shaped.py --report-only      # the report's table again from the JSON
 
 RUN TIME.  Each rank pair costs its start-up (~15 s executor, ~25 s AutoTP with
 DeepSpeed's initialisation) plus (warmup + repeats) steps of each of its variants.
@@ -54,7 +54,6 @@ from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 from oases_ds.utils.rounds import rotated  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-README = os.path.join(ROOT, "benchmarks", "README.md")
 MICRO_BATCH = 4
 SEED = 0
 
@@ -182,12 +181,17 @@ class _NoPair:
         return None
 
 
-def write_report(result: dict, readme: str) -> None:
+def write_report(result: dict, report: str | None) -> str:
+    """Replace the generated section of ``report`` (default: the dated report of the result's day)."""
+    from oases_ds.bench.provenance import dated_report
+
+    report = report or dated_report("e2e_shaped", str(result.get("time", "")) or None)
     text = ""
-    if os.path.exists(readme):
-        with open(readme) as f:
+    if os.path.exists(report):
+        with open(report) as f:
             text = f.read()
-    write_text_atomic(readme, e2e.update_readme(text, e2e.render(result)))
+    write_text_atomic(report, e2e.update_readme(text, e2e.render(result)))
+    return report
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, e2e.E2EOptions]:
@@ -202,9 +206,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, e2e.E2EOpt
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit for one rank pair")
     parser.add_argument("--emulate", action="store_true", help="skip namespaces: loopback + EMULATED ring links")
     parser.add_argument("--no-autotp", action="store_true", help="leave the AutoTP column out")
-    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/e2e_shaped[-quick].json)")
-    parser.add_argument("--readme", default=README, help="README whose generated section is replaced")
-    parser.add_argument("--report-only", action="store_true", help="regenerate the README section from --out")
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/e2e_shaped.json; --quick: runs/e2e_shaped-quick.json)")
+    parser.add_argument("--report", default=None, help="report whose generated section is replaced "
+                                                      "(default: benchmarks/reports/e2e_shaped-<date measured>.md)")
+    parser.add_argument("--report-only", action="store_true", help="regenerate the report's section from --out")
     parser.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_worker:
@@ -217,7 +222,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, e2e.E2EOpt
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     if args.out is None:
-        args.out = os.path.join(RESULTS, "e2e_shaped-quick.json" if args.quick else "e2e_shaped.json")
+        args.out = (os.path.join(ROOT, "runs", "e2e_shaped-quick.json") if args.quick  # a harness check: git-ignored
+                    else os.path.join(RESULTS, "e2e_shaped.json"))
     return args, opts
 
 
@@ -233,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"error: --report-only needs a result JSON at --out ({args.out}): {err}", file=sys.stderr)
             return 2
-        write_report(result, args.readme)
-        print(f"regenerated the e2e section of {args.readme} from {args.out}")
+        print(f"regenerated the e2e section of {write_report(result, args.report)} from {args.out}")
         return 0
     from oases_ds.bench.provenance import git_commit, machine
 
@@ -270,12 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     result["wall_s"] = time.perf_counter() - started
     write_json_atomic(args.out, result)
-    write_report(result, args.readme)
+    report = write_report(result, args.report)
     rows = e2e.summarize(result)
     for c in e2e.checks(rows):
         verdict = "not measured" if c["met"] is None else "met" if c["met"] else "NOT met"
         print(f"{verdict:<12} {c['statement']}" + ("" if c["value"] is None else f" ({c['value']:.3f})"))
-    print(f"wrote {args.out} and the e2e section of {args.readme} ({result['wall_s'] / 60:.1f} min)")
+    print(f"wrote {args.out} and the e2e section of {report} ({result['wall_s'] / 60:.1f} min)")
     return 0
 
 

@@ -21,7 +21,7 @@ Every step is timed as the study times it (:func:`oases_ds.planner.accuracy.time
 start together, the slowest rank sets the step).  Prints per cycle the median ratio interleaved / alone
 for each degree and interleaved / blocks for each plan, and writes every step to ``--out``.
 
-    python benchmarks/interleave_check.py --result benchmarks/results/cost_model_v8_run_j-2026-12-02/planner_accuracy-tmp4.json
+    python benchmarks/interleave_check.py --result /tmp/cost_model_v8_run_j-2026-12-02/planner_accuracy-tmp4.json  # tar xzf benchmarks/results/cost_model_runs/cost_model_v8_run_j-2026-12-02.tar.gz -C /tmp
 """
 from __future__ import annotations
 
@@ -37,16 +37,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oases_ds.launcher import launch  # noqa: E402
-from oases_ds.planner.accuracy import (  # noqa: E402
-    AccuracySpec,
-    plan_of_row,
-    plan_runners,
-    plan_step_ms,
-    round_order,
-    timed_step,
-)
+from oases_ds.bench.cost_model import plan_of_row  # noqa: E402
+from oases_ds.planner.accuracy import AccuracySpec, plan_runners, plan_step_ms, timed_step  # noqa: E402
 from oases_ds.planner.profile import ProfileSpec, ProfileSteps  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
+from oases_ds.utils.rounds import rotated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,16 +71,16 @@ def _rank(config: dict[str, Any], rows: list[dict[str, Any]], cycles: int, round
             "alone": [[] for _ in range(len(profile))], "interleaved_profile": [[] for _ in range(len(profile))],
             "interleaved": [[] for _ in runners], "blocks": [[] for _ in runners]}
         for rnd in range(rounds):
-            for k in round_order(len(profile), rnd):
+            for k in rotated(range(len(profile)), rnd):
                 cycle["alone"][k].append(degree_ms(k))
         for rnd in range(rounds):
-            for i in round_order(len(runners) + len(profile), rnd):
+            for i in rotated(range(len(runners) + len(profile)), rnd):
                 if i < len(runners):
                     cycle["interleaved"][i].append(plan_ms(i))
                 else:
                     cycle["interleaved_profile"][i - len(runners)].append(degree_ms(i - len(runners)))
         for rnd in range(rounds):
-            for i in round_order(len(runners), rnd):
+            for i in rotated(range(len(runners)), rnd):
                 plan_ms(i)  # the first step of a block runs right after another plan's: untimed
                 cycle["blocks"][i] += [plan_ms(i) for _ in range(block - 1)]
         out.append(cycle)

@@ -10,7 +10,7 @@ interleaved (``oases_ds/bench/micro.py``), forward and forward + backward:
 * dropout 0: plain vs SDPA;
 * dropout > 0: plain + keyed dropout vs lean + keyed dropout.
 
-    python benchmarks/micro_attention.py               # writes results + README table
+    python benchmarks/micro_attention.py               # writes results + the kernels report's table
 """
 from __future__ import annotations
 
@@ -90,15 +90,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--p", type=float, default=0.1, help="attention dropout of the dropout > 0 case")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "micro_attention.json"))
-    ap.add_argument("--readme", default=os.path.join(HERE, "README.md"))
+    ap.add_argument("--report", help="report whose table is replaced (default: benchmarks/reports/kernels-<today>.md)")
     args = ap.parse_args(argv)
     cases = []
     for p in (0.0, args.p):
         cases.append(measure(args.batch, 16, args.seq, 64, p, args.rounds))
         print("\n".join(table(record("micro_attention", args.rounds, cases))[-len(cases[-1]["forward"]):]), flush=True)
     payload = record("micro_attention", args.rounds, cases)
-    write_results(args.out, payload, args.readme, table(payload))
-    print(f"wrote {args.out} and the table in {args.readme}")
+    report = write_results(args.out, payload, args.report, table(payload))
+    print(f"wrote {args.out} and the table in {report}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ attention-probability shapes:
 
 and quotes per-round ratios to ``F.dropout`` (forward, or forward + backward).
 
-    python benchmarks/micro_dropout.py                 # writes results + README table
+    python benchmarks/micro_dropout.py                 # writes results + the kernels report's table
     python benchmarks/micro_dropout.py --rounds 3 --sizes 4,512,1024
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--sizes", nargs="*", help="shapes as comma lists, e.g. 4,512,1024 (default: the four in SIZES)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "micro_dropout.json"))
-    ap.add_argument("--readme", default=os.path.join(HERE, "README.md"))
+    ap.add_argument("--report", help="report whose table is replaced (default: benchmarks/reports/kernels-<today>.md)")
     args = ap.parse_args(argv)
     sizes = [tuple(int(n) for n in s.split(",")) for s in args.sizes] if args.sizes else SIZES
     cases = []
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         cases.append(measure(shape, args.p, args.rounds))
         print(table(record("micro_dropout", args.rounds, cases))[-1], flush=True)
     payload = record("micro_dropout", args.rounds, cases)
-    write_results(args.out, payload, args.readme, table(payload))
-    print(f"wrote {args.out} and the table in {args.readme}")
+    report = write_results(args.out, payload, args.report, table(payload))
+    print(f"wrote {args.out} and the table in {report}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ SCHEDULES = ("megatron", "split_overlap", "oases")
 def _worker(args: dict) -> dict:
     import torch
 
+    from oases_ds.data.batches import synthetic_batch
     from oases_ds.models.config import ModelConfig
     from oases_ds.models.operator_model import OperatorModel
     from oases_ds.parallel.context import ParallelContext
@@ -46,9 +47,7 @@ def _worker(args: dict) -> dict:
     ctx = ParallelContext.build(tensor_parallel_size=2, timeout_s=300)
     cfg = ModelConfig(family="gpt", vocab_size=512, hidden_size=args["hidden"], num_heads=8,
                       num_layers=args["layers"], seq_len=args["seq"], dropout=0.1)
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.seq_len + 1), generator=gen)
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+    batch = synthetic_batch(cfg.vocab_size, args["batch"], cfg.seq_len, seed=0)
 
     def executor(name: str, link: LinkModel | None) -> Executor:
         model = OperatorModel(cfg, group=ctx.tp_group, seed=0)

@@ -17,7 +17,7 @@ every depth before repeat r+1) and the report states medians and ratios to ``dp`
 from the same run.
 
 Writes ``benchmarks/results/planner_solve_time.json`` (``--out``, atomically) and
-renders it into the solve-time section of ``benchmarks/README.md`` (``--render-only``
+renders it into the dated report ``benchmarks/reports/planner_solve_time-<date>.md`` (``--render-only``
 re-renders from the JSON without solving).
 """
 from __future__ import annotations
@@ -37,11 +37,13 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oases_ds.bench.provenance import dated_report  # noqa: E402
 from oases_ds.planner.costs import BlockCost, CostTable  # noqa: E402
 from oases_ds.planner.dp import solve_dp  # noqa: E402
 from oases_ds.planner.ilp import solve  # noqa: E402
 from oases_ds.planner.objective import check_memory_feasible, predict_step_ms  # noqa: E402
 from oases_ds.planner.plan import Plan, PlanInfeasibleError  # noqa: E402
+from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
 from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 DEVICES = 32
@@ -54,9 +56,8 @@ INTER_GBYTES_S = 25 / 8  # 25 Gb/s Ethernet between nodes
 OVERLAP = 0.8  # share of a block's compute the overlapped schedule hides comm behind
 ACCUMULATION = 8  # micro-batches per optimizer step: grad sync amortised over them
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_solve_time.json"
-README = Path(__file__).resolve().parent / "README.md"
 BEGIN, END = "<!-- planner_solve_time: begin (generated) -->", "<!-- planner_solve_time: end -->"
-"""The README lines between these markers are rewritten from the JSON; nothing else is touched."""
+"""The report lines between these markers are rewritten from the JSON; nothing else is touched."""
 DEFAULT = "dp"
 
 
@@ -91,7 +92,7 @@ def synthetic_table(layers: int) -> CostTable:
     return CostTable(
         model=f"gpt-h{HIDDEN}-l{layers}",
         cluster="3090-pcie-25gbe",
-        schedule="oases",
+        schedule=ScheduleSpec("oases"),
         devices=DEVICES,
         degrees=DEGREES,
         blocks={
@@ -185,7 +186,7 @@ def measure(layers_list: list[int], candidates: list[str], repeats: int, ilp_rep
 
 
 def render(result: dict) -> str:
-    """The README section's body: one row per depth, one column per candidate (median ms,
+    """The report section's body: one row per depth, one column per candidate (median ms,
     ratio to the default from the same run), every number from ``result``."""
     candidates = list(dict.fromkeys(row["candidate"] for row in result["rows"]))
     layers_list = list(dict.fromkeys(row["layers"] for row in result["rows"]))
@@ -222,9 +223,12 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def render_readme(result: dict, readme: Path = README) -> None:
-    """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` (atomically)."""
-    replace_marked_section(readme, BEGIN, END, render(result), append=False)
+def render_report(result: dict, report: Path | None = None) -> Path:
+    """Replace the text between :data:`BEGIN` and :data:`END` in ``report`` (atomically; default the
+    dated report of ``result``'s day)."""
+    report = report or Path(dated_report("planner_solve_time", result["date"]))
+    replace_marked_section(report, BEGIN, END, render(result))
+    return report
 
 
 def main() -> None:
@@ -233,14 +237,14 @@ def main() -> None:
     parser.add_argument("--candidates", nargs="+", choices=sorted(CANDIDATES),
                         default=[name for name in CANDIDATES if name not in ("ilp-CBC", "ilp-HIGHS")])
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--report", type=Path, help="report whose section is replaced (default: the result's dated report)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ilp-repeats", type=int, default=2, help="repeats (the first ones) that run ilp-*")
     parser.add_argument("--time-limit-s", type=float, default=60.0)
-    parser.add_argument("--render-only", action="store_true", help="re-render the README from --out, no solving")
+    parser.add_argument("--render-only", action="store_true", help="re-render the report from --out, no solving")
     args = parser.parse_args()
     if args.render_only:
-        render_readme(json.loads(args.out.read_text()), args.readme)
+        print(f"wrote {render_report(json.loads(args.out.read_text()), args.report)}")
         return
     if DEFAULT not in args.candidates:
         parser.error(f"--candidates must include {DEFAULT} (the ratios are to it)")
@@ -260,9 +264,9 @@ def main() -> None:
         "rows": rows,
     }
     write_json_atomic(args.out, result, indent=2, sort_keys=True)
-    render_readme(result, args.readme)
+    report = render_report(result, args.report)
     print(render(result))
-    print(f"wrote {args.out} and {args.readme}")
+    print(f"wrote {args.out} and {report}")
 
 
 if __name__ == "__main__":

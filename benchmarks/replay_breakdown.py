@@ -4,17 +4,18 @@ Not a test: a diagnostic for the cost model.  The accuracy study (``benchmarks/c
 says *whether* the replay (``oases_ds/planner/replay.py``) ranks plans as the machine does; this says
 *where* a plan's prediction is off.  For the setup of a stored accuracy result (its ``config``: model,
 devices, micro-batch, schedule, emulated link), it runs the chosen plans interleaved with timelines
-kept (``accuracy.measure_breakdown``) and sets, per plan,
+kept (``cost_model.measure_breakdown``) and sets, per plan,
 
 * the measured compute (per rank), each Sync's wait (median over steps; min / median / max over the
   ranks) and the rest of each rank's step (gradient sync, issuing collectives, the host)
 * against the replay's compute, its wait at the same Sync, and its overhead + gradient sync,
 
 priced by a stored profile (``--profile``; default: the newest stored profile of the result's
-setup and this cost model, ``pooled.stored_tables``).  Writes ``--out`` (JSON, every step of every
+setup and this cost model, ``cost_model.stored_tables``).  Writes ``--out`` (JSON, every step of every
 rank) and prints the Syncs whose measured wait differs most from the replay's.
 
-    python benchmarks/replay_breakdown.py --result benchmarks/results/planner_accuracy-tmp4.json \\
+    tar xzf benchmarks/results/cost_model_runs/cost_model_v9_run_m-2026-12-02.tar.gz -C /tmp   # a stored run
+    python benchmarks/replay_breakdown.py --result /tmp/cost_model_v9_run_m-2026-12-02/planner_accuracy-tmp4.json \\
         --plan 4,4,4,4/4,4,4,4 --plan 1,1,1,1/1,1,1,1 --rounds 8
 """
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oases_ds.planner.accuracy import AccuracySpec, measure_breakdown, plan_of_row  # noqa: E402
+from oases_ds.bench.cost_model import measure_breakdown, plan_of_row, stored_tables  # noqa: E402
+from oases_ds.planner.accuracy import AccuracySpec  # noqa: E402
 from oases_ds.planner.costs import CostTable  # noqa: E402
 from oases_ds.planner.plan import Plan  # noqa: E402
-from oases_ds.planner.pooled import stored_tables  # noqa: E402
-from oases_ds.planner.replay import replay_inputs, replay_plan  # noqa: E402
+from oases_ds.planner.replay import replay_plan  # noqa: E402
 from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     table = dataclasses.replace(table, layers=layers)
     plans = ([parse_plan(text, table.devices) for text in args.plan] if args.plan
              else [plan_of_row(r, table.devices) for r in result["rows"]])
-    family, schedule = replay_inputs(result)
-    replays = [replay_plan(table, family, plan, schedule) for plan in plans]  # refuses a plan the table cannot price
+    replays = [replay_plan(table, plan) for plan in plans]  # refuses a plan the table cannot price
     spec = AccuracySpec.from_config(cfg, layers, table.devices, args.warmup, args.rounds)  # as oases-plan measured it
     per_rank = measure_breakdown(spec, plans, timeout_s=cfg.get("timeout_s", 1800))
     rows = [compare(plan, replay, [rank[i] for rank in per_rank]) for i, (plan, replay) in enumerate(zip(plans, replays))]

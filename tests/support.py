@@ -19,6 +19,7 @@ import torch
 from oases_ds.models.ops import CommOp, ComputeOp
 from oases_ds.planner.costs import BlockCost, CostTable
 from oases_ds.planner.objective import brute_force
+from oases_ds.schedule.generators import ScheduleSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The repository checkout."""
@@ -46,7 +47,7 @@ def random_table(seed: int, layers: int) -> CostTable:
     return CostTable(
         model=f"random-{seed}",
         cluster="synthetic",
-        schedule="oases",
+        schedule=ScheduleSpec("oases"),
         devices=4,
         degrees=DEGREES,
         blocks={kind: {t: block(t) for t in DEGREES} for kind in ("attn", "mlp")},

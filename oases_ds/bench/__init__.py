@@ -10,7 +10,14 @@ CLIs; they compose a plain dict with Hydra and hand it here.
     measure     link calibration, the rank worker, ActivationProbe, the JSON record
     report      JSON lines -> dated Markdown reports and PNG plots
     provenance  what every record states about where it came from (git, machine)
+    cost_model  the cost-model study: setups scored out of sample, stored runs pooled and
+                priced by every stored profile, where a measured step goes
+    memory      the memory model against ActivationProbe's measured peak on real ranks
+    micro       kernel micro-benchmarks, variants interleaved round by round
+    overhead    where a schedule spends CPU beyond ``none`` (per op kind and phase)
+    e2e, netns, autotp   end to end on a ``tc``-shaped link between network namespaces,
+                against DeepSpeed's AutoTP
 
-Importing a module here imports no torch: the CLIs' up-front checks stay fast, and
-the rank processes import it when they start.
+``spec``, ``report``, ``provenance`` and ``netns`` import no torch, so the CLIs' up-front
+checks stay fast; the measuring modules import it at the top.
 """

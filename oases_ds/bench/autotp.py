@@ -1,4 +1,4 @@
-"""The baseline of issue 13's table: DeepSpeed AutoTP with Hugging Face activation checkpointing.
+"""The end-to-end table's baseline: DeepSpeed AutoTP with Hugging Face activation checkpointing.
 
 Why here and not in the executor: the comparison is against what a user runs today
 without Oases -- ``transformers``' ``LlamaForCausalLM`` at the same dims, sharded by
@@ -68,8 +68,8 @@ def autotp_rank(spec: dict[str, Any]) -> dict[str, Any]:
 def autotp_rank_reporting(spec: dict[str, Any]) -> dict[str, Any]:
     """:func:`autotp_rank`, but an exception becomes ``{"error": "<Type>: <message>"}``.
 
-    Why catch at all: the issue asks that an AutoTP that does not work on the installed
-    DeepSpeed/``transformers`` be *reported with its exact error* and its column left out,
+    Why catch at all: an AutoTP that does not work on the installed
+    DeepSpeed/``transformers`` must be *reported with its exact error* and its column left out,
     while the Oases columns are still measured.  The error text travels in the result
     (a namespace rank's stderr is not the benchmark's); the other rank fails on its
     own process-group timeout or the broken pipe and reports likewise."""

@@ -1,8 +1,8 @@
-"""The end-to-end table of issue 13: step times per link and schedule, the issue's targets, as Markdown.
+"""The end-to-end table: step times per link and schedule against DeepSpeed AutoTP, and the targets, as Markdown.
 
 Why apart from ``benchmarks/e2e_shaped.py``: the script measures (namespaces, rank
 processes, minutes), this module only reads what it wrote.  Every number the table
-and the target checks state is computed here from the result JSON, so the README
+and the target checks state is computed here from the result JSON, so the report's
 section can be regenerated at any time and tested with a made-up result, no
 process started.  Imports no torch.
 
@@ -36,7 +36,7 @@ AUTOTP = "autotp"
 
 FULL_MODEL: dict[str, Any] = {"family": "llama", "vocab_size": 8192, "hidden_size": 1024, "num_heads": 16,
                               "num_layers": 4, "ffn_size": 2816, "seq_len": 512, "dropout": 0.0, "rotary": "half"}
-"""Issue 13's dims (fp32, micro-batch 4, TMP 2)."""
+"""The end-to-end table's dims (fp32, micro-batch 4, TMP 2): a LLaMA small enough for 2 CPU cores."""
 
 QUICK_MODEL: dict[str, Any] = {**FULL_MODEL, "vocab_size": 1024, "hidden_size": 128, "num_heads": 4, "num_layers": 2,
                                "ffn_size": 352, "seq_len": 64}
@@ -171,7 +171,7 @@ def summarize(result: dict) -> dict[str, dict[str, Any]]:
 
 
 def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets from the medians: value, bar, and ``met`` (``None``: a cell it needs is missing)."""
+    """The table's targets from the medians: value, bar, and ``met`` (``None``: a cell it needs is missing)."""
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -213,14 +213,14 @@ def _load(result: dict) -> str:
 
 
 def render(result: dict) -> str:
-    """The README section: setup line, the table, the target checks; every number from ``result``."""
+    """The report section: setup line, the table, the target checks; every number from ``result``."""
     rows = summarize(result)
     m = result["model"]
     kind = ("real `tc tbf`-shaped veth link between two network namespaces" if result["mode"] == "netns"
             else f"EMULATED links (`LinkModel(sharing=\"ring\")`, in-process, at the tbf rates' payload rate; "
                  f"why: {result.get('emulation_reason', '?')})")
     lines = [README_BEGIN, "",
-             f"### End-to-end on a shaped link (issue 13){' -- QUICK, tiny dims: not the measurement' if result.get('quick') else ''}",
+             f"### End-to-end on a shaped link{' -- QUICK, tiny dims: not the measurement' if result.get('quick') else ''}",
              "",
              f"{result.get('time', '?')}, commit `{str(result.get('git_commit', '?'))[:10]}`, {result.get('machine', {}).get('cpu_count', '?')} CPUs, "
              f"load average {_load(result)} at start; "
@@ -281,7 +281,7 @@ def update_readme(text: str, section: str) -> str:
     if README_BEGIN in text:
         start = text.index(README_BEGIN)
         if README_END not in text[start:]:
-            raise ValueError(f"benchmarks/README.md has {README_BEGIN!r} without {README_END!r}; restore the end marker")
+            raise ValueError(f"the report has {README_BEGIN!r} without {README_END!r}; restore the end marker")
         end = text.index(README_END, start) + len(README_END)
         return text[:start] + section + text[end:]
     return text.rstrip("\n") + "\n\n" + section + "\n"

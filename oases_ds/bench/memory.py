@@ -19,6 +19,7 @@ import torch
 
 from oases_ds.bench.measure import ActivationProbe
 from oases_ds.bench.provenance import git_commit, machine
+from oases_ds.data.batches import synthetic_batch
 from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
@@ -64,9 +65,7 @@ def plan_memory_rank(case: dict[str, Any], micro_batch: int, timeout_s: float) -
     model = OperatorModel.for_plan(cfg, ctx, plan, seed=0)
     spec = ScheduleSpec(case["schedule"])
     executor = Executor.for_schedule(model, spec, None, RNGTracker())
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+    batch = synthetic_batch(cfg.vocab_size, micro_batch, cfg.seq_len, seed=0)
     measured = ActivationProbe(executor, model).run(batch)
     predicted = estimate_memory(cfg, case["attn"], case["mlp"], devices, micro_batch, spec, DTYPE_BYTES)
     held_params = sum(p.numel() for p in model.parameters())

@@ -4,7 +4,7 @@ Why interleaved: other developers' jobs come and go on the same two cores, so a
 variant timed in one block and its baseline in another would compare two machine
 states.  Each round runs every variant once, back to back, starting with a
 different one each round; per-round ratios then compare like with like, and the
-median over rounds is what ``benchmarks/README.md`` quotes (min-max beside it).
+median over rounds is what the kernels report quotes (min-max beside it).
 Used by ``benchmarks/micro_dropout.py`` and ``benchmarks/micro_attention.py``.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from oases_ds.bench.provenance import git_commit, machine
+from oases_ds.bench.provenance import dated_report, git_commit, machine
 from oases_ds.utils.io import replace_marked_section, write_json_atomic
 from oases_ds.utils.rounds import rotated
 
@@ -54,12 +54,15 @@ def record(name: str, rounds: int, cases: list[dict[str, Any]]) -> dict[str, Any
             "threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0], "rounds": rounds, "cases": cases}
 
 
-def write_results(json_path: str, payload: dict[str, Any], readme_path: str, table: list[str]) -> None:
-    """Write the JSON record and replace the benchmark's generated table in the README
-    (between ``<!-- <name>:begin -->`` and ``<!-- <name>:end -->``, appended if absent)."""
+def write_results(json_path: str, payload: dict[str, Any], report_path: str | None, table: list[str]) -> str:
+    """Write the JSON record and replace the benchmark's generated table in ``report_path`` (default:
+    the kernels report of the payload's day, :func:`~oases_ds.bench.provenance.dated_report`), between
+    ``<!-- <name>:begin -->`` and ``<!-- <name>:end -->``, appended if absent; returns the report."""
     write_json_atomic(json_path, payload)
     name = payload["benchmark"]
-    replace_marked_section(readme_path, f"<!-- {name}:begin -->", f"<!-- {name}:end -->", "\n".join(table))
+    report_path = report_path or dated_report("kernels", payload["date"])
+    replace_marked_section(report_path, f"<!-- {name}:begin -->", f"<!-- {name}:end -->", "\n".join(table))
+    return report_path
 
 
 def fmt_ratio(s: dict[str, float]) -> str:

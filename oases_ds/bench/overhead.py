@@ -1,6 +1,6 @@
 """Where a schedule spends compute beyond ``none``: per-phase, per-operator CPU time.
 
-Why this exists: issue 13 asks ``oases`` to run within 1.10x of ``none`` on a fast link.
+Why this exists: the end-to-end table's target is ``oases`` within 1.10x of ``none`` on a fast link.
 The end-to-end table only says *that* a schedule is slower; this says *where*: each rank
 runs several schedules on the same model and batch, one step each round-robin (the
 starting one rotating), and records per timed step

@@ -6,6 +6,7 @@ describe the machine with the same keys.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import subprocess
@@ -27,3 +28,11 @@ def git_commit() -> str:
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "hostname": platform.node()}
+
+
+def dated_report(study: str, day: str | None = None) -> str:
+    """``benchmarks/reports/<study>-<day>.md``, ``day`` the ISO date its result was measured (default
+    today): where a benchmark script writes its generated section, beside the hand-written reading of
+    it, so ``benchmarks/README.md`` stays an index and each run of a study has its own dated report."""
+    day = (day or datetime.date.today().isoformat())[:10]
+    return os.path.join(REPO_ROOT, "benchmarks", "reports", f"{study}-{day}.md")

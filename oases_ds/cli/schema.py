@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -301,3 +302,22 @@ def check_ranges(cfg: dict, at_least: dict[str, float], positive: Sequence[str] 
     for key in positive:
         if not 0 < value(key) < float("inf"):
             raise ValueError(f"{key} must be a finite number > 0, got {value(key)}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(field: str, value: Any) -> float | None:
+    """``None``, a number of bytes, or a string such as ``"2GiB"`` / ``"300 MB"``."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field}={value!r} is not a size; use bytes or e.g. 2GiB, 300MB")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number <= 0:
+        raise ValueError(f"{field} must be > 0, got {value!r}")
+    return number * _UNITS[unit]

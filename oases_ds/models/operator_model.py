@@ -50,6 +50,8 @@ can be sharded into and gathered out of any TMP degree (``model.sharding``).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -365,15 +367,12 @@ class OperatorModel(nn.Module):
         return ops
 
     def _reshard(self, name: str, layer: int, block: str, src: int, dst: int) -> list[Op]:
-        """Operator moving ``(x,)`` from TMP degree ``src`` to ``dst`` (none if equal)."""
+        """:func:`reshard_ops` on the reshard group between the two degrees."""
         if src == dst:
             return []
         if self.sharding.reshard_group is None:
             raise ValueError("layouts mix TMP degrees but no reshard_group was given")
-        group = self.sharding.reshard_group(min(src, dst), max(src, dst))
-        if dst < src:  # more replicas, each keeps its share of the batch
-            return [CommOp(name, layer, block, 0, "split", "all_gather", group, dim=0)]
-        return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
+        return reshard_ops(name, layer, block, src, dst, self.sharding.reshard_group(min(src, dst), max(src, dst)))
 
     def _layer_ops(self, i: int, layer: TransformerLayer, attn_layout: BlockLayout, mlp_layout: BlockLayout, pre_ln: bool,
                    cos_sin: bool | None, entry_norm_here: bool, mlp_norm_deferred: bool,
@@ -486,3 +485,61 @@ class OperatorModel(nn.Module):
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
         add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out
+
+
+def reshard_ops(name: str, layer: int, block: str, src: int, dst: int, group: Group = None) -> list[Op]:
+    """The operator moving the residual stream ``(x,)`` from TMP degree ``src`` to ``dst`` (none at one degree).
+
+    Towards a lower degree there are more replicas, each keeping its share of the batch: a local
+    ``split`` forward, whose gradient is an AllGather.  Towards a higher degree the shares are gathered:
+    an AllGather forward, a ``split`` of the gradient.  The one rule :class:`OperatorModel` builds its
+    reshards by and :func:`plan_ops` models them by."""
+    if src == dst:
+        return []
+    if dst < src:
+        return [CommOp(name, layer, block, 0, "split", "all_gather", group, dim=0)]
+    return [CommOp(name, layer, block, 0, "all_gather", "split", group, dim=0)]
+
+
+@functools.lru_cache(maxsize=None)
+def one_layer_ops(family: str) -> tuple[Op, ...]:
+    """The operator sequence of a one-layer model of ``family``.
+
+    The sequence (names, blocks, collectives) depends on the family only, not on
+    the sizes, so it is read off a tiny stand-in: the cost and memory models follow
+    the real operator list and fail loudly if an operator they cannot price appears.
+    """
+    stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
+    return tuple(OperatorModel(stand_in).ops)
+
+
+def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int],
+             devices: int) -> tuple[list[Op], list[int]]:
+    """The operator sequence a plan builds, and each op's TMP degree (a reshard's: the degree it
+    reshards to), with no process group: the one-layer sequence repeated, and :func:`reshard_ops`
+    wherever the degree changes, as :class:`OperatorModel` places its own (into each block, and into
+    the head at the full degree).  A paper-size plan is modelled without building the paper-size model."""
+    if len(attn_degrees) != len(mlp_degrees):
+        raise ValueError(f"plan has {len(attn_degrees)} attention and {len(mlp_degrees)} MLP degrees")
+    base = one_layer_ops(family)
+    ops: list[Op] = [op for op in base if op.block == "embed"]
+    degrees = [devices] * len(ops)
+    current = devices
+
+    def reshard(name: str, layer: int, block: str, target: int) -> None:
+        nonlocal current
+        moved = reshard_ops(name, layer, block, current, target)
+        ops.extend(moved)
+        degrees.extend([target] * len(moved))
+        current = target
+
+    for index, (attn, mlp) in enumerate(zip(attn_degrees, mlp_degrees)):
+        for kind, degree in (("attn", attn), ("mlp", mlp)):
+            reshard(f"L{index}.reshard_{kind}", index, kind, degree)
+            for op in base:
+                if op.block == kind:
+                    ops.append(dataclasses.replace(op, name=f"L{index}.{op.name.split('.', 1)[-1]}", layer=index))
+                    degrees.append(degree)
+    reshard("head_reshard", len(attn_degrees), "head", devices)
+    head = [dataclasses.replace(op, layer=len(attn_degrees)) for op in base if op.block == "head"]
+    return ops + head, degrees + [devices] * len(head)

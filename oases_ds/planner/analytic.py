@@ -68,15 +68,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass
 
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, Op
+from oases_ds.models.operator_model import one_layer_ops
+from oases_ds.models.ops import CommOp
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
-from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable
-from oases_ds.planner.memory import memory_rows, one_layer_ops
+from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
+from oases_ds.planner.memory import memory_rows
 from oases_ds.planner.profile import ProfileSpec
 from oases_ds.schedule.generators import schedule_segments
 
@@ -109,6 +110,20 @@ class DeviceModel:
             raise ValueError(f"cluster.device.peak_tflops must be > 0, got {self.peak_tflops!r}")
         if not 0 < self.achieved_fraction <= 1:
             raise ValueError(f"cluster.device.achieved_fraction must be in (0, 1], got {self.achieved_fraction!r}")
+
+    @classmethod
+    def from_cluster(cls, cluster: dict[str, Any]) -> DeviceModel:
+        """The device of a cluster profile (``configs/cluster/*.yaml``: ``name``, ``link``, ``device``); one
+        line naming what is missing, since without a link and a device nothing can be computed."""
+        missing = [f"cluster.{key}" for key in ("link", "device") if not cluster.get(key)]
+        if missing:
+            raise ValueError(f"cost=analytic needs cluster.link and cluster.device; cluster={cluster['name']} has no "
+                             f"{' and no '.join(missing)}: pick a cluster that states both (e.g. cluster=pcie_3090) "
+                             f"or use cost=profile")
+        try:
+            return cls(**cluster["device"])
+        except TypeError as err:
+            raise ValueError(f"cluster.device: {err}; give name, peak_tflops and achieved_fraction") from None
 
     @property
     def flops_per_s(self) -> float:
@@ -208,21 +223,18 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
 
     blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
     evidence: dict[str, dict] = {}
+    op_profile: dict[int, DegreeProfile] = {}
     for degree in spec.degrees():
         tokens = spec.micro_batch * degree / T * cfg.seq_len  # this device's replica's share
         shapes = _shapes_by_op(cfg, degree)
         payload = tokens / sub * cfg.hidden_size * ACTIVATION_BYTES  # one sub-batch's activation
         allreduce_ms = link.seconds("all_reduce", payload, degree) * 1e3
         params = layer_parameter_counts(cfg, degree)
-        evidence[str(degree)] = {
-            "tokens_per_device": tokens,
-            "allreduce_bytes": payload,
-            "allreduce_ms": allreduce_ms,
-            # per-op ms per sub-batch, keyed as the profiler's, so simulate_profiled_layer works on this table
-            "op_ms_rank0": {f"{i}:{tag}": ms(shape.flops * tokens / sub) * factor
-                            for i, shape in shapes.items() for tag, factor in (("F", 1), ("B", BACKWARD_FLOPS_RATIO))},
-            "blocks": {},
-        }
+        evidence[str(degree)] = {"tokens_per_device": tokens, "allreduce_ms": allreduce_ms, "blocks": {}}
+        # per-op ms per sub-batch, as the profiler's, so a plan is replayed on this table as on a profile
+        op_ms = OpTimes(forward_ms={i: ms(shape.flops * tokens / sub) for i, shape in shapes.items()},
+                        backward_ms={i: ms(shape.flops * tokens / sub) * BACKWARD_FLOPS_RATIO for i, shape in shapes.items()})
+        block_ms: dict[str, PassTimes] = {}
         for kind in BLOCK_KINDS:
             mine = {i: shape for i, shape in shapes.items() if ops[i].block == kind}
             forward = block_forward_flops(cfg, kind, degree, tokens)
@@ -253,10 +265,14 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                 "exposed_modelled_ms": list(exposed),
                 "params_per_device": params[kind],
             }
+            block_ms[kind] = PassTimes(timing.fwd_ms, timing.recompute_ms, timing.bwd_ms)
+        op_profile[degree] = DegreeProfile(op_ms, int(payload), block_ms)
     return CostTable(
         model=spec.model_label(),
         cluster=f"{spec.cluster_label()},{device.label()},analytic",
-        schedule=spec.schedule_label(),
+        schedule=spec.schedule,
+        family=cfg.family,
+        op_profile=op_profile,
         devices=T,
         degrees=spec.degrees(),
         blocks=blocks,

@@ -2,9 +2,10 @@
 
 Two levels, because the planner and the user ask different questions:
 
-* :func:`exposed_comm_ms` is the closed form the planner's node cost uses: from
-  a block's compute and raw TMP communication it predicts the communication the
-  schedule leaves *exposed*.  Overlap is the whole point of Oases, so a plain
+* :func:`exposed_comm_ms` is the closed form the planner's node cost uses (each
+  schedule registers its own, :mod:`oases_ds.schedule.closed_forms`): from a block's
+  compute and raw TMP communication it predicts the communication the schedule
+  leaves *exposed*.  Overlap is the whole point of Oases, so a plain
   ``compute + comm`` sum would rank degrees wrongly: under ``oases`` the
   collective of one sub-batch runs while the other sub-batches compute, so only
   ``max(0, comm - other sub-batches' compute)`` shows; under ``megatron``
@@ -29,70 +30,20 @@ from typing import Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.parallel.link import LinkModel
-from oases_ds.schedule.generators import Schedule, ScheduleSpec
+from oases_ds.planner.costs import OpTimes
+from oases_ds.schedule.closed_forms import BlockTiming
+from oases_ds.schedule.generators import Schedule, ScheduleSpec, closed_form_of
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 
 
-@dataclass(frozen=True)
-class BlockTiming:
-    """Measured cost of one block for one micro-batch share on one device (ms).
-
-    ``fwd_ms`` is the forward compute and ``recompute_ms`` the part of the
-    backward pass that re-runs it; ``bwd_ms`` is the backward compute *without*
-    the recompute.  ``comm_fwd_ms`` / ``comm_bwd_ms`` are the raw durations of
-    the block's forward and backward collectives, summed over sub-batches, as if
-    nothing overlapped them.
-    """
-
-    fwd_ms: float
-    recompute_ms: float
-    bwd_ms: float
-    comm_fwd_ms: float
-    comm_bwd_ms: float
-
-    def __post_init__(self) -> None:
-        for name in ("fwd_ms", "recompute_ms", "bwd_ms", "comm_fwd_ms", "comm_bwd_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"BlockTiming.{name} must be >= 0, got {getattr(self, name)}")
-
-
 def exposed_comm_ms(timing: BlockTiming, spec: ScheduleSpec) -> tuple[float, float]:
-    """(forward, backward) communication ``spec``'s schedule leaves exposed for one block.
-
-    * ``none`` / ``megatron_selective``: synchronous, nothing hidden; neither
-      recompute re-runs a collective (none recomputes nothing, selective only
-      the attention core).
-    * ``megatron``: synchronous, and the layer's recompute repeats the forward
-      AllReduce, so backward exposes ``comm_bwd + comm_fwd``.
-    * ``split_overlap`` (Merak-like): each collective of a sub-batch overlaps the
-      other sub-batches' compute *of the same pass*: forward behind forward,
-      the repeated forward AllReduce behind recompute, backward behind backward.
-    * ``oases``: forward as above; fine-grained recompute drops the repeated
-      AllReduce and the cross-pass schedule hides the backward collective
-      behind the other sub-batches' recompute *and* backward.
-
-    With ``s`` sub-batches (``spec.effective_sub_batches``) the compute that can
-    hide one sub-batch's collective is the other ``(s-1)/s`` of the pass; with
-    ``s == 1`` nothing overlaps.
-    """
-    t, schedule, sub_batches = timing, spec.name, spec.effective_sub_batches
-    if schedule in ("none", "megatron_selective"):
-        return t.comm_fwd_ms, t.comm_bwd_ms
-    if schedule == "megatron":
-        return t.comm_fwd_ms, t.comm_bwd_ms + t.comm_fwd_ms
-    if schedule not in ("split_overlap", "oases"):  # registered later, not priced yet
-        raise ValueError(f"schedule.name={schedule!r} has no closed form in the cost model; add one to exposed_comm_ms")
-    others = (sub_batches - 1) / sub_batches
-
-    def hidden_behind(comm: float, compute: float) -> float:
-        return max(0.0, comm - others * compute)
-
-    forward = hidden_behind(t.comm_fwd_ms, t.fwd_ms)
-    if schedule == "split_overlap":
-        backward = hidden_behind(t.comm_fwd_ms, t.recompute_ms) + hidden_behind(t.comm_bwd_ms, t.bwd_ms)
-    else:
-        backward = hidden_behind(t.comm_bwd_ms, t.recompute_ms + t.bwd_ms)
-    return forward, backward
+    """(forward, backward) communication ``spec``'s schedule leaves exposed for one block: the closed
+    form the schedule registered (:mod:`oases_ds.schedule.closed_forms` says what each hides and why)."""
+    form = closed_form_of(spec.name)
+    if form is None:
+        raise ValueError(f"schedule.name={spec.name!r} has no closed form in the cost model; add one: "
+                         f"register_schedule(..., closed_form=ClosedForm(...)) (oases_ds/schedule/closed_forms.py)")
+    return form.whole(timing, spec.effective_sub_batches)
 
 
 def pipelined_comm_ms(timing: BlockTiming, spec: ScheduleSpec) -> tuple[float, float, float, float]:
@@ -102,28 +53,20 @@ def pipelined_comm_ms(timing: BlockTiming, spec: ScheduleSpec) -> tuple[float, f
 
     :func:`exposed_comm_ms` hides all ``s`` collectives of a pass behind
     ``(s-1)/s`` of the block's own compute, as if the block ended the pass.  In
-    a sequence the overlapped schedule does better: collective ``j < s-1`` hides
-    behind the later sub-batches of this block (``(s-1)/s * (comm - compute)``
-    for the first ``s-1`` together), and the last one behind sub-batch 0 of the
-    next block, which only the edge knows.  Measured on gpt_small at 0.2 Gbit/s
+    a sequence an overlapped schedule does better: collective ``j < s-1`` hides
+    behind the later sub-batches of this block, and the last one behind sub-batch 0
+    of the next block, which only the edge knows.  Measured on gpt_small at 0.2 Gbit/s
     (T=2, uniform degree 2, 4 layers) the Sync waits were ~29 ms per layer, the
     whole-block form said 54 ms, this split ~30 ms.
 
-    Only ``oases`` (forward and cross-pass backward) and ``split_overlap``'s
-    forward pipeline this way; other schedules, one sub-batch, and
-    ``split_overlap``'s backward keep :func:`exposed_comm_ms` with nothing left
-    to the edge.
+    A schedule whose closed form has no ``pipelined`` part, and one sub-batch, keep
+    :func:`exposed_comm_ms` with nothing left to the edge.
     """
     whole = exposed_comm_ms(timing, spec)
-    schedule, sub_batches = spec.name, spec.effective_sub_batches
-    if sub_batches < 2:  # a blocking schedule, or a sub-batched one run whole
+    form, sub_batches = closed_form_of(spec.name), spec.effective_sub_batches
+    if sub_batches < 2 or form is None or form.pipelined is None:  # a blocking schedule, or one run whole
         return whole[0], whole[1], 0.0, 0.0
-    t, share = timing, (sub_batches - 1) / sub_batches
-    forward = share * max(0.0, t.comm_fwd_ms - t.fwd_ms)
-    if schedule == "split_overlap":
-        return forward, whole[1], t.comm_fwd_ms / sub_batches, 0.0
-    backward = share * max(0.0, t.comm_bwd_ms - t.recompute_ms - t.bwd_ms)
-    return forward, backward, t.comm_fwd_ms / sub_batches, t.comm_bwd_ms / sub_batches
+    return form.pipelined(timing, sub_batches, whole)
 
 
 # -- step simulator ---------------------------------------------------------------
@@ -152,13 +95,11 @@ class OpCosts:
     recompute_ms: Mapping[int, float] = field(default_factory=dict)
 
     @classmethod
-    def from_profile(cls, ops: Sequence[Op], op_ms: Mapping[str, float], payload_bytes: int, degree: int) -> OpCosts:
+    def from_profile(cls, ops: Sequence[Op], times: OpTimes, payload_bytes: int, degree: int) -> OpCosts:
         """Simulator inputs of the profiler's one-layer model at ``degree`` from its per-op times
-        (``"<op>:F|R|B"``, ms per sub-batch) and the payload of every collective it issues."""
-        def by_letter(letter: str) -> dict[int, float]:
-            return {int(k.split(":")[0]): float(v) for k, v in op_ms.items() if k.endswith(":" + letter)}
-
-        return cls(forward_ms=by_letter("F"), backward_ms=by_letter("B"), recompute_ms=by_letter("R"),
+        (ms per sub-batch) and the payload of every collective it issues."""
+        return cls(forward_ms=dict(times.forward_ms), backward_ms=dict(times.backward_ms),
+                   recompute_ms=dict(times.recompute_ms),
                    comm_bytes={i: payload_bytes for i, op in enumerate(ops) if isinstance(op, CommOp)},
                    default_ranks=degree)
 
@@ -294,15 +235,14 @@ def issue_ms_hiding(schedule: Schedule, ops: Sequence[Op], costs: OpCosts, link:
     makes :func:`simulate_step` of ``schedule`` as much longer as ``flat_ms`` per collective charged in
     full after it would (``flat_ms x`` the collectives among ``ranks``).
 
-    Why (cost model 9): :func:`collective_overhead_ms` measures what a collective costs beyond the
-    link and the compute as a share of a profiled step, and cost models 4-8 added that share once per
-    collective after the simulation, as if nothing could hide it.  Most of it is host time (gloo's
-    threads and the emulator's exchange share the cores with compute), and host time spent while the
-    compute lane would wait for the link anyway costs nothing: uniform TMP 4, a step that is almost
-    all link, ran at 0.955-0.992 of a prediction that charged every one of its 36 collectives in full
-    (benchmarks/README.md, "Where tmp4's prediction is off").  So the overhead is placed where it
-    happens, on the compute lane before the message leaves, and its size per collective is the one
-    that reproduces the profiled step: the step the share was measured on.
+    Why: :func:`collective_overhead_ms` measures what a collective costs beyond the link and the
+    compute as a share of a profiled step; added once per collective after the simulation, as if
+    nothing could hide it, it over-prices link-bound plans.  Most of it is host time (gloo's threads
+    and the emulator's exchange share the cores with compute), and host time spent while the compute
+    lane would wait for the link anyway costs nothing: uniform TMP 4, a step that is almost all link,
+    ran below a prediction that charged every one of its collectives in full.  So the overhead is
+    placed where it happens, on the compute lane before the message leaves, and its size per
+    collective is the one that reproduces the profiled step: the step the share was measured on.
 
     The step grows monotonically with the host time (max-plus), so a bisection finds it; under a
     blocking schedule, where nothing hides it, the answer is ``flat_ms``.

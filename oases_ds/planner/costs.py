@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from oases_ds.models.config import FAMILIES
 from oases_ds.parallel.link import LinkModel
-from oases_ds.planner.jsonio import check_fields, load_dataclass
+from oases_ds.planner.jsonio import check_fields, load_dataclass, parse_dataclass
+from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
 
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
@@ -29,8 +31,8 @@ so a cached profile from an older model is re-profiled, never silently reused.
 working set, collectives in flight); ``fixed_bytes``; edges take the table's ``sub_batches``.
 4: each collective's measured overhead beyond the link model (:attr:`BlockCost.overhead_ms`,
 :attr:`CostTable.collective_overhead_ms`, on nodes and reshards).
-5: tried and rejected (benchmarks/results/cost_model_v5_rejected-2026-12-01); skipped so its
-cached tables are never read as another model's.
+5: tried and rejected (the cost-model study's history); skipped so its cached tables are never
+read as another model's.
 6: a profiled block's collectives priced at the link model's time, not the measured blocking
 AllReduce's, whose fixed cost the collective overhead (v4) already holds.
 7: a plan's step is priced by replaying its schedule over the profile's per-op times
@@ -41,9 +43,10 @@ AllReduce's, whose fixed cost the collective overhead (v4) already holds.
 issued, sized to reproduce the profiled step (:func:`~oases_ds.planner.replay.collective_issue_ms`),
 instead of adding it after the simulation; the profiler is cost model 8's."""
 
-PRICED_PROFILE_VERSIONS: tuple[int, ...] = (8, 9)
-"""The versions whose stored profiles this cost model prices (``benchmarks/cost_model_oos.py
---pooled``): 9 changed how the replay uses a profile, not what the profiler measures."""
+TABLE_FORMAT = 2
+"""Layout of a table file: 2 has ``family``, the schedule as its settings and the typed ``op_profile``.
+A file without ``table_format`` (cost models 3-9 wrote it so) is read by :func:`_upgraded`."""
+
 
 STAGE_ROLE_NAMES: tuple[str, ...] = ("only", "first", "middle", "last")
 """Roles of a pipeline stage, by the ends of the model it holds (:attr:`CostTable.stage_fixed_bytes`)."""
@@ -122,15 +125,125 @@ class BlockCost:
         return self.state_bytes + self.act_bytes
 
 
+PASS_LETTERS: tuple[str, ...] = ("F", "R", "B")
+"""Forward, Recompute, Backward: the passes a compute op runs, as the executor's timeline names them."""
+
+
+def _finite_ms(where: str, value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Per-op compute of the profiled one-layer sequence, in ms per sub-batch, by the op's index in
+    :func:`~oases_ds.models.operator_model.one_layer_ops`.  An op missing from a pass does not run
+    it (a collective) or was not timed; ``recompute_ms`` holds only the ops the schedule recomputes."""
+
+    forward_ms: dict[int, float] = field(default_factory=dict)
+    recompute_ms: dict[int, float] = field(default_factory=dict)
+    backward_ms: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("forward_ms", "recompute_ms", "backward_ms"):
+            for op, ms in getattr(self, name).items():
+                if not isinstance(op, int) or op < 0:
+                    raise ValueError(f"OpTimes.{name}: op index {op!r} must be an int >= 0")
+                _finite_ms(f"OpTimes.{name}[{op}]", ms)
+
+    @classmethod
+    def from_keys(cls, op_ms: dict[str, float]) -> OpTimes:
+        """From ``{"<op>:F|R|B": ms}``, the keys the profiler builds from the executor's timeline."""
+        passes: dict[str, dict[int, float]] = {letter: {} for letter in PASS_LETTERS}
+        for key, ms in op_ms.items():
+            op, _, letter = key.partition(":")
+            if not op.isdigit() or letter not in passes:
+                raise ValueError(f"per-op time {key!r} is not '<op index>:F|R|B'")
+            passes[letter][int(op)] = float(ms)
+        return cls(passes["F"], passes["R"], passes["B"])
+
+    def of_pass(self, letter: str) -> dict[int, float]:
+        """The times of pass ``letter`` (one of :data:`PASS_LETTERS`)."""
+        return {"F": self.forward_ms, "R": self.recompute_ms, "B": self.backward_ms}[letter]
+
+    def scaled(self, factor: float) -> OpTimes:
+        """Every time multiplied by ``factor`` (a faster or slower machine, same ops)."""
+        return OpTimes(*({op: ms * factor for op, ms in self.of_pass(letter).items()} for letter in PASS_LETTERS))
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """One block's compute in each pass, summed over its ops and the schedule's sub-batches, in ms."""
+
+    forward_ms: float
+    recompute_ms: float
+    backward_ms: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _finite_ms(f"PassTimes.{f.name}", getattr(self, f.name))
+
+    def of_pass(self, letter: str) -> float:
+        return {"F": self.forward_ms, "R": self.recompute_ms, "B": self.backward_ms}[letter]
+
+
+@dataclass(frozen=True)
+class DegreeProfile:
+    """What the profiler measured of the one-layer model at one TMP degree that a plan's step is
+    replayed from (:func:`~oases_ds.planner.replay.replay_plan`): why typed and on the table, and not
+    in :attr:`CostTable.measurements`, is that the planner's choice between plans depends on it."""
+
+    op_ms: OpTimes
+    """Rank 0's per-op compute (median over the timed steps)."""
+    payload_bytes: int
+    """Bytes of one block collective: a sub-batch's ``[b/s, seq, hidden]`` activation share."""
+    block_ms: dict[str, PassTimes] = field(default_factory=dict)
+    """Per block kind, the slowest rank's compute of the block (the table's block rows hold the same
+    time): the replay scales rank 0's per-op times to it, as the slowest rank sets a TMP step.  A kind
+    missing here is not scaled."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.payload_bytes, int) or isinstance(self.payload_bytes, bool) or self.payload_bytes < 0:
+            raise ValueError(f"DegreeProfile.payload_bytes must be a whole number >= 0, got {self.payload_bytes!r}")
+        for kind in self.block_ms:
+            if kind not in BLOCK_KINDS:
+                raise ValueError(f"DegreeProfile.block_ms has kind {kind!r}; kinds are {', '.join(BLOCK_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (string keys)."""
+        return {"op_ms": {name: {str(op): ms for op, ms in getattr(self.op_ms, name).items()}
+                          for name in ("forward_ms", "recompute_ms", "backward_ms")},
+                "payload_bytes": self.payload_bytes,
+                "block_ms": {kind: dataclasses.asdict(times) for kind, times in self.block_ms.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> DegreeProfile:
+        check_fields(data, cls, where)
+        op_ms = data["op_ms"]
+        check_fields(op_ms, OpTimes, f"{where}.op_ms")
+        for name, times in op_ms.items():
+            if not isinstance(times, dict) or not all(str(op).isdigit() for op in times):
+                raise ValueError(f"{where}.op_ms.{name} must map op indices (whole numbers) to ms, got {times!r}")
+        blocks = {}
+        for kind, times in data.get("block_ms", {}).items():
+            check_fields(times, PassTimes, f"{where}.block_ms.{kind}")
+            blocks[kind] = PassTimes(**times)
+        return cls(OpTimes(**{name: {int(op): float(ms) for op, ms in times.items()} for name, times in op_ms.items()}),
+                   data["payload_bytes"], blocks)
+
+
 @dataclass(frozen=True)
 class CostTable:
     """Profile of one layer under each TMP degree, plus what the edge model needs."""
 
     model: str
+    """Model label: the family, sizes and micro-batch the table was made for (:meth:`ProfileSpec.model_label
+    <oases_ds.planner.profile.ProfileSpec.model_label>`)."""
     cluster: str
     """Cluster / link label, e.g. ``"3090-pcie"``."""
-    schedule: str
-    """Schedule the times were measured under (``"oases"``, ``"megatron"``, ...)."""
+    schedule: ScheduleSpec
+    """Schedule the times were measured under; a plan's step is replayed under it."""
     devices: int
     """T: size of the TMP group the planner divides among blocks."""
     degrees: tuple[int, ...]
@@ -152,9 +265,9 @@ class CostTable:
     (:func:`~oases_ds.planner.memory.memory_rows`).  A plan's memory is this plus
     its blocks' :attr:`BlockCost.memory_bytes`."""
     measurements: dict[str, Any] = field(default_factory=dict)
-    """Free-form evidence behind the numbers (raw comm, measured exposed comm,
-    per-op times, how grad sync was obtained), written by the profiler; the
-    solver ignores it.  JSON-ready: string keys only."""
+    """Free-form evidence behind the numbers (raw comm, measured exposed comm, every timed step,
+    how grad sync was obtained), written by the profiler; nothing prices a plan from it.
+    JSON-ready: string keys only."""
     sub_batches: int = 2
     """Sub-batches the schedule really runs per micro-batch (``ScheduleSpec.effective_sub_batches``:
     1 for a blocking schedule).  Each sub-batch is resharded separately and the last one's
@@ -172,8 +285,22 @@ class CostTable:
     at each degree, on the degree's own group).  The block rows already hold their own
     collectives' share (:attr:`BlockCost.overhead_ms`); :func:`reshard_ms` charges it per
     AllGather.  Missing sizes cost 0."""
+    family: str | None = None
+    """Model family of the profiled layer (``gpt``, ``bert``, ``llama``): whose operator sequence a plan
+    is replayed over.  ``None`` for a hand-made table, which is priced additively."""
+    op_profile: dict[int, DegreeProfile] = field(default_factory=dict)
+    """Degree -> the one-layer profile a plan's step is replayed from; empty for a hand-made table
+    (:func:`~oases_ds.planner.replay.can_replay`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.schedule, ScheduleSpec):
+            raise TypeError(f"CostTable.schedule must be a ScheduleSpec, e.g. ScheduleSpec({self.schedule!r}); "
+                            f"got {self.schedule!r}")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"CostTable.family={self.family!r} unknown; choose one of {', '.join(FAMILIES)} or None")
+        for degree in self.op_profile:
+            if degree not in self.degrees:
+                raise ValueError(f"CostTable.op_profile has degree {degree}, not one of the table's {list(self.degrees)}")
         if not isinstance(self.sub_batches, int) or isinstance(self.sub_batches, bool) or self.sub_batches < 1:
             raise ValueError(f"CostTable.sub_batches must be an int >= 1 (the schedule's effective sub-batches), "
                              f"got {self.sub_batches!r}")
@@ -213,19 +340,22 @@ class CostTable:
 
     def key(self) -> str:
         """Identity of the profile: a table is reusable for any run sharing this key."""
-        return f"{self.model}|{self.cluster}|{self.schedule}|{self.devices}|cm{COST_MODEL_VERSION}"
+        return table_key(self.model, self.cluster, self.schedule, self.devices)
 
     def block_kinds(self) -> list[str]:
         """Kind of each block in execution order: attn0, mlp0, attn1, mlp1, ..."""
         return list(BLOCK_KINDS) * self.layers
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        payload = dataclasses.asdict(self)
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        payload["table_format"] = TABLE_FORMAT
         payload["degrees"] = list(self.degrees)
+        payload["schedule"] = dataclasses.asdict(self.schedule)
         payload["blocks"] = {
             kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
             for kind, by_degree in self.blocks.items()
         }
+        payload["op_profile"] = {str(degree): profile.to_dict() for degree, profile in self.op_profile.items()}
         write_json_atomic(path, payload, indent=2, sort_keys=True)
 
     @classmethod
@@ -233,10 +363,79 @@ class CostTable:
         """Load a table; any defect is one ``ValueError`` line naming the file and the field."""
         return load_dataclass(path, cls, _table_from_dict)
 
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> CostTable:
+        """A table from a file's bytes read elsewhere than the file system (``where`` names it in errors)."""
+        return parse_dataclass(raw, where, cls, _table_from_dict)
+
+
+def table_key(model: str, cluster: str, schedule: ScheduleSpec, devices: int) -> str:
+    """The one format of a table's identity (:meth:`CostTable.key`), which a profile spec names
+    before it is measured (:meth:`~oases_ds.planner.profile.ProfileSpec.key`)."""
+    return f"{model}|{cluster}|{schedule.label}|{devices}|cm{COST_MODEL_VERSION}"
+
+
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """A table file written before :data:`TABLE_FORMAT` 2, in that layout: the schedule from its label,
+    the family from the model label's prefix (the profiler and the analytic table start it so; else
+    ``None``), and each degree's ``op_ms_rank0`` / ``allreduce_bytes`` / block times moved out of
+    ``measurements.degrees`` into ``op_profile`` (the rest stays there as evidence)."""
+    data = dict(data)
+    label = data.get("schedule")
+    if isinstance(label, str):
+        data["schedule"] = dataclasses.asdict(_schedule_of_label(label))
+    prefix = str(data.get("model", "")).split("-", 1)[0]
+    data.setdefault("family", prefix if prefix in FAMILIES else None)
+    measurements = dict(data.get("measurements", {}))
+    evidence = measurements.get("degrees")
+    if isinstance(evidence, dict) and "op_profile" not in data:
+        profiles, kept = {}, {}
+        for degree, measured in evidence.items():
+            measured = dict(measured) if isinstance(measured, dict) else measured
+            if isinstance(measured, dict) and "op_ms_rank0" in measured and "allreduce_bytes" in measured:
+                blocks = {kind: {"forward_ms": timing["fwd_ms"], "recompute_ms": timing["recompute_ms"],
+                                 "backward_ms": timing["bwd_ms"]}
+                          for kind, timing in measured.get("blocks", {}).items()
+                          if all(part in timing for part in ("fwd_ms", "recompute_ms", "bwd_ms"))}
+                times = OpTimes.from_keys(measured.pop("op_ms_rank0"))
+                profiles[degree] = {"op_ms": {"forward_ms": times.forward_ms, "recompute_ms": times.recompute_ms,
+                                              "backward_ms": times.backward_ms},
+                                    "payload_bytes": int(measured.pop("allreduce_bytes")), "block_ms": blocks}
+            kept[degree] = measured
+        measurements["degrees"] = kept
+        data["measurements"] = measurements
+        data["op_profile"] = profiles
+    return data
+
+
+def _schedule_of_label(label: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` whose :attr:`~ScheduleSpec.label` is ``label`` (``oases``,
+    ``oases[sb=4,cross=0,fine=1]``)."""
+    name, _, options = label.partition("[")
+    if not options:
+        return ScheduleSpec(name)
+    values = dict(part.split("=", 1) for part in options.rstrip("]").split(","))
+    return ScheduleSpec(name, sub_batches=int(values["sb"]), cross_pass=values["cross"] == "1",
+                        fine_grained_recompute=values["fine"] == "1")
+
 
 def _table_from_dict(data: dict[str, Any]) -> CostTable:
     if "fixed_bytes" not in data:
         raise ValueError(f"a cost table of an older cost model (no fixed_bytes); profile again (version {COST_MODEL_VERSION})")
+    version = data.pop("table_format", None)
+    if version is None:
+        data = _upgraded(data)
+    elif version != TABLE_FORMAT:
+        raise ValueError(f"table_format {version!r} is not one this code reads ({TABLE_FORMAT}); profile again")
+    check_fields(data, CostTable)
+    if not isinstance(data["schedule"], dict):
+        raise ValueError(f"schedule must be an object of schedule settings, got {data['schedule']!r}")
+    schedule = ScheduleSpec.from_mapping(data["schedule"])
+    profiles = data.get("op_profile", {})
+    if not isinstance(profiles, dict) or not all(str(k).isdigit() for k in profiles):
+        raise ValueError(f"op_profile must map degrees (whole numbers) to profiles, got {profiles!r}")
+    op_profile = {int(degree): DegreeProfile.from_dict(profile, f"op_profile.{degree}")
+                  for degree, profile in profiles.items()}
     blocks: dict[str, dict[int, BlockCost]] = {}
     for kind, by_degree in data["blocks"].items():
         if not isinstance(by_degree, dict):
@@ -253,7 +452,8 @@ def _table_from_dict(data: dict[str, Any]) -> CostTable:
     overhead = data.get("collective_overhead_ms", {})
     if not isinstance(overhead, dict) or not all(str(k).isdigit() for k in overhead):
         raise ValueError(f"collective_overhead_ms must map group sizes (whole numbers) to ms, got {overhead!r}")
-    return CostTable(**{**data, "blocks": blocks, "collective_overhead_ms": {int(k): float(v) for k, v in overhead.items()}})
+    return CostTable(**{**data, "schedule": schedule, "blocks": blocks, "op_profile": op_profile,
+                        "collective_overhead_ms": {int(k): float(v) for k, v in overhead.items()}})
 
 
 def allgather_ms(table: CostTable, ranks: int, gathered_bytes: float) -> float:

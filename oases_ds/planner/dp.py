@@ -10,8 +10,8 @@ its blocks' bytes, so no plan is rounded in or out of the limit (only
 :data:`~oases_ds.planner.objective.MEMORY_REL_EPS`, 1e-12 relative, absorbs
 summation order).  The result is optimal by construction, not within a gap.
 
-Why it is fast (hundreds of times faster than SCIP to the same proven optimum,
-benchmarks/README.md):
+Why it is fast (hundreds of times faster than SCIP to the same proven optimum in the
+solve-time study, ``planner_solve_time.py``):
 
 * a Lagrangian bound (Handler-Zang).  Pricing memory at ``lam`` ms per byte turns
   the problem into an unconstrained shortest path (one backward Viterbi pass,
@@ -35,9 +35,10 @@ benchmarks/README.md):
 Every prune uses a valid lower bound against a feasible plan's cost, so the plan
 returned is the exact optimum (up to a float slack of 1e-9 relative).
 
-Measured by ``benchmarks/planner_solve_time.py`` against the ILP backends and the
-same search with the earlier DP's bounds (``bound="greedy"``: best uniform-per-kind
-plan, per-block cheapest nodes); the generated table is in ``benchmarks/README.md``.
+Measured by the solve-time study (``planner_solve_time.py``, its table in the dated
+report the benchmarks index names) against the ILP backends and the same search with
+the earlier DP's bounds (``bound="greedy"``: best uniform-per-kind plan, per-block
+cheapest nodes).
 :func:`solve_dp` is held equal to brute force and to the ILP by
 ``tests/unit/test_planner_dp.py``.
 """

@@ -18,8 +18,8 @@ Why a memory bound makes it slow: the LP may split every block between two
 uniform paths (say half degree 4, half degree 8) and pay no reshard at all,
 while an integer plan pays two edges per run of changed layers; with identical
 layers many plans tie, so branch and bound must close that gap by search.
-Measured by ``benchmarks/planner_solve_time.py`` (T=32, 6 degrees, binding
-limit, 2 shared cores; the generated table is in ``benchmarks/README.md``):
+Measured by the solve-time study (``planner_solve_time.py``; T=32, 6 degrees,
+binding limit, 2 shared cores):
 SCIP proves the optimum but takes seconds unloaded (5.7 s at 128 layers) and
 ran past 120 s at 128 on the loaded machine; CBC ran past 60 s at
 96 layers; HiGHS and CP-SAT (8 workers) are slower than SCIP.  Hence SCIP when

@@ -62,7 +62,9 @@ T = TypeVar("T")
 
 
 def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[dict[str, Any]], T] | None = None) -> T:
-    """Read the JSON file at ``path`` into ``cls`` (through ``build`` for nested fields).
+    """Read the JSON file at ``path`` into ``cls``: its fields checked (:func:`check_fields`) and passed
+    to ``cls``, or, with ``build``, handed to ``build`` as they are (nested fields, an older layout to
+    upgrade first), which checks them.
 
     Every ``ValueError`` -- not JSON, a truncated file, a wrong field, a value the
     dataclass rejects -- comes back as one line that starts with the file's name, so a
@@ -70,6 +72,12 @@ def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[
     """
     with open(path, "rb") as stream:
         raw = stream.read()
+    return parse_dataclass(raw, str(path), cls, build)
+
+
+def parse_dataclass(raw: bytes, path: str, cls: type[T], build: Callable[[dict[str, Any]], T] | None = None) -> T:
+    """:func:`load_dataclass` on a file's bytes (``path`` names it in every error): for files read
+    from elsewhere than the file system, such as a run archive's members."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as err:
@@ -78,7 +86,9 @@ def load_dataclass(path: str | os.PathLike[str], cls: type[T], build: Callable[[
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a JSON text file") from None
     try:
+        if build is not None:
+            return build(data)
         check_fields(data, cls)
-        return build(data) if build is not None else cls(**data)
+        return cls(**data)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None

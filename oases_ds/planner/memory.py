@@ -46,17 +46,16 @@ counted (it is freed before the next instruction, where the probe samples).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
-from oases_ds.models.ops import CommOp, ComputeOp, Op, moves_bytes
+from oases_ds.models.operator_model import plan_ops
+from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
-from oases_ds.schedule.dataflow import effects, initial_buffers, last_reads, unread_recomputes
+from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
 
@@ -358,58 +357,6 @@ def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) 
             key = f"part:{op.block}"
             totals[key] = totals.get(key, 0.0) + size[tid]
     return totals
-
-
-# -- the operator sequence of a plan, without building the model -------------------------------
-@functools.lru_cache(maxsize=None)
-def one_layer_ops(family: str) -> tuple[Op, ...]:
-    """The operator sequence of a one-layer model of ``family``.
-
-    The sequence (names, blocks, collectives) depends on the family only, not on
-    the sizes, so it is read off a tiny stand-in: the cost and memory models follow
-    the real operator list and fail loudly if an operator they cannot price appears.
-    """
-    stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
-    return tuple(OperatorModel(stand_in).ops)
-
-
-def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int],
-             devices: int) -> tuple[list[Op], list[int]]:
-    """The operator sequence a plan builds, and each op's TMP degree (a reshard's: the
-    degree it reshards to), with no process group: the one-layer sequence repeated,
-    and a reshard -- ``split`` towards a lower degree, ``all_gather`` towards a higher
-    one -- wherever the degree changes, where :class:`OperatorModel` puts its own.
-    A paper-size plan is modelled without building the paper-size model."""
-    if len(attn_degrees) != len(mlp_degrees):
-        raise ValueError(f"plan has {len(attn_degrees)} attention and {len(mlp_degrees)} MLP degrees")
-    base = one_layer_ops(family)
-    embed = [op for op in base if op.block == "embed"]
-    layer = [op for op in base if op.block in ("attn", "mlp")]
-    head = [op for op in base if op.block == "head"]
-    ops: list[Op] = list(embed)
-    degrees = [devices] * len(embed)
-    current = devices
-
-    def reshard(name: str, index: int, block: str, target: int) -> None:
-        nonlocal current
-        if target != current:
-            collective = "split" if target < current else "all_gather"
-            partner = "all_gather" if collective == "split" else "split"
-            ops.append(CommOp(name, index, block, 0, collective, partner, None))
-            degrees.append(target)
-            current = target
-
-    for index, (attn, mlp) in enumerate(zip(attn_degrees, mlp_degrees)):
-        for kind, degree in (("attn", attn), ("mlp", mlp)):
-            reshard(f"L{index}.reshard_{kind}", index, kind, degree)
-            for op in layer:
-                if op.block == kind:
-                    ops.append(dataclasses.replace(op, name=f"L{index}.{_short(op)}", layer=index))
-                    degrees.append(degree)
-    reshard("head_reshard", len(attn_degrees), "head", devices)
-    ops.extend(dataclasses.replace(op, layer=len(attn_degrees)) for op in head)
-    degrees.extend([devices] * len(head))
-    return ops, degrees
 
 
 def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int) -> float:

@@ -57,6 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from oases_ds.data.batches import synthetic_batch
 from oases_ds.launcher import launch
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
@@ -66,7 +67,6 @@ from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.link import LinkModel, link_from_config
 from oases_ds.parallel.random import RNGTracker
-from oases_ds.planner.accuracy import round_order
 from oases_ds.planner.costmodel import (
     BlockTiming,
     OpCosts,
@@ -75,12 +75,22 @@ from oases_ds.planner.costmodel import (
     pipelined_comm_ms,
     simulate_step,
 )
-from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, STATE_BYTES_PER_PARAM, BlockCost, CostTable
+from oases_ds.planner.costs import (
+    BLOCK_KINDS,
+    STATE_BYTES_PER_PARAM,
+    BlockCost,
+    CostTable,
+    DegreeProfile,
+    OpTimes,
+    PassTimes,
+    table_key,
+)
 from oases_ds.planner.memory import memory_rows
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import StartAsync
+from oases_ds.utils.rounds import rotated
 
 PROFILE_DTYPE_BYTES = 4
 """The profiler runs fp32 (CPU); its memory rows count 4-byte activations."""
@@ -176,9 +186,6 @@ class ProfileSpec:
         label = f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
         return label if self.min_degree == 1 else f"{label}-tmin{self.min_degree}"
 
-    def schedule_label(self) -> str:
-        return self.schedule.label
-
     def cluster_label(self) -> str:
         if self.link is None:
             return self.cluster
@@ -188,7 +195,7 @@ class ProfileSpec:
 
     def key(self) -> str:
         """Equal to :meth:`CostTable.key` of the table this spec produces."""
-        return f"{self.model_label()}|{self.cluster_label()}|{self.schedule_label()}|{self.devices}|cm{COST_MODEL_VERSION}"
+        return table_key(self.model_label(), self.cluster_label(), self.schedule, self.devices)
 
 
 def cache_path(cache_dir: str | Path, key: str) -> Path:
@@ -255,9 +262,7 @@ class _LayerRun:
         self.degree, self.sub = degree, spec.sub_batches
         self.group = ctx.sub_group(degree)
         self.share = spec.micro_batch * degree // spec.devices
-        gen = torch.Generator().manual_seed(spec.seed + ctx.rank // degree)
-        seq = torch.randint(0, cfg.vocab_size, (self.share, cfg.seq_len + 1), generator=gen).to(device)
-        self.batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
+        self.batch = synthetic_batch(cfg.vocab_size, self.share, cfg.seq_len, spec.seed + ctx.rank // degree, device)
         self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed).to(device)
         self.executor = Executor.for_schedule(self.model, spec.schedule, spec.link, RNGTracker(spec.seed))
         self.block_of = [op.block for op in self.model.ops]
@@ -326,7 +331,7 @@ class ProfileSteps:
     The profiler steps them alone (:func:`_profile_rank`); the accuracy study can step them between
     its plans' steps (``accuracy.interleave_profile``), so that the profile sees the machine of the
     measurement: on a shared machine whose speed drifts over minutes, a profile of a few seconds can
-    catch a moment the minutes-long measurement does not (benchmarks/README.md, "Out of sample").
+    catch a moment the minutes-long measurement does not (the cost-model study found such profiles).
     Building it is collective (replica groups): every rank builds it at the same point."""
 
     def __init__(self, spec: ProfileSpec, ctx: ParallelContext) -> None:
@@ -385,13 +390,13 @@ def _profile_rank(spec: ProfileSpec) -> dict[str, Any]:
     """Profile every degree on this rank; returns per-degree measurements.
 
     The degrees' steps are interleaved, one step of each per round and each round starting
-    one degree later (:func:`~oases_ds.planner.accuracy.round_order`), as the accuracy study
+    one degree later (:func:`~oases_ds.utils.rounds.rotated`), as the accuracy check
     interleaves plans: profiled one degree after the other, a burst of load on the machine
     fell on one degree only and biased every plan's prediction that used it."""
     ctx = ParallelContext.build(tensor_parallel_size=spec.devices)  # layer, batch and payloads live where training would
     steps = ProfileSteps(spec, ctx)
     for rep in range(spec.warmup + spec.repeats):
-        for i in round_order(len(steps), rep):
+        for i in rotated(range(len(steps)), rep):
             steps.step(i, timed=rep >= spec.warmup)
     return steps.result()
 
@@ -411,13 +416,14 @@ def table_from_measurements(
     memory = memory_rows(spec.model, spec.schedule, spec.devices, spec.micro_batch, spec.degrees(), PROFILE_DTYPE_BYTES)
     blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
     evidence: dict[str, Any] = {}
+    op_profile: dict[int, DegreeProfile] = {}
     for degree in spec.degrees():
         rank0 = per_rank[0]["degrees"][str(degree)]
         # The link's time, as the simulator behind the collective overhead prices it: the measured
         # AllReduce's excess over it is in that overhead, and priced here too it counted twice.
         ar_ms = link.seconds("all_reduce", rank0["allreduce_bytes"], degree) * 1e3 if degree > 1 else 0.0
         evidence[str(degree)] = {"allreduce_ms": _slowest(per_rank, degree, "allreduce_ms"), "allreduce_link_ms": ar_ms,
-                                 "allreduce_bytes": rank0["allreduce_bytes"], "op_ms_rank0": rank0["op_ms"], "blocks": {},
+                                 "blocks": {},
                                  # every rank's every timed step, kept: a profile taken while the machine ran
                                  # faster than it later does shows here, not in the medians alone
                                  "step_ms_per_rank": [r["degrees"][str(degree)]["step_ms_reps"] for r in per_rank]}
@@ -454,11 +460,17 @@ def table_from_measurements(
                 "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule)),
                 "params_per_device": rank0[f"{kind}.params"],
             }
+        op_profile[degree] = DegreeProfile(
+            OpTimes.from_keys(rank0["op_ms"]), int(rank0["allreduce_bytes"]),
+            {kind: PassTimes(*(evidence[str(degree)]["blocks"][kind][part] for part in ("fwd_ms", "recompute_ms", "bwd_ms")))
+             for kind in BLOCK_KINDS})
     m = spec.model
     return CostTable(
         model=spec.model_label(),
         cluster=spec.cluster_label(),
-        schedule=spec.schedule_label(),
+        schedule=spec.schedule,
+        family=spec.model.family,
+        op_profile=op_profile,
         devices=spec.devices,
         degrees=spec.degrees(),
         blocks=blocks,
@@ -524,7 +536,8 @@ def _collective_overheads(
         for step in range(len(results[0]["step_ms_reps"])):
             pairs = []
             for result in results:
-                costs = OpCosts.from_profile(ops, result["op_ms_reps"][step], result["allreduce_bytes"], degree)
+                costs = OpCosts.from_profile(ops, OpTimes.from_keys(result["op_ms_reps"][step]),
+                                             result["allreduce_bytes"], degree)
                 wall, sim = result["step_ms_reps"][step], simulate_step(schedule, ops, costs, link).step_ms
                 pairs.append((wall - sim, wall, sim))
             kept = min(pairs)
@@ -553,22 +566,3 @@ def profile_rows(table: CostTable) -> list[str]:
                 f"{c.overhead_ms:9.3f} {c.grad_sync_ms:9.3f} {c.state_bytes / 2**20:10.3f} {c.act_bytes / 2**20:8.3f}"
             )
     return lines
-
-
-def simulate_profiled_layer(table: CostTable, model: ModelConfig, degree: int, link: LinkModel) -> Any:
-    """Predict one profiled layer's step at ``degree`` on another link ("what if 10 GbE").
-
-    The per-op compute times the profiler kept (rank 0, per sub-batch) and the
-    collective payload it measured are replayed by
-    :func:`~oases_ds.planner.costmodel.simulate_step` over the same schedule and
-    a one-layer operator sequence; only the link changes.
-    """
-    evidence = table.measurements.get("degrees", {}).get(str(degree))
-    if evidence is None:
-        raise ValueError(f"table {table.key()} has no profiled measurements for degree {degree}")
-    name, _, options_text = table.schedule.partition("[")
-    if options_text:
-        raise ValueError(f"simulate_profiled_layer supports default schedule options only, got {table.schedule!r}")
-    ops = OperatorModel(dataclasses.replace(model, num_layers=1)).ops  # same sequence at every degree
-    costs = OpCosts.from_profile(ops, evidence["op_ms_rank0"], evidence["allreduce_bytes"], degree)
-    return simulate_step(build_schedule(ScheduleSpec(name), ops), ops, costs, link)

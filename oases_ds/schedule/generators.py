@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
+from oases_ds.schedule.closed_forms import BLOCKING, BLOCKING_RECOMPUTE, OASES, SPLIT_OVERLAP, ClosedForm
 from oases_ds.schedule.instructions import (
     Backward,
     CommPhase,
@@ -116,27 +117,37 @@ class _Registered:
     generate: Generator
     segments: SegmentRule
     sub_batched: bool
+    closed_form: ClosedForm | None
 
 
 _REGISTRY: dict[str, _Registered] = {}
 
 
-def register_schedule(name: str, *, segments: SegmentRule, sub_batched: bool = False) -> Callable[[Generator], Generator]:
+def register_schedule(name: str, *, segments: SegmentRule, sub_batched: bool = False,
+                      closed_form: ClosedForm | None = None) -> Callable[[Generator], Generator]:
     """Decorator: make ``generate(ops, segments, spec) -> Schedule`` the schedule ``name``.
 
     ``segments(ops, spec)`` is the cut the generator runs over; the memory models
     (profiler, analytic costs) count the same cut, through :func:`schedule_segments`.
     ``sub_batched``: the schedule splits a micro-batch into ``spec.sub_batches``
     sub-batches; the others run it whole (see :attr:`ScheduleSpec.effective_sub_batches`).
+    ``closed_form``: the communication it leaves exposed per block
+    (:mod:`oases_ds.schedule.closed_forms`), what the planner's node costs use; ``None``: the
+    cost model refuses to price the schedule in closed form rather than guess.
     """
 
     def register(generate: Generator) -> Generator:
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} is registered twice; pick another name")
-        _REGISTRY[name] = _Registered(generate, segments, sub_batched)
+        _REGISTRY[name] = _Registered(generate, segments, sub_batched, closed_form)
         return generate
 
     return register
+
+
+def closed_form_of(name: str) -> ClosedForm | None:
+    """The closed form the schedule ``name`` registered (``None``: none)."""
+    return _REGISTRY[name].closed_form
 
 
 def registered_schedules() -> tuple[str, ...]:
@@ -394,22 +405,23 @@ def build_schedule(spec: ScheduleSpec, ops: Sequence[Op], ends_with_loss: bool =
     return entry.generate(ops, entry.segments(ops, spec), spec)
 
 
-@register_schedule("none", segments=lambda ops, spec: [Segment(0, len(ops), False, len(ops))])
+@register_schedule("none", segments=lambda ops, spec: [Segment(0, len(ops), False, len(ops))], closed_form=BLOCKING)
 def _none(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, True)
 
 
-@register_schedule("megatron", segments=lambda ops, spec: layer_segments(ops))
+@register_schedule("megatron", segments=lambda ops, spec: layer_segments(ops), closed_form=BLOCKING_RECOMPUTE)
 def _megatron(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, False)
 
 
-@register_schedule("megatron_selective", segments=lambda ops, spec: selective_segments(ops))
+@register_schedule("megatron_selective", segments=lambda ops, spec: selective_segments(ops), closed_form=BLOCKING)
 def _megatron_selective(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     return Schedule(spec.name, tuple(_passes(ops, segs, 1, True)), 1, False)
 
 
-@register_schedule("split_overlap", segments=lambda ops, spec: layer_segments(ops), sub_batched=True)
+@register_schedule("split_overlap", segments=lambda ops, spec: layer_segments(ops), sub_batched=True,
+                   closed_form=SPLIT_OVERLAP)
 def _split_overlap(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
     return Schedule(spec.name, tuple(_passes(ops, segs, subs, False)), subs, False)
@@ -419,7 +431,7 @@ def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
     return fine_grained_segments(ops) if spec.fine_grained_recompute else layer_segments(ops)
 
 
-@register_schedule("oases", segments=_oases_segments, sub_batched=True)
+@register_schedule("oases", segments=_oases_segments, sub_batched=True, closed_form=OASES)
 def _oases(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
     return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute)

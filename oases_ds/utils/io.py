@@ -116,7 +116,7 @@ def replace_marked_section(path: PathLike, begin: str, end: str, body: str, *, a
     """Rewrite the text between the ``begin`` and ``end`` marker lines of the file at ``path``
     with ``body``, atomically; the rest of the file is untouched.
 
-    Why one function: every benchmark regenerates its own table in ``benchmarks/README.md``
+    Why one function: every benchmark regenerates its own table in its dated report
     from its result file, so no figure there is hand-written.  Where the markers are
     missing, the block is appended (``append``) or the call fails in one line naming them.
     """

@@ -15,7 +15,7 @@ from oases_ds.planner.costmodel import (
     pipelined_comm_ms,
     simulate_step,
 )
-from oases_ds.planner.costs import BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
+from oases_ds.planner.costs import BlockCost, CostTable, OpTimes, edge_ms, first_block_ms, last_block_ms, reshard_ms
 from oases_ds.planner.objective import brute_force, predict_step_ms
 from oases_ds.planner.plan import Plan
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
@@ -167,6 +167,23 @@ def test_a_schedule_without_a_closed_form_is_named(monkeypatch):
         exposed_comm_ms(TIMING, ScheduleSpec("gpipe"))
 
 
+def test_a_schedule_is_priced_by_the_closed_form_it_registers(monkeypatch):
+    """The cost model asks the registry, not a list of names: a schedule registered with its own form
+    (here: everything exposed twice) is priced by it, and without a pipelined part leaves the edge nothing."""
+    from dataclasses import replace
+
+    from oases_ds.schedule import generators
+    from oases_ds.schedule.closed_forms import ClosedForm
+
+    monkeypatch.setattr(generators, "_REGISTRY", dict(generators._REGISTRY))
+    twice = ClosedForm(lambda t, s: (2 * t.comm_fwd_ms, 2 * t.comm_bwd_ms))
+    generators.register_schedule("twice", segments=lambda ops, spec: generators.layer_segments(ops), sub_batched=True,
+                                 closed_form=twice)(lambda ops, segs, spec: replace(build_schedule(ScheduleSpec("oases"), ops),
+                                                                                     name=spec.name))
+    assert exposed_comm_ms(TIMING, ScheduleSpec("twice")) == pytest.approx((6.0, 10.0))
+    assert pipelined_comm_ms(TIMING, ScheduleSpec("twice")) == pytest.approx((6.0, 10.0, 0.0, 0.0))
+
+
 # fwd 4, recompute 3, backward 5; collectives 10 forward, 12 backward (both sub-batches).
 SLOW_LINK_TIMING = BlockTiming(fwd_ms=4.0, recompute_ms=3.0, bwd_ms=5.0, comm_fwd_ms=10.0, comm_bwd_ms=12.0)
 
@@ -206,7 +223,7 @@ def two_layer_table(sub_batches: int) -> CostTable:
                          act_bytes=0.0, grad_sync_ms=grad_sync, comm_fwd_last_ms=fwd_last, comm_bwd_last_ms=bwd_last)
 
     return CostTable(
-        model="hand", cluster="hand", schedule="oases", devices=2, degrees=(1, 2),
+        model="hand", cluster="hand", schedule=ScheduleSpec("oases"), devices=2, degrees=(1, 2),
         blocks={"attn": {1: cost(4, 8, 0, 0, 1, 0, 0), 2: cost(2, 4, 1, 1, 0, 5, 3)},
                 "mlp": {1: cost(6, 12, 0, 0, 2, 0, 0), 2: cost(3, 6, 1, 2, 0, 4, 6)}},
         layers=2, reshard_bytes=4e6, bandwidth_gbps=8.0, latency_us=100.0, sub_batches=sub_batches,
@@ -337,7 +354,7 @@ def test_profiler_overhead_keeps_the_rank_that_set_each_step_and_the_median_step
     spec = ProfileSpec(model=tiny, devices=2, micro_batch=4, link=link)
     ops = OperatorModel(tiny).ops
     payload = 2 * 8 * 32 * 4
-    link_only = simulate_step(build_schedule(spec.schedule, ops), ops, OpCosts.from_profile(ops, {}, payload, 2), link).step_ms
+    link_only = simulate_step(build_schedule(spec.schedule, ops), ops, OpCosts.from_profile(ops, OpTimes(), payload, 2), link).step_ms
     assert link_only > 0
 
     def rank(extras_1, extras_2):

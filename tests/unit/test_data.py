@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import oases_ds.data as data_module
+import oases_ds.data.corpus as corpus_module
 from oases_ds.cli import data as data_cli
 from oases_ds.data import CorpusSpec, DataConfig, MaskedLM, TokenBatches, TokenFileMeta, check_data, tokenize_corpus
 
@@ -274,11 +274,11 @@ def test_data_mmap_checks_the_sidecar(corpus):
 
 def test_a_long_txt_is_streamed_in_pieces_and_stays_one_document(corpus, monkeypatch):
     """Pieces of ~12 characters (the real size is 1 MiB): the ids are the whole text's, with one EOS at its end."""
-    monkeypatch.setattr(data_module, "TXT_CHUNK_CHARS", 12)
+    monkeypatch.setattr(corpus_module, "TXT_CHUNK_CHARS", 12)
     tok = word_tokenizer(corpus / "tok.json")
     text = "".join(s + "\n" for s in SENTENCES * 5)
     (corpus / "long.txt").write_text(text)
-    assert len(list(data_module.iter_documents(str(corpus / "long.txt")))) > 10
+    assert len(list(corpus_module.iter_documents(str(corpus / "long.txt")))) > 10
     out = corpus / "tokens.bin"
     report = tokenize_corpus(CorpusSpec((str(corpus / "long.txt"),), str(corpus / "tok.json"), str(out), batch_docs=3))
     assert report.documents == 1

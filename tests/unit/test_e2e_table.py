@@ -124,7 +124,7 @@ def test_script_refuses_a_bad_link_in_one_line_before_starting_anything():
 def test_report_only_without_a_result_says_where_it_looked(tmp_path):
     missing = tmp_path / "none.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_shaped.py"), "--report-only",
-                           "--out", str(missing), "--readme", str(tmp_path / "README.md")],
+                           "--out", str(missing), "--report", str(tmp_path / "README.md")],
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and str(missing) in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "README.md").exists()

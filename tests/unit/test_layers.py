@@ -14,8 +14,8 @@ Layers, low to high (a module may import from its own layer and any lower one)::
     models    oases_ds/models/*, hf.py (Hugging Face configs and weights in and out of an
               OperatorModel; it reads an engine only through its ``module`` attribute)
     schedule  oases_ds/schedule/*
-    runtime   oases_ds/runtime/*, data.py (token batches a training step eats; imports nothing
-              of ours, so the planner may measure on real data)
+    runtime   oases_ds/runtime/*, data/* (token batches a training step eats and the corpus
+              tokenisation behind them; imports only utils, so the planner may measure on real data)
     config    config.py: the typed "oases" section; needs schedule names and LinkModel,
               is read by the engine, initialize() and the CLIs, never by the planner --
               so it sits between runtime and planner
@@ -35,6 +35,7 @@ says so rather than guessing.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "planner": "planner", "bench": "bench", "cli": "cli"}
-TOP_LEVEL = {"launcher": "parallel", "hf": "models", "data": "runtime", "config": "config", "engine": "engine",
+               "data": "runtime", "planner": "planner", "bench": "bench", "cli": "cli"}
+TOP_LEVEL = {"launcher": "parallel", "hf": "models", "config": "config", "engine": "engine",
              "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
@@ -175,3 +176,78 @@ def test_benchmark_scripts_use_the_library_not_the_clis() -> None:
              for line, target in imported_modules(path, f"benchmarks.{path.stem}", ROOT)
              if layer_of(target) == "cli"]
     assert not found, "\n".join(found)
+
+
+# -- the planner is the product: it does not reach the study, and no lazy import hides a circle --------
+def lazy_imports(path: Path, module: str, root: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of the ``oases_ds`` imports inside a function body of ``path``: the
+    imports that run late, which is how a circle of modules can load at all."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    late = {node.lineno for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return [(line, target) for line, target in imported_modules(path, module, root) if line in late]
+
+
+def import_graph(files: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the ``oases_ds`` modules it imports, wherever the import sits."""
+    return {module_name(path, root): {target for _, target in imported_modules(path, module_name(path, root), root)}
+            for path in files}
+
+
+def lazy_circles(files: list[Path], root: Path = ROOT, inside: str = f"{PACKAGE}.planner") -> list[str]:
+    """One line per lazy import in a module under ``inside`` whose target imports that module back,
+    directly or through others: the circle the lazy import closes."""
+    graph = import_graph(files, root)
+    out = []
+    for path in files:
+        module = module_name(path, root)
+        if not (module == inside or module.startswith(inside + ".")):
+            continue
+        for line, target in lazy_imports(path, module, root):
+            seen, todo = {target}, [target]
+            while todo:
+                for nxt in graph.get(todo.pop(), ()):
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            if module in seen:
+                out.append(f"{path.relative_to(root.parent)}:{line} imports {target} lazily, and {target} imports {module} back")
+    return out
+
+
+def test_the_planner_does_not_reach_the_study() -> None:
+    """``oases_ds/planner`` is what plans; the cost-model study (``oases_ds.bench``, ``benchmarks/``) scores it.
+    So no planner module imports the study or names a path under ``benchmarks/`` (a planner that read
+    stored runs would plan differently in a checkout without them)."""
+    planner = [path for path in modules() if path.relative_to(ROOT).parts[0] == "planner"]
+    assert len(planner) > 10, planner
+    found = [f"{path.relative_to(ROOT.parent)}:{line} imports {target}" for path in planner
+             for line, target in imported_modules(path, module_name(path, ROOT), ROOT)
+             if target == f"{PACKAGE}.bench" or target.startswith(f"{PACKAGE}.bench.")]
+    found += [f"{path.relative_to(ROOT.parent)}:{number} names {match.group(0)!r}" for path in planner
+              for number, text in enumerate(path.read_text().splitlines(), 1)
+              for match in [re.search(r"benchmarks/\S*", text)] if match]
+    assert not found, "\n".join(found)
+
+
+def test_no_lazy_import_in_the_planner_closes_a_circle() -> None:
+    found = lazy_circles(modules())
+    assert not found, "\n".join(found)
+
+
+def test_the_circle_check_sees_a_lazy_import_closing_a_circle(tmp_path: Path) -> None:
+    """The checker itself: ``a`` imports ``b`` at the top and ``b`` imports ``a`` in a function (through
+    ``c`` also counts); a lazy import that closes no circle (``b`` -> ``d``) is fine."""
+    pkg = tmp_path / PACKAGE
+    sources = {"planner/a.py": "from oases_ds.planner import b\n",
+               "planner/b.py": "def f():\n    from oases_ds.planner import a\n    from oases_ds.planner import d\n",
+               "planner/c.py": "def g():\n    import oases_ds.planner.e\n",
+               "planner/d.py": "X = 1\n",
+               "planner/e.py": "from oases_ds.planner import c\n"}
+    for name, source in sources.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(source)
+    for folder in (pkg, pkg / "planner"):
+        (folder / "__init__.py").touch()
+    found = lazy_circles(sorted(pkg.rglob("*.py")), root=pkg)
+    assert [line.split(" imports ")[0] for line in found] == [f"{PACKAGE}/planner/b.py:2", f"{PACKAGE}/planner/c.py:2"]

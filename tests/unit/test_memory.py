@@ -18,11 +18,11 @@ import torch
 from oases_ds.bench.measure import ActivationProbe
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.operator_model import OperatorModel, plan_ops
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM, CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.ilp import solve
-from oases_ds.planner.memory import TERMS, activation_replay, estimate_memory, memory_rows, op_memory, plan_ops
+from oases_ds.planner.memory import TERMS, activation_replay, estimate_memory, memory_rows, op_memory
 from oases_ds.planner.objective import brute_force, sequence_memory_bytes
 from oases_ds.runtime.executor import Executor
 from oases_ds.schedule.generators import ScheduleSpec, registered_schedules

@@ -19,7 +19,8 @@ from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
-from oases_ds.planner.profile import ProfileSpec, simulate_profiled_layer
+from oases_ds.planner.profile import ProfileSpec
+from oases_ds.planner.replay import simulate_profiled_layer
 from oases_ds.schedule.generators import ScheduleSpec
 from support import ROOT, plan_cli
 
@@ -159,7 +160,7 @@ def test_per_op_evidence_replays_to_the_block_compute():
     """The per-op times kept in the table drive the step simulator; its compute lane must equal the blocks'."""
     costs = table(schedule="megatron", devices=2, micro_batch=4)
     for t in costs.degrees:
-        result = simulate_profiled_layer(costs, SMALL, t, PCIE)
+        result = simulate_profiled_layer(costs, t, PCIE)
         blocks = sum(costs.blocks[kind][t].fwd_ms + costs.blocks[kind][t].bwd_ms for kind in BLOCK_KINDS)
         assert result.compute_ms == pytest.approx(blocks, rel=1e-9)
 

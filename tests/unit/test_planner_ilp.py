@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.planner.costs import COST_MODEL_VERSION, BlockCost, CostTable, edge_ms, first_block_ms, last_block_ms, reshard_ms
 from oases_ds.planner.ilp import solve
 from oases_ds.planner.objective import brute_force, fits_memory, predict_memory_bytes, predict_step_ms
@@ -93,7 +94,7 @@ def edge_table() -> CostTable:
                          grad_sync_ms=0.0, comm_fwd_last_ms=fwd_last, comm_bwd_last_ms=bwd_last)
 
     return CostTable(
-        model="edges", cluster="synthetic", schedule="oases", devices=4, degrees=DEGREES, layers=2,
+        model="edges", cluster="synthetic", schedule=ScheduleSpec("oases"), devices=4, degrees=DEGREES, layers=2,
         blocks={
             "attn": {1: block(8, 6, 0, 0), 2: block(8, 6, 5, 4), 4: block(8, 6, 2, 1)},
             "mlp": {1: block(4, 12, 0, 0), 2: block(4, 12, 3, 7), 4: block(4, 12, 1, 2)},

@@ -1,0 +1,310 @@
+"""The planner's front door: a typed request in, the chosen plan and what it was chosen against out.
+
+One pipeline, in this order::
+
+    cost table   profiled on this machine (cached), read from a file, or computed (cost=analytic)
+      -> solver  the label DP (default, proven optimal) or the ILP search the additive node + edge costs
+      -> replay  the solver's plan and every uniform plan that fits, each replayed over the table's
+                 per-op profile (:func:`~oases_ds.planner.replay.rank_by_replay`); the fastest is kept
+      -> memory  the chosen plan's per-rank peak, replayed over its own operator sequence
+
+or, with pipeline stages, the 1F1B stage split and each stage's degrees
+(:func:`~oases_ds.planner.stages.plan_stages`) with Megatron's even split beside it.  Why one function:
+``oases-plan`` and any script that plans (a sweep, a notebook) then make the same plan from the same
+request; the CLI only builds the request from its config and prints the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
+from oases_ds.planner.dp import solve_dp
+from oases_ds.planner.memory import MemoryEstimate, estimate_memory, memory_lines
+from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
+from oases_ds.planner.plan import Plan, PlanInfeasibleError
+from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile
+from oases_ds.planner.replay import can_replay, rank_by_replay
+from oases_ds.planner.stages import PipelineSpec, StagePlan, even_split, p2p_ms, plan_split, plan_stages
+
+COSTS: tuple[str, ...] = ("profile", "analytic")
+"""Where the cost table comes from: measured on this machine, or computed for the cluster."""
+
+SOLVERS: tuple[str, ...] = ("dp", "ilp")
+"""``dp`` the exact label DP (the default: proven optimal and the fastest), ``ilp`` the OR-Tools model."""
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """Pipeline stages to plan: ``stages`` contiguous stages (1: none, one TMP group), 1F1B over
+    ``micro_batches`` (default ``4 x stages``, where the bubble (P - 1) / m stays under 1/4), stage
+    messages over a link of ``link_gbps`` (default the table's own link)."""
+
+    stages: int
+    micro_batches: int | None = None
+    link_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ValueError(f"pipeline_stages must be >= 1, got {self.stages}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}; leave it null for 4 x pipeline_stages")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ValueError(f"pipeline_link_gbps must be > 0, got {self.link_gbps}; leave it null for the cluster's link")
+
+
+def check_source(cost: str, table_path: str | None) -> None:
+    """Refuse an unknown ``cost`` or two sources of one table, before anything is built or profiled."""
+    if cost not in COSTS:
+        raise ValueError(f"cost={cost!r} unknown; choose one of {', '.join(COSTS)}")
+    if table_path and cost == "analytic":
+        raise ValueError("table= and cost=analytic both supply the cost table; drop one of them")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for and how.
+
+    Attributes:
+        profile: the workload (model, TMP devices, micro-batch, schedule, link, cluster label) and the
+            profiler's settings; ``None`` only when ``table_path`` gives the table.
+        cost: ``"profile"`` (measure the layer here, or reuse the cache) or ``"analytic"`` (FLOPs on
+            ``device``, collectives on ``profile.link``; launches nothing).
+        table_path: a cost-table file to plan from instead (``table=``).
+        device: the cluster's device, for ``cost="analytic"``.
+        layers: transformer layers to plan (default ``profile.model.num_layers``; with ``table_path``,
+            the file's own unless given).
+        cache_dir: the profile cache (``None``: profile every time, keep nothing).
+        timeout_s: how long profiling may take.
+        solver / backend / time_limit_s: the solver (:data:`SOLVERS`) and, for the ILP, OR-Tools'.
+        memory_limit_bytes: per-device bound (``None``: unbounded).
+        pipeline: pipeline stages to plan (``None`` or one stage: one TMP group).
+    """
+
+    profile: ProfileSpec | None
+    cost: Literal["profile", "analytic"] = "profile"
+    table_path: str | None = None
+    device: DeviceModel | None = None
+    layers: int | None = None
+    cache_dir: str | None = ".oases/profiles"
+    timeout_s: float = 1800.0
+    solver: str = "dp"
+    backend: str = "SCIP"
+    time_limit_s: float = 60.0
+    memory_limit_bytes: float | None = None
+    pipeline: PipelineRequest | None = None
+
+    def __post_init__(self) -> None:
+        check_source(self.cost, self.table_path)
+        if self.solver not in SOLVERS:
+            raise ValueError(f"planner.solver={self.solver!r} unknown; choose one of {', '.join(SOLVERS)}")
+        if self.profile is None and not self.table_path:
+            raise ValueError("a plan needs a workload (PlanRequest.profile) or a cost-table file (table_path)")
+        if self.cost == "analytic" and self.profile is not None:
+            if self.profile.exposed != "model":
+                raise ValueError(f"planner.exposed={self.profile.exposed!r} needs a measured timeline; cost=analytic "
+                                 f"models the exposed comm: use planner.exposed=model or cost=profile")
+            if self.device is None or self.profile.link is None:
+                raise ValueError("cost=analytic needs the cluster's link and device")
+
+    def layer_count(self) -> int:
+        """The layers a profiled or analytic table is labelled for."""
+        assert self.profile is not None
+        return self.layers if self.layers is not None else self.profile.model.num_layers
+
+
+@dataclass(frozen=True)
+class LoadedTable:
+    """A cost table and one line saying where it came from (for the user: reused, profiled, computed)."""
+
+    table: CostTable
+    source: str
+
+
+@dataclass(frozen=True)
+class StagesResult:
+    """A pipeline's stage split, the pipeline it was planned for, and Megatron's even split beside it
+    (``even_plan`` ``None`` with the reason in ``even_error`` when that split does not fit)."""
+
+    pipeline: PipelineSpec
+    staged: StagePlan
+    even: list[int]
+    even_plan: StagePlan | None
+    even_error: str | None
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What :func:`make_plan` chose and what it was chosen against.
+
+    Attributes:
+        loaded: the cost table and where it came from.
+        plan: the plan to train with (with stages: all stages' layers, ``stage_layers`` set).
+        replayed: every plan the replay priced, fastest first (``None``: the table has no per-op
+            profile, so the additive objective priced the plan).
+        best_uniform: (degree, predicted ms) of the fastest same-degree plan that fits, or ``None``.
+        memory: the chosen plan's per-rank peak, replayed (``None`` for a table file, whose model the
+            request does not describe, and for stages).
+        stages: the stage split (``None`` without stages).
+    """
+
+    loaded: LoadedTable
+    plan: Plan
+    replayed: list[tuple[Plan, float]] | None = None
+    best_uniform: tuple[int, float] | None = None
+    memory: MemoryEstimate | None = None
+    stages: StagesResult | None = None
+
+
+def load_table(request: PlanRequest) -> LoadedTable:
+    """The cost table the request names: read from ``table_path``, computed (``cost="analytic"``), or
+    profiled (reused from ``cache_dir`` when a table of the same key is there)."""
+    if request.table_path:
+        try:
+            table = CostTable.from_json(request.table_path)
+        except OSError as err:
+            raise ValueError(f"table={request.table_path}: {err.strerror}; give a cost-table JSON written by oases-plan") from None
+        except ValueError as err:
+            raise ValueError(f"table={err}") from None
+        if request.layers is not None:
+            table = dataclasses.replace(table, layers=request.layers)
+        return LoadedTable(table, f"from {request.table_path}")
+    spec = request.profile
+    assert spec is not None  # PlanRequest checks it
+    started = time.perf_counter()
+    if request.cost == "analytic":
+        assert request.device is not None and spec.link is not None
+        device, link = request.device, spec.link
+        table = analytic_table(spec, device, request.layer_count())
+        return LoadedTable(table, f"analytic: {device.name} at {device.peak_tflops:g} TFLOP/s x {device.achieved_fraction:g}, "
+                                  f"link {link.bandwidth_gbps:g} Gbit/s + {link.latency_us:g} us; computed in "
+                                  f"{(time.perf_counter() - started) * 1e3:.1f} ms, nothing launched")
+    table, reused = profile(spec, request.layer_count(), request.cache_dir, timeout_s=request.timeout_s)
+    if request.cache_dir is None:
+        return LoadedTable(table, f"profiled in {time.perf_counter() - started:.1f} s, not cached")
+    where = cache_path(request.cache_dir, spec.key())
+    return LoadedTable(table, f"reused {where}" if reused else f"profiled in {time.perf_counter() - started:.1f} s, saved {where}")
+
+
+def solve(table: CostTable, request: PlanRequest) -> Plan:
+    """The request's solver on ``table`` (raises :class:`PlanInfeasibleError` when nothing fits)."""
+    if request.solver == "dp":
+        return solve_dp(table, request.memory_limit_bytes)
+    from oases_ds.planner.ilp import solve as solve_ilp  # OR-Tools loads only when the ILP is asked for
+
+    return solve_ilp(table, request.memory_limit_bytes, time_limit_s=request.time_limit_s, backend=request.backend)
+
+
+def best_uniform(table: CostTable, limit: float | None,
+                 replayed: list[tuple[Plan, float]] | None = None) -> tuple[int, float] | None:
+    """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None;
+    from ``replayed`` (:func:`~oases_ds.planner.replay.rank_by_replay` priced every uniform plan
+    that fits, as the plan it is compared with) where given, else the additive objective."""
+    if replayed is not None:
+        options = [(ms, plan.attn_degrees[0]) for plan, ms in replayed if len(set(plan.block_degrees())) == 1]
+    else:
+        options = []
+        for degree in table.degrees:
+            plan = Plan.uniform(table.devices, table.layers, degree)
+            if limit is None or predict_memory_bytes(table, plan) <= limit:
+                options.append((predict_step_ms(table, plan), degree))
+    if not options:
+        return None
+    ms, degree = min(options)
+    return degree, ms
+
+
+def make_plan(request: PlanRequest, loaded: LoadedTable | None = None) -> PlanResult:
+    """Plan as the module doc says, from ``loaded`` where the caller has the table already
+    (:func:`load_table`), else loading it.  Raises :class:`PlanInfeasibleError` when no plan fits
+    the memory limit."""
+    loaded = loaded if loaded is not None else load_table(request)
+    table, limit = loaded.table, request.memory_limit_bytes
+    if request.pipeline is not None and request.pipeline.stages > 1:
+        stages = _plan_stages(request, table)
+        return PlanResult(loaded, stages.staged.to_plan(table), stages=stages)
+    plan = solve(table, request)
+    replayed = None
+    if can_replay(table):  # the solvers search the additive costs; the replay picks among their plan and the uniform ones
+        plan, replayed = rank_by_replay(table, plan, limit)
+    memory = None
+    if not request.table_path and request.profile is not None:  # a table file's model is not the request's
+        spec = request.profile
+        dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
+        memory = estimate_memory(dataclasses.replace(spec.model, num_layers=table.layers), plan.attn_degrees,
+                                 plan.mlp_degrees, plan.devices, spec.micro_batch, spec.schedule, dtype)
+    return PlanResult(loaded, plan, replayed, best_uniform(table, limit, replayed), memory)
+
+
+def _plan_stages(request: PlanRequest, table: CostTable) -> StagesResult:
+    """The stage split and the even split beside it; the head's time only where the table is
+    analytic (a profile has none: 0)."""
+    wanted = request.pipeline
+    assert wanted is not None
+    micro_batches = wanted.micro_batches if wanted.micro_batches is not None else 4 * wanted.stages
+    head = 0.0
+    if request.cost == "analytic" and request.profile is not None and request.device is not None:
+        head = head_ms(request.profile, request.device)
+    pipeline = PipelineSpec(wanted.stages, micro_batches, p2p_ms(table, wanted.link_gbps), head_ms=head)
+    staged = plan_stages(table, pipeline, request.memory_limit_bytes)
+    even = even_split(table.layers, pipeline.stages)
+    try:
+        return StagesResult(pipeline, staged, even, plan_split(table, pipeline, request.memory_limit_bytes, even), None)
+    except PlanInfeasibleError as err:
+        return StagesResult(pipeline, staged, even, None, str(err))
+
+
+# -- the result as text ---------------------------------------------------------------
+def _limit_text(limit: float | None, digits: int) -> str:
+    return "unbounded" if limit is None else f"limit {limit / 2**20:.{digits}f} MiB"
+
+
+def _describe(degrees: Any) -> str:
+    return ",".join(str(d) for d in degrees)
+
+
+def result_lines(result: PlanResult, request: PlanRequest) -> list[str]:
+    """What ``oases-plan`` prints of a result: :func:`plan_lines`, or :func:`stage_lines` with stages."""
+    return stage_lines(result, request) if result.stages is not None else plan_lines(result, request)
+
+
+def plan_lines(result: PlanResult, request: PlanRequest) -> list[str]:
+    """The replayed candidates, the plan as the paper's Table II, its step and memory, the best uniform plan."""
+    plan, lines = result.plan, []
+    if result.replayed is not None:
+        lines.append(f"replayed steps (cost model {COST_MODEL_VERSION}), attn / mlp degrees: " + "; ".join(
+            f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in result.replayed))
+    lines += [f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):",
+              *(f"  {row}" for row in plan.as_table().splitlines()),
+              f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device "
+              f"({_limit_text(request.memory_limit_bytes, 3)})"]
+    if result.memory is not None:
+        lines += memory_lines(result.memory)
+    if result.best_uniform is None:
+        return lines + ["best uniform: none fits the memory limit"]
+    degree, ms = result.best_uniform
+    return lines + [f"best uniform: degree {degree} everywhere, {ms:.3f} ms (plan is {ms / plan.predicted_step_ms:.3f}x faster)"]
+
+
+def stage_lines(result: PlanResult, request: PlanRequest) -> list[str]:
+    """The pipeline, each stage (layers, ms per micro-batch, peak, degrees), the 1F1B step, Megatron's even split."""
+    stages = result.stages
+    assert stages is not None and request.pipeline is not None
+    pipeline, staged, link_gbps = stages.pipeline, stages.staged, request.pipeline.link_gbps
+    link = "the cluster's link" if link_gbps is None else f"{link_gbps:g} Gbit/s"
+    head = f"{pipeline.head_ms:.3f} ms (analytic)" if request.cost == "analytic" else "not in a profile (0)"
+    times = [stage.step_ms for stage in staged.stages]
+    lines = [f"pipeline: {pipeline.stages} stages x TMP {result.loaded.table.devices}, {pipeline.micro_batches} micro-batches "
+             f"per step (1F1B); p2p {pipeline.p2p_ms:.3f} ms per micro-batch one way over {link}; head {head}",
+             f"stage split ({staged.solver_name}, solved in {staged.solver_ms:.1f} ms):",
+             *(f"  {line}" for line in staged.as_lines()),
+             f"predicted 1F1B step {staged.step_ms:.3f} ms = sum {sum(times):.3f} + ({pipeline.micro_batches} - 1) x "
+             f"slowest {max(times):.3f} ms | peak {max(s.memory_bytes for s in staged.stages) / 2**20:.1f} MiB per device "
+             f"({_limit_text(request.memory_limit_bytes, 1)}; the planner's bound)"]
+    if stages.even_plan is None:
+        return lines + [f"even split {stages.even}: does not fit ({stages.even_error})"]
+    return lines + [f"even split {stages.even}: {stages.even_plan.step_ms:.3f} ms "
+                    f"(the split is {stages.even_plan.step_ms / staged.step_ms:.3f}x faster)"]
