@@ -15,7 +15,9 @@ load falls on every variant alike).  Quoted: the median over rounds of each proc
 median, and the per-round ratio of each variant to the first.
 
     python benchmarks/host_overhead.py                                   # this tree only
-    python benchmarks/host_overhead.py --variant before=/tmp/old --rounds 9 --readme benchmarks/README.md
+    git worktree add /tmp/old 4fcca3b && python benchmarks/host_overhead.py --variant before=/tmp/old \
+        --rounds 9 --out benchmarks/results/host_overhead-cpu-<date>.json --report --readme benchmarks/README.md
+    python benchmarks/host_overhead.py --report-only benchmarks/results/host_overhead-cpu-2026-12-03.json --report
     python benchmarks/host_overhead.py --device cuda --rounds 3          # on a GPU (tests/gpu/smoke.sh)
 
 The worker uses only APIs every commit since the executor has (``OperatorModel``,
@@ -24,6 +26,7 @@ The worker uses only APIs every commit since the executor has (``OperatorModel``
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -140,29 +143,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--out", default=None, help="JSON result (default: print it)")
     ap.add_argument("--readme", default=None, help="Markdown file whose host_overhead section gets the table")
+    ap.add_argument("--report", action="store_true", help="write the table into the dated report of the result's day")
+    ap.add_argument("--report-only", metavar="JSON", help="no measurement: the table of a stored result")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.device, args.runs, args.schedules)))
         return
-    variants = dict(v.split("=", 1) for v in args.variant)
-    variants["this"] = ROOT
-    payload = run(variants, args.rounds, args.device, args.runs, args.schedules)
     sys.path.insert(0, ROOT)
-    from oases_ds.bench.provenance import git_commit, machine
+    from oases_ds.bench.provenance import dated_report, git_commit, machine
     from oases_ds.utils.io import replace_marked_section, write_json_atomic
 
-    import datetime
-
-    payload.update(benchmark="host_overhead", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   git_commit=git_commit(), machine=machine().get("processor", ""), device=args.device,
-                   load_avg_1min=os.getloadavg()[0], rounds=args.rounds, runs=args.runs)
+    if args.report_only:
+        with open(args.report_only) as f:
+            payload = json.load(f)
+    else:
+        variants = dict(v.split("=", 1) for v in args.variant)
+        variants["this"] = ROOT
+        payload = run(variants, args.rounds, args.device, args.runs, args.schedules)
+        payload.update(benchmark="host_overhead", date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), git_commit=git_commit(), machine=machine().get("processor", ""), device=args.device,
+            load_avg_1min=os.getloadavg()[0], rounds=args.rounds, runs=args.runs)
     lines = table(payload)
     print("\n".join(lines))
     if args.out:
         write_json_atomic(args.out, payload)
+    marks = ("<!-- host_overhead:begin -->", "<!-- host_overhead:end -->")
     if args.readme:
-        replace_marked_section(args.readme, "<!-- host_overhead:begin -->", "<!-- host_overhead:end -->", "\n".join(lines))
+        replace_marked_section(args.readme, *marks, "\n".join(lines))
+    if args.report:
+        replace_marked_section(dated_report("host_overhead", payload["date"]), *marks, "\n".join(lines))
 
 
 if __name__ == "__main__":
