@@ -41,3 +41,19 @@ def test_a_hydra_multirun_sweep_runs_each_schedule(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.findall(r"^done: 3 steps .* schedule (\w+)$", done.stdout, re.M) == ["oases", "megatron"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
+
+
+@pytest.mark.distributed
+def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"), "plan.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from oases_ds.planner.plan import Plan
+
+    plan = Plan.from_json(str(tmp_path / "plan.json"))
+    assert plan.devices == 2 and plan.layers == 4 and plan.predicted_step_ms > 0
+    train = _run([sys.executable, "-m", "oases_ds.cli.train", f"plan={tmp_path / 'plan.json'}", "model.hidden_size=128",
+                  "model.num_layers=4", "model.seq_len=64", "model.vocab_size=256", "steps=2", "log_every=1",
+                  f"hydra.run.dir={tmp_path}/hydra"])
+    assert train.returncode == 0, train.stderr[-3000:]
