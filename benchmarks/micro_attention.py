@@ -1,4 +1,4 @@
-"""Which attention route is fastest?  (issue 13 item 1)
+"""Which attention route is fastest?
 
 ``attention_core`` (``oases_ds/parallel/layers.py``) uses
 ``scaled_dot_product_attention`` when there is no attention dropout, and a lean

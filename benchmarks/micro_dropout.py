@@ -1,4 +1,4 @@
-"""Is keyed dropout as cheap as ``F.dropout``?  (issue 13 item 2)
+"""Is keyed dropout as cheap as ``F.dropout``?
 
 Keyed dropout draws its mask from a hash of each element's global index (so that
 recompute, TMP degrees and sub-batches see the same mask, see

@@ -7,7 +7,7 @@ and the time outside instructions (``oases_ds/bench/overhead.py``).  Prints the
 table and writes the JSON (``--out``).  Ratios are per step, slowest rank, against
 the first schedule; the load average is printed with them.
 
-    python benchmarks/schedule_overhead.py                         # issue 13's dims, none vs oases
+    python benchmarks/schedule_overhead.py                         # the end-to-end study's dims, none vs oases
     python benchmarks/schedule_overhead.py --schedules none,oases,megatron --hidden 512
 """
 from __future__ import annotations
