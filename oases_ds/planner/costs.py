@@ -420,6 +420,10 @@ def _schedule_of_label(label: str) -> ScheduleSpec:
 
 
 def _table_from_dict(data: dict[str, Any]) -> CostTable:
+    # unknown fields first: another kind of file (a plan given as table=) is named as such, not as an old table
+    if isinstance(data, dict) and (unknown := sorted(set(data) - {f.name for f in dataclasses.fields(CostTable)}
+                                                     - {"table_format"})):
+        raise ValueError(f"unknown CostTable field(s) {unknown}")
     if "fixed_bytes" not in data:
         raise ValueError(f"a cost table of an older cost model (no fixed_bytes); profile again (version {COST_MODEL_VERSION})")
     version = data.pop("table_format", None)
