@@ -49,22 +49,25 @@ class Embedding(nn.Module):
 
 class TransformerLayer(nn.Module):
     """One layer: attention (q, k, v column-parallel, o row-parallel) and MLP (GELU fc1/fc2,
-    or LLaMA's gated SiLU gate/up/down), each sharded over its own block's group."""
+    or LLaMA's gated SiLU gate/up/down), each sharded over its own block's group.  LLaMA has
+    no biases except, with ``qkv_bias`` (Qwen2), those of q, k and v: split with their rows,
+    or held whole with a replicated k/v head."""
 
     def __init__(self, cfg: ModelConfig, attn_group: Group, mlp_group: Group) -> None:
         super().__init__()
         bias = cfg.family != "llama"
+        qkv_bias = bias or cfg.qkv_bias
         self.attn_norm = _norm(cfg, cfg.hidden_size)
         self.mlp_norm = _norm(cfg, cfg.hidden_size)
         H = cfg.hidden_size
         self.attn = nn.Module()
-        self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.q = ColumnParallelLinear(H, H, attn_group, qkv_bias)
         if cfg.kv_heads < group_size(attn_group):  # fewer k/v heads than ranks: each rank holds its query heads' one
-            self.attn.k = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
-            self.attn.v = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
+            self.attn.k = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, qkv_bias)
+            self.attn.v = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, qkv_bias)
         else:  # grouped-query: fewer k/v heads, split over the ranks
-            self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
-            self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
+            self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, qkv_bias)
+            self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, qkv_bias)
         self.attn.o = RowParallelLinear(H, H, attn_group, bias)
         self.mlp = nn.Module()
         if cfg.family == "llama":

@@ -261,6 +261,12 @@ def test_save_refuses_what_is_not_a_model(tmp_path):
     (dict(pad_token_id=256), "model.pad_token_id=256 is not a token of model.vocab_size=256"),
     (dict(pad_token_id=-1), "model.pad_token_id=-1 is not a token"),
     (dict(norm_eps=0.0), "model.norm_eps must be > 0"),
+    (dict(qkv_bias=True), "model.qkv_bias applies to llama (gpt and bert have every bias already); leave it false"),
+    (dict(family="llama", qkv_bias="yes"), "model.qkv_bias must be true or false, got 'yes'"),
+    (dict(sliding_window=64), "model.sliding_window=64 applies to llama only; leave it null"),
+    (dict(family="llama", sliding_window=0), "model.sliding_window must be >= 1 (null: no window), got 0"),
+    (dict(family="llama", sliding_window=32, seq_len=64), "model.sliding_window=32 is shorter than model.seq_len=64"),
+    (dict(family="llama", full_attention_layers=-1), "model.full_attention_layers must be >= 0, got -1"),
 ])
 def test_model_option_errors_name_the_field(fields, words):
     with pytest.raises(ValueError) as e:
