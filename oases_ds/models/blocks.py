@@ -115,15 +115,20 @@ def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
     so a paper-size layer costs nothing to count and the count cannot drift from
     the model: a parameter split over TMP ranks (``tp_dim`` set) contributes
     ``numel / degree``, a replicated one (norms, row-parallel biases) all of it.
-    Each norm belongs to the block it normalises for.
+    Each norm belongs to the block it normalises for.  With fewer k/v heads than ranks the
+    k and v projections (and their biases) are held whole on every rank
+    (:class:`ReplicatedHeadLinear`), which a layer built without a group cannot show, so
+    they are counted whole here.
     """
     cfg.check_tp(degree)
     with torch.device("meta"):
         layer = TransformerLayer(cfg, None, None)
+    replicated_kv = cfg.kv_heads < degree
     counts = {"attn": 0, "mlp": 0}
     for name, param in layer.named_parameters():
         kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
-        counts[kind] += _per_device(param, degree)
+        whole = replicated_kv and name.startswith(("attn.k.", "attn.v."))
+        counts[kind] += param.numel() if whole else _per_device(param, degree)
     return counts
 
 
