@@ -28,6 +28,12 @@ def tiny_hf_model(kind: str, seed: int = 0):
 
     - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
     - "llama_kv1": the same with one k/v head (replicated over TMP ranks above 1);
+    - "qwen2": ``Qwen2ForCausalLM`` (q/k/v biases, o without), untied, 4 query and 2 k/v heads,
+      rope_theta 1e6, no sliding window;
+    - "qwen2_tied": the same tied, with one k/v head (replicated, with its bias, over TMP 2),
+      and ``use_sliding_window`` on layer 1 only (``max_window_layers=1``) with a window of 8,
+      the whole sequence: ``transformers`` applies its sliding mask, which then masks nothing more;
+    - "mistral": ``MistralForCausalLM``, 4 query and 2 k/v heads, ``sliding_window`` 8 (= the sequence);
     - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63);
     - "bert": ``BertForMaskedLM`` with token types, the decoder tied to the embedding (its
       own bias kept), an odd vocabulary (63: TMP 2 and 4 pad it) and ``[PAD]`` = 61, a row
@@ -47,6 +53,17 @@ def tiny_hf_model(kind: str, seed: int = 0):
             attn_implementation="eager",
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind in ("qwen2", "qwen2_tied", "mistral"):
+        shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=1 if kind == "qwen2_tied" else 2, max_position_embeddings=8,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     attn_implementation="eager")
+        if kind == "mistral":
+            model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=8, **shape))
+        else:
+            window = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if kind == "qwen2_tied" else {}
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+                tie_word_embeddings=kind == "qwen2_tied", **window, **shape))
     elif kind in ("bert", "bert_untied"):
         cfg = transformers.BertConfig(
             vocab_size=63, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
