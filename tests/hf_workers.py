@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from oases_ds.hf import hf_state_dict, load_hf, save_hf
+from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.operator_model import IGNORE_INDEX
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
@@ -149,7 +150,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
 
 def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
     """Load ``path`` at TMP ``tp``, compare loss and gradients with ``transformers`` for the
-    plain and the Oases schedule, then export with ``save_hf`` to ``out_dir``."""
+    plain and the Oases schedule, then export with ``save_hf`` to ``out_dir``.  Also the
+    parameters this rank holds of layer 0 and the planner's count of them (``"layer_params"``)."""
     ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
     model = load_hf(path, ctx)
     cfg = model.cfg
@@ -169,6 +171,8 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
         results[schedule] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": errs[worst],
                              "worst": worst, "name_mismatch": missing}
     save_hf(model, out_dir)
+    held = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
+    results["layer_params"] = {"held": held, "counted": sum(layer_parameter_counts(cfg, tp).values())}
     return results
 
 
