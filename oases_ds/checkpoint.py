@@ -50,6 +50,9 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from oases_ds.models.config import ModelConfig
 from oases_ds.utils.io import write_json_atomic, write_text_atomic
 
+_MODEL_DEFAULTS = {name: f.default for name, f in ModelConfig.__dataclass_fields__.items()}
+"""What a run had for a ModelConfig field its checkpoint predates (every field has a default)."""
+
 LATEST = "latest"
 META_FILE = "oases_meta.json"
 STAGING_SUFFIX = ".partial"
@@ -136,6 +139,8 @@ class CheckpointMeta:
                 raw = json.load(f)
             fields = {k: raw[k] for k in cls.__dataclass_fields__ if k != "pipeline_layers"}
             fields["block_degrees"] = tuple(fields["block_degrees"])
+            # saved before a ModelConfig field existed: that run had the field's default
+            fields["model"] = {**_MODEL_DEFAULTS, **fields["model"]}
             # saved before pipeline stages existed: one stage
             fields["pipeline_layers"] = tuple(raw.get("pipeline_layers") or (raw["model"]["num_layers"],))
             return cls(**fields)

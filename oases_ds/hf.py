@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out of an Oases model: LLaMA, GPT-2 and BERT (masked LM).
+"""Hugging Face checkpoints in and out of an Oases model: LLaMA and the two classes built on
+its layout (Qwen2, Mistral), GPT-2 and BERT (masked LM).
 
 Why a mapping and not a conversion script: an Oases model is sharded, so a rank
 that loads a 65B LLaMA must read only its own rows of each tensor, straight from
@@ -15,7 +16,11 @@ its head to the embedding, BERT is post-LN with token types, ties its decoder we
 to the embedding but keeps its own decoder bias (``cls.predictions.bias``) after the
 masked-LM transform (dense + activation + LayerNorm), and its ``[PAD]`` row gets no
 lookup gradient (``pad_token_id``, as LLaMA's); the epsilon, RoPE base and scaling, and
-the number of key/value heads come from the checkpoint's config.
+the number of key/value heads come from the checkpoint's config.  Qwen2 is LLaMA with biases
+on q, k and v (``qkv_bias``); Mistral is LLaMA with a sliding attention window, which the
+Oases model reproduces only while it covers the sequence (``sliding_window >= seq_len``: then
+it is plain causal attention); both are kept in the :class:`ModelConfig`, with the class
+(``hf_architecture``), so that an export writes the same model back.
 
 Only ``transformers``' config classes are used (never its model code), and only
 inside these functions: the library does not need the ``[hf]`` extra otherwise.
@@ -39,10 +44,43 @@ from oases_ds.parallel.collectives import Group, group_rank
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.utils.io import fsync_directory
 
-SUPPORTED: dict[str, str] = {"BertForMaskedLM": "bert", "GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
+@dataclass(frozen=True)
+class Architecture:
+    """A Hugging Face class this module converts, and what sets it apart within its family.
+
+    Attributes:
+        family: the Oases family whose modules hold its weights.
+        model_type: its ``config.json`` ``model_type`` (names it when ``architectures`` is absent).
+        config_class: the ``transformers`` config class an export writes.
+        own: the family's own class, written when ``ModelConfig.hf_architecture`` is "".
+        qkv_bias: its q, k and v projections have biases (Qwen2); ``ModelConfig.qkv_bias``.
+        window: how its config states a sliding window: "" none, "every_layer" (Mistral's
+            ``sliding_window``), "upper_layers" (Qwen2's ``use_sliding_window``, ``sliding_window``,
+            ``max_window_layers``: the layers from that index on slide).
+    """
+
+    family: str
+    model_type: str
+    config_class: str
+    own: bool = False
+    qkv_bias: bool = False
+    window: str = ""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "BertForMaskedLM": Architecture("bert", "bert", "BertConfig", own=True),
+    "GPT2LMHeadModel": Architecture("gpt", "gpt2", "GPT2Config", own=True),
+    "LlamaForCausalLM": Architecture("llama", "llama", "LlamaConfig", own=True),
+    "MistralForCausalLM": Architecture("llama", "mistral", "MistralConfig", window="every_layer"),
+    "Qwen2ForCausalLM": Architecture("llama", "qwen2", "Qwen2Config", qkv_bias=True, window="upper_layers"),
+}
+"""The one table of the Hugging Face classes this module converts."""
+SUPPORTED: dict[str, str] = {name: arch.family for name, arch in ARCHITECTURES.items()}
 """Hugging Face architecture -> Oases family this module converts."""
-_SUPPORTED_LINE = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
-_MODEL_TYPES = {"bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_NAMED = [f"{name} ({arch.model_type})" for name, arch in ARCHITECTURES.items()]
+_SUPPORTED_LINE = f"supported: {', '.join(_NAMED[:-1])} and {_NAMED[-1]}"
+_MODEL_TYPES = {arch.model_type: name for name, arch in ARCHITECTURES.items()}
+_OWN = {arch.family: name for name, arch in ARCHITECTURES.items() if arch.own}
 _PREFIX = {"bert": "bert.", "gpt": "transformer.", "llama": "model."}
 _GELU = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -91,6 +129,8 @@ def _sources(cfg: ModelConfig) -> dict[str, Source]:
             hf, ox = f"layers.{i}.", f"layers.{i}."
             for proj in "qkvo":
                 out[ox + f"attn.{proj}.weight"] = Source(hf + f"self_attn.{proj}_proj.weight")
+                if cfg.qkv_bias and proj != "o":
+                    out[ox + f"attn.{proj}.bias"] = Source(hf + f"self_attn.{proj}_proj.bias")
             for proj in ("gate", "up", "down"):
                 out[ox + f"mlp.{proj}.weight"] = Source(hf + f"mlp.{proj}_proj.weight")
             out[ox + "attn_norm.weight"] = Source(hf + "input_layernorm.weight")
@@ -169,12 +209,14 @@ def _architecture(hf: Any) -> str:
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face config (``GPT2Config``/``LlamaConfig``/
-    ``BertConfig`` or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a
-    shorter ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise."""
+    """The :class:`ModelConfig` of a Hugging Face config (a config of :data:`ARCHITECTURES`
+    or the dict of a ``config.json``); ``overrides`` replace fields (e.g. a shorter
+    ``seq_len`` or ``dropout=0``).  Features the Oases model cannot reproduce raise; a
+    sliding window shorter than the (overridden) ``seq_len`` is one, refused by ModelConfig."""
     if isinstance(hf_config, dict):
         hf_config = _ConfigJson(hf_config)
-    family = SUPPORTED[_architecture(hf_config)]
+    arch = _architecture(hf_config)
+    family = SUPPORTED[arch]
     g = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
     if family == "gpt":
         act = g("activation_function", "gelu_new")
@@ -193,7 +235,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     else:
         if g("hidden_act", "silu") != "silu":
             raise ValueError(f"config_from_hf: LLaMA hidden_act={g('hidden_act')!r} is not supported; only silu")
-        if g("attention_bias", False) or g("mlp_bias", False):
+        if g("attention_bias", False) or g("mlp_bias", False):  # LlamaConfig's; Qwen2's biases are fixed by its class
             raise ValueError("config_from_hf: LLaMA with attention_bias or mlp_bias is not supported")
         heads, hidden = g("num_attention_heads"), g("hidden_size")
         if (g("head_dim") or hidden // heads) * heads != hidden:
@@ -204,8 +246,32 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             dropout=float(g("attention_dropout", 0.0)), norm_eps=float(g("rms_norm_eps", 1e-6)),
             num_kv_heads=g("num_key_value_heads") or heads, rotary="half", pad_token_id=g("pad_token_id"),
             tie_embeddings=bool(g("tie_word_embeddings", False)), **_rope_options(hf_config),
+            **_llama_variant_fields(arch, g),
         )
     return ModelConfig(**{**fields, **overrides})
+
+
+def _llama_variant_fields(name: str, g: Callable[..., Any]) -> dict[str, Any]:
+    """What a class on LLaMA's layout adds to it: the class itself (for the export), Qwen2's
+    q/k/v biases and the sliding window of Mistral (every layer) or Qwen2 (the layers from
+    ``max_window_layers`` on, when ``use_sliding_window``; ``layer_types`` when the config
+    lists them).  Defaults are the config classes', so a sparse ``config.json`` reads as
+    ``transformers`` reads it (Mistral's window is 4096 unless the file says null)."""
+    arch = ARCHITECTURES[name]
+    out: dict[str, Any] = {"qkv_bias": arch.qkv_bias, "hf_architecture": "" if arch.own else name}
+    if arch.window == "every_layer":
+        out["sliding_window"] = g("sliding_window", 4096)
+    elif arch.window == "upper_layers" and g("use_sliding_window", False) and g("sliding_window", 4096) is not None:
+        layers = g("num_hidden_layers")
+        types = g("layer_types") or ["sliding_attention" if i >= g("max_window_layers", 28) else "full_attention"
+                                     for i in range(layers)]
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        if sliding and sliding != list(range(sliding[0], layers)):
+            raise ValueError(f"config_from_hf: {name} layer_types={list(types)} has a full-attention layer after a "
+                             f"sliding one, which an export could not write back; only the first layers may attend in full")
+        if sliding:
+            out.update(sliding_window=g("sliding_window", 4096), full_attention_layers=sliding[0])
+    return out
 
 
 def _bert_fields(g: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -234,9 +300,14 @@ def _bert_fields(g: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, 
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """The ``transformers`` config that describes ``cfg`` (for :func:`save_hf`)."""
+    """The ``transformers`` config that describes ``cfg`` (for :func:`save_hf`): of its
+    ``hf_architecture``, or the family's own class."""
     import transformers  # the [hf] extra; only these functions need it
 
+    name = cfg.hf_architecture or _OWN.get(cfg.family, "")
+    if name not in ARCHITECTURES or ARCHITECTURES[name].family != cfg.family:
+        raise ValueError(f"save_hf: model.hf_architecture={cfg.hf_architecture!r} is not a class of family "
+                         f"{cfg.family}; {_SUPPORTED_LINE}")
     if cfg.family == "gpt":
         if cfg.kv_heads != cfg.num_heads:
             raise ValueError("save_hf: GPT-2 has no grouped-query attention; model.num_kv_heads must equal num_heads")
@@ -271,15 +342,41 @@ def hf_config(cfg: ModelConfig) -> Any:
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.eps, attention_dropout=cfg.dropout,
-            pad_token_id=cfg.pad_token_id, tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
+            pad_token_id=cfg.pad_token_id, tie_word_embeddings=cfg.tie_embeddings, architectures=[name],
+            **_llama_variant_options(name, cfg),
         )
         if "rope_parameters" in transformers.LlamaConfig().to_dict():
             kw["rope_parameters"] = rope
         else:  # transformers < 5
             kw["rope_theta"] = rope.pop("rope_theta")
             kw["rope_scaling"] = None if rope["rope_type"] == "default" else rope
-        return transformers.LlamaConfig(**kw)
+        return getattr(transformers, ARCHITECTURES[name].config_class)(**kw)
     raise ValueError(f"save_hf: family {cfg.family!r} cannot be exported; {_SUPPORTED_LINE}")
+
+
+def _llama_variant_options(name: str, cfg: ModelConfig) -> dict[str, Any]:
+    """The config options of class ``name`` that write back ``cfg``'s q/k/v biases and
+    window (the inverse of :func:`_llama_variant_fields`); what the class cannot state is
+    refused: its q/k/v biases are fixed by the class, and only Mistral and Qwen2 have a window."""
+    arch = ARCHITECTURES[name]
+    if cfg.qkv_bias != arch.qkv_bias:
+        fix = "model.hf_architecture=Qwen2ForCausalLM" if cfg.qkv_bias else "model.hf_architecture=LlamaForCausalLM"
+        raise ValueError(f"save_hf: {name} {'has' if arch.qkv_bias else 'has no'} q/k/v biases and the model has "
+                         f"{'them' if cfg.qkv_bias else 'none'} (model.qkv_bias={cfg.qkv_bias}); export with {fix}")
+    window = cfg.sliding_window
+    if window is not None and not arch.window:
+        raise ValueError(f"save_hf: {name} has no sliding window (model.sliding_window={window}); set "
+                         f"model.sliding_window=null or export with model.hf_architecture=MistralForCausalLM")
+    if arch.window == "every_layer":
+        if window is not None and cfg.full_attention_layers:
+            raise ValueError(f"save_hf: {name} slides every layer; model.full_attention_layers="
+                             f"{cfg.full_attention_layers} must be 0")
+        return {"sliding_window": window}
+    if arch.window == "upper_layers":
+        if window is None:
+            return {"use_sliding_window": False, "sliding_window": None}
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": cfg.full_attention_layers}
+    return {}
 
 
 class _ConfigJson:

@@ -38,6 +38,8 @@ OPTION_CASES: dict[str, dict] = {
     "llama_llama3_scaling_tied": dict(family="llama", rope_scaling="llama3", rope_factor=8.0,
                                       rope_original_max_positions=4, tie_embeddings=True),
     "llama_linear_scaling_mqa_tp1": dict(family="llama", num_kv_heads=1, rope_scaling="linear", rope_factor=2.0),
+    # Qwen2's q/k/v biases (o none); one k/v head, so at TMP 2 its bias is replicated with its weight
+    "llama_qkv_bias_mqa": dict(family="llama", num_kv_heads=1, qkv_bias=True, rotary="half"),
     "gpt_tied_tanh_odd_vocab": dict(family="gpt", tie_embeddings=True, activation="gelu_tanh", vocab_size=63),
     "gpt_gqa_odd_vocab": dict(family="gpt", num_kv_heads=2, vocab_size=61),
     "bert_token_types_odd_vocab": dict(family="bert", type_vocab_size=2, vocab_size=63),

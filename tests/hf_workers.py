@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from oases_ds.hf import hf_state_dict, load_hf, save_hf
+from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.operator_model import IGNORE_INDEX
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
@@ -28,6 +29,12 @@ def tiny_hf_model(kind: str, seed: int = 0):
 
     - "llama": grouped-query attention (4 query, 2 k/v heads), rope_theta 5e5, llama3 RoPE scaling;
     - "llama_kv1": the same with one k/v head (replicated over TMP ranks above 1);
+    - "qwen2": ``Qwen2ForCausalLM`` (q/k/v biases, o without), untied, 4 query and 2 k/v heads,
+      rope_theta 1e6, no sliding window;
+    - "qwen2_tied": the same tied, with one k/v head (replicated, with its bias, over TMP 2),
+      and ``use_sliding_window`` on layer 1 only (``max_window_layers=1``) with a window of 8,
+      the whole sequence: ``transformers`` applies its sliding mask, which then masks nothing more;
+    - "mistral": ``MistralForCausalLM``, 4 query and 2 k/v heads, ``sliding_window`` 8 (= the sequence);
     - "gpt2": tied embeddings, tanh GELU (``gelu_new``) and an odd vocabulary (63);
     - "bert": ``BertForMaskedLM`` with token types, the decoder tied to the embedding (its
       own bias kept), an odd vocabulary (63: TMP 2 and 4 pad it) and ``[PAD]`` = 61, a row
@@ -47,6 +54,17 @@ def tiny_hf_model(kind: str, seed: int = 0):
             attn_implementation="eager",
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind in ("qwen2", "qwen2_tied", "mistral"):
+        shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=1 if kind == "qwen2_tied" else 2, max_position_embeddings=8,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     attn_implementation="eager")
+        if kind == "mistral":
+            model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=8, **shape))
+        else:
+            window = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if kind == "qwen2_tied" else {}
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+                tie_word_embeddings=kind == "qwen2_tied", **window, **shape))
     elif kind in ("bert", "bert_untied"):
         cfg = transformers.BertConfig(
             vocab_size=63, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -132,7 +150,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
 
 def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
     """Load ``path`` at TMP ``tp``, compare loss and gradients with ``transformers`` for the
-    plain and the Oases schedule, then export with ``save_hf`` to ``out_dir``."""
+    plain and the Oases schedule, then export with ``save_hf`` to ``out_dir``.  Also the
+    parameters this rank holds of layer 0 and the planner's count of them (``"layer_params"``)."""
     ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120)
     model = load_hf(path, ctx)
     cfg = model.cfg
@@ -152,6 +171,8 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
         results[schedule] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": errs[worst],
                              "worst": worst, "name_mismatch": missing}
     save_hf(model, out_dir)
+    held = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
+    results["layer_params"] = {"held": held, "counted": sum(layer_parameter_counts(cfg, tp).values())}
     return results
 
 

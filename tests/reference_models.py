@@ -41,7 +41,9 @@ class _Block(nn.Module):
         )
         self.attn_norm, self.mlp_norm = make_norm(), make_norm()
         kv = cfg.kv_heads * cfg.head_dim
-        self.attn = nn.ModuleDict({n: nn.Linear(H, kv if n in "kv" else H, bias=bias) for n in ("q", "k", "v", "o")})
+        qkv_bias = bias or cfg.qkv_bias  # LLaMA: only Qwen2's q/k/v biases, never o's
+        self.attn = nn.ModuleDict({n: nn.Linear(H, kv if n in "kv" else H, bias=qkv_bias if n in "qkv" else bias)
+                                   for n in ("q", "k", "v", "o")})
         if cfg.family == "llama":
             self.mlp = nn.ModuleDict(
                 {"gate": nn.Linear(H, cfg.ffn, bias=False), "up": nn.Linear(H, cfg.ffn, bias=False),

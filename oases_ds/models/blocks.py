@@ -49,22 +49,25 @@ class Embedding(nn.Module):
 
 class TransformerLayer(nn.Module):
     """One layer: attention (q, k, v column-parallel, o row-parallel) and MLP (GELU fc1/fc2,
-    or LLaMA's gated SiLU gate/up/down), each sharded over its own block's group."""
+    or LLaMA's gated SiLU gate/up/down), each sharded over its own block's group.  LLaMA has
+    no biases except, with ``qkv_bias`` (Qwen2), those of q, k and v: split with their rows,
+    or held whole with a replicated k/v head."""
 
     def __init__(self, cfg: ModelConfig, attn_group: Group, mlp_group: Group) -> None:
         super().__init__()
         bias = cfg.family != "llama"
+        qkv_bias = bias or cfg.qkv_bias
         self.attn_norm = _norm(cfg, cfg.hidden_size)
         self.mlp_norm = _norm(cfg, cfg.hidden_size)
         H = cfg.hidden_size
         self.attn = nn.Module()
-        self.attn.q = ColumnParallelLinear(H, H, attn_group, bias)
+        self.attn.q = ColumnParallelLinear(H, H, attn_group, qkv_bias)
         if cfg.kv_heads < group_size(attn_group):  # fewer k/v heads than ranks: each rank holds its query heads' one
-            self.attn.k = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
-            self.attn.v = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, bias)
+            self.attn.k = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, qkv_bias)
+            self.attn.v = ReplicatedHeadLinear(H, cfg.kv_heads, cfg.head_dim, attn_group, qkv_bias)
         else:  # grouped-query: fewer k/v heads, split over the ranks
-            self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
-            self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, bias)
+            self.attn.k = ColumnParallelLinear(H, cfg.kv_dim, attn_group, qkv_bias)
+            self.attn.v = ColumnParallelLinear(H, cfg.kv_dim, attn_group, qkv_bias)
         self.attn.o = RowParallelLinear(H, H, attn_group, bias)
         self.mlp = nn.Module()
         if cfg.family == "llama":
@@ -112,15 +115,20 @@ def layer_parameter_counts(cfg: ModelConfig, degree: int = 1) -> dict[str, int]:
     so a paper-size layer costs nothing to count and the count cannot drift from
     the model: a parameter split over TMP ranks (``tp_dim`` set) contributes
     ``numel / degree``, a replicated one (norms, row-parallel biases) all of it.
-    Each norm belongs to the block it normalises for.
+    Each norm belongs to the block it normalises for.  With fewer k/v heads than ranks the
+    k and v projections (and their biases) are held whole on every rank
+    (:class:`ReplicatedHeadLinear`), which a layer built without a group cannot show, so
+    they are counted whole here.
     """
     cfg.check_tp(degree)
     with torch.device("meta"):
         layer = TransformerLayer(cfg, None, None)
+    replicated_kv = cfg.kv_heads < degree
     counts = {"attn": 0, "mlp": 0}
     for name, param in layer.named_parameters():
         kind = "attn" if name.split(".")[0].startswith("attn") else "mlp"
-        counts[kind] += _per_device(param, degree)
+        whole = replicated_kv and name.startswith(("attn.k.", "attn.v."))
+        counts[kind] += param.numel() if whole else _per_device(param, degree)
     return counts
 
 

@@ -17,6 +17,7 @@ AT_LEAST: dict[str, tuple[int, str]] = {
     "vocab_size": (1, ""), "hidden_size": (1, ""), "num_heads": (1, ""), "num_layers": (1, ""), "seq_len": (1, ""),
     "ffn_size": (0, " (0: 4 x hidden_size)"), "num_kv_heads": (0, " (0: num_heads)"),
     "type_vocab_size": (0, " (0: no token types)"), "rope_original_max_positions": (1, ""),
+    "full_attention_layers": (0, ""),
 }
 """The smallest value of each whole-number field, and what its 0 means where 0 is allowed."""
 POSITIVE: tuple[str, ...] = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
@@ -29,7 +30,8 @@ class ModelConfig:
 
     Attributes:
         family: "gpt" (pre-LN, causal, GeLU, learned positions), "bert" (post-LN,
-            bidirectional, masked-LM head) or "llama" (RMSNorm, SwiGLU, RoPE, no biases).
+            bidirectional, masked-LM head) or "llama" (RMSNorm, SwiGLU, RoPE, no biases but
+            ``qkv_bias``'s).
         vocab_size: tokens in the vocabulary (sharded over TMP ranks).
         hidden_size: model width.
         num_heads: attention heads (sharded over TMP ranks).
@@ -63,6 +65,20 @@ class ModelConfig:
         pad_token_id: the ``[PAD]`` token, whose embedding row gets no gradient from the
             lookup, as ``nn.Embedding(padding_idx=...)`` in Hugging Face's BERT and LLaMA
             (a tied head still trains the row through the decoder); ``None``: no such token.
+        qkv_bias: llama only: biases on the q, k and v projections (not on o, not in the
+            MLP), as Qwen2 has them; gpt and bert have every bias already.
+        sliding_window: llama only: the checkpoint's attention window in tokens (Mistral,
+            Qwen2's sliding layers), a query attending to itself and the ``window - 1``
+            tokens before it.  Oases attends causally over the whole sequence, which is the
+            same only while the window covers it, so it must be ``>= seq_len``; it is kept so
+            that an export writes it back.  ``None``: no window.
+        full_attention_layers: with ``sliding_window``, the first this many layers attend in
+            full and the rest within the window (Qwen2's ``max_window_layers``; 0: every
+            layer slides, as Mistral's); read by the export only.
+        hf_architecture: the Hugging Face class an export writes, when it is not the
+            family's own (``config_from_hf`` sets it, e.g. "Qwen2ForCausalLM" for a llama);
+            "": GPT2LMHeadModel, BertForMaskedLM or LlamaForCausalLM.  Which classes are
+            supported, and for which options, is ``oases_ds.hf``'s table.
     """
 
     family: Family = "gpt"
@@ -86,6 +102,10 @@ class ModelConfig:
     activation: str = ""
     type_vocab_size: int = 0
     pad_token_id: int | None = None
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    full_attention_layers: int = 0
+    hf_architecture: str = ""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -147,6 +167,27 @@ class ModelConfig:
             )
         if self.type_vocab_size and self.family != "bert":
             raise ValueError(f"model.type_vocab_size={self.type_vocab_size} applies to bert only (>= 1), else 0")
+        self._check_llama_attention()
+
+    def _check_llama_attention(self) -> None:
+        """The attention options that only the llama layout has (Qwen2's biases, Mistral's
+        window).  A window shorter than the sequence would need a banded mask, which the
+        attention core does not apply: refused, with the sequence length that fits."""
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"model.qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if self.qkv_bias and self.family != "llama":
+            raise ValueError("model.qkv_bias applies to llama (gpt and bert have every bias already); leave it false")
+        if self.sliding_window is None:
+            return
+        if self.family != "llama":
+            raise ValueError(f"model.sliding_window={self.sliding_window} applies to llama only; leave it null")
+        if not self.sliding_window >= 1:
+            raise ValueError(f"model.sliding_window must be >= 1 (null: no window), got {self.sliding_window}")
+        if self.sliding_window < self.seq_len:
+            raise ValueError(
+                f"model.sliding_window={self.sliding_window} is shorter than model.seq_len={self.seq_len}: "
+                f"sliding-window attention is not supported (Oases attends over the whole sequence); "
+                f"train with model.seq_len=<= {self.sliding_window}")
 
     @property
     def ffn(self) -> int:

@@ -106,6 +106,18 @@ def test_meta_mismatch_is_one_line_naming_both_values(tmp_path):
     assert meta(block_degrees=None) == meta(block_degrees=[2] * 4)  # no plan = uniform plan
 
 
+def test_a_meta_saved_before_a_model_field_existed_reads_as_its_default(tmp_path):
+    """A field added to ModelConfig later (e.g. qkv_bias) is absent from older checkpoints: the
+    run that saved one had its default, so resuming it is no mismatch."""
+    saved = meta()
+    saved.write(str(tmp_path), global_steps=4)
+    data = json.load(open(tmp_path / META_FILE))
+    for name in ("qkv_bias", "sliding_window", "full_attention_layers", "hf_architecture"):
+        del data["model"][name]
+    json.dump(data, open(tmp_path / META_FILE, "w"))
+    assert CheckpointMeta.read(str(tmp_path)).differences(saved) == []
+
+
 # -- crash-safe publication ----------------------------------------------------------
 class Crash(Exception):
     pass

@@ -4,7 +4,11 @@
 ranks writes back the very tensors that were read.
 
 LLaMA: grouped-query attention, rope_theta 5e5, llama3 RoPE scaling; with one k/v head
-at TMP 2 the head is replicated (each rank holds it whole; its gradient is summed over the group).  GPT-2: tied
+at TMP 2 the head is replicated (each rank holds it whole; its gradient is summed over the group).
+Qwen2: LLaMA's layout with q/k/v biases, untied with 2 k/v heads, and tied with one k/v head
+at TMP 2 (replicated with its bias) and a sliding window on layer 1 equal to the sequence;
+Mistral: a sliding window equal to the sequence (``transformers`` masks with it, Oases attends
+causally: the same while the window covers the sequence).  GPT-2: tied
 embeddings, tanh GELU and a 63-token vocabulary, which TMP 2 and 4 must pad (64).  BERT
 (``BertForMaskedLM``): post-LN, token types, a batch with a padding mask and an attended
 ``[PAD]`` (whose row gets no lookup gradient), the decoder tied to the embedding with its
@@ -20,7 +24,8 @@ import hf_workers
 from oases_ds.launcher import launch
 
 TOL = 1e-5
-RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("bert", 1), ("bert", 2), ("bert", 4)]
+RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("bert", 1), ("bert", 2), ("bert", 4),
+        ("qwen2", 1), ("qwen2", 2), ("qwen2_tied", 2), ("mistral", 1), ("mistral", 2)]
 
 
 @pytest.mark.distributed
@@ -32,6 +37,8 @@ def test_imported_model_matches_transformers_and_exports_what_it_read(tmp_path, 
     out = tmp_path / "export"
     per_rank = launch(hf_workers.hf_parity_worker, tp, (str(source), tp, str(out)), timeout_s=600)
     for rank, results in enumerate(per_rank):
+        counts = results.pop("layer_params")  # the planner's count is the model's, biases and replicated heads too
+        assert counts["held"] == counts["counted"], f"rank {rank}: layer 0 holds {counts}"
         for schedule, r in results.items():
             assert r["name_mismatch"] == [], f"rank {rank} {schedule}: names differ {r['name_mismatch']}"
             assert r["loss_err"] <= TOL, f"rank {rank} {schedule}: loss rel err {r['loss_err']:.2e}"

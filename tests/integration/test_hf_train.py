@@ -134,7 +134,8 @@ def _classifier():
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
 
 
-SUPPORTED = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+SUPPORTED = ("supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), "
+             "MistralForCausalLM (mistral) and Qwen2ForCausalLM (qwen2)")
 
 
 def test_unsupported_checkpoint_and_unexportable_model_are_one_line(tmp_path, checkpoint):
@@ -155,7 +156,8 @@ def test_initialize_converts_a_transformers_model(kind):
     for rank, r in enumerate(per_rank):
         assert r["loss_err"] <= 1e-5, f"rank {rank}: eval loss rel err {r['loss_err']:.2e}"
         assert r["refused"].startswith("model: Oases needs an oases_ds.ModelConfig, an OperatorModel or a Hugging "
-                                       "Face model (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM), got Linear"), \
+                                       "Face model (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, "
+                                       "MistralForCausalLM, Qwen2ForCausalLM), got Linear"), \
             r["refused"]
 
 

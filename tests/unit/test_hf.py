@@ -3,6 +3,7 @@ and the one-line errors of the model options and of ``oases_ds.hf``."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -17,7 +18,12 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.layers import rotary_inverse_frequencies
 
-KINDS = ["llama", "gpt2", "bert", "bert_untied"]
+KINDS = ["llama", "gpt2", "bert", "bert_untied", "qwen2", "qwen2_tied", "mistral"]
+# The config fields of the classes on LLaMA's layout that say what the model computes
+# (transformers' derived ones too: layer_types says which layers slide).
+LLAMA_LAYOUT_FIELDS = ("architectures", "model_type", "tie_word_embeddings", "num_key_value_heads", "rope_parameters",
+                       "rms_norm_eps", "max_position_embeddings", "sliding_window", "use_sliding_window", "layer_types",
+                       "intermediate_size", "hidden_act")
 
 
 def _saved(tmp_path, kind: str):
@@ -35,6 +41,12 @@ def test_round_trip_is_bit_identical(tmp_path, kind):
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     assert config_from_hf(back.config) == config_from_hf(original.config)
+    # the export names the class it came from (what AutoModel builds), and states the same model
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [type(original).__name__]
+    if kind in ("qwen2", "qwen2_tied", "mistral"):
+        differ = [f for f in LLAMA_LAYOUT_FIELDS
+                  if getattr(back.config, f, None) != getattr(original.config, f, None)]
+        assert differ == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -79,6 +91,33 @@ def test_config_mapping_reads_every_option():
         0, 2, True, 512, 3072)
     sparse.check_tp(4)  # 30522 rows are padded to 30524 at TMP 4, not refused
     assert sparse.padded_vocab(4) == 30524
+
+
+def test_qwen2_and_mistral_configs_read_as_llama_with_their_options():
+    qwen = config_from_hf(hf_workers.tiny_hf_model("qwen2").config)
+    assert (qwen.family, qwen.qkv_bias, qwen.num_kv_heads, qwen.rope_theta, qwen.tie_embeddings, qwen.sliding_window,
+            qwen.hf_architecture) == ("llama", True, 2, 1e6, False, None, "Qwen2ForCausalLM")
+    tied = config_from_hf(hf_workers.tiny_hf_model("qwen2_tied").config)
+    assert (tied.tie_embeddings, tied.num_kv_heads, tied.sliding_window, tied.full_attention_layers) == (True, 1, 8, 1)
+    mistral = config_from_hf(hf_workers.tiny_hf_model("mistral").config)
+    assert (mistral.qkv_bias, mistral.sliding_window, mistral.full_attention_layers, mistral.hf_architecture) == (
+        False, 8, 0, "MistralForCausalLM")
+    # config.json forms: no architectures (model_type names the class), and the classes' defaults:
+    # Mistral's window is 4096 unless the file says null; Qwen2's applies only with use_sliding_window
+    shape = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+             "intermediate_size": 48, "max_position_embeddings": 4096}
+    assert config_from_hf({"model_type": "mistral", **shape}).sliding_window == 4096
+    assert config_from_hf({"model_type": "mistral", "sliding_window": None, **shape}).sliding_window is None
+    unused = config_from_hf({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False, **shape})
+    assert (unused.sliding_window, unused.qkv_bias) == (None, True)
+    # max_window_layers >= the layers: nothing slides (transformers' layer_types are all full)
+    none_slide = config_from_hf({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                                 "max_window_layers": 2, **shape})
+    assert none_slide.sliding_window is None
+    # a v4 config.json: no layer_types, derived from max_window_layers as transformers does
+    upper = config_from_hf({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True,
+                            "max_window_layers": 1, **shape})
+    assert (upper.sliding_window, upper.full_attention_layers) == (4096, 1)
 
 
 def test_a_bert_of_our_own_exports_and_gives_the_same_loss_in_transformers(tmp_path):
@@ -170,7 +209,8 @@ def _one_line(excinfo) -> str:
     return msg
 
 
-SUPPORTED_LINE = "supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama)"
+SUPPORTED_LINE = ("supported: BertForMaskedLM (bert), GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), "
+                  "MistralForCausalLM (mistral) and Qwen2ForCausalLM (qwen2)")
 
 
 def test_unsupported_architecture_says_what_is_supported(tmp_path):
@@ -214,6 +254,35 @@ def test_features_we_cannot_reproduce_are_refused(kind, field, value, words):
         assert config_from_hf(cfg, dropout=0.1).dropout == 0.1
 
 
+@pytest.mark.parametrize("kind,window", [
+    ("mistral", dict(sliding_window=4)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=None)),
+])
+def test_a_window_shorter_than_the_sequence_is_refused_with_the_length_that_fits(kind, window):
+    """Sliding-window attention is not implemented: a window below model.seq_len (8 here,
+    from max_position_embeddings) is refused in one line; a seq_len the window covers is
+    plain causal attention and imports."""
+    config = type(hf_workers.tiny_hf_model(kind).config)(**{
+        **hf_workers.tiny_hf_model(kind).config.to_dict(), **window})
+    with pytest.raises(ValueError) as e:
+        config_from_hf(config)
+    assert ("model.sliding_window=4 is shorter than model.seq_len=8: sliding-window attention is not supported "
+            "(Oases attends over the whole sequence); train with model.seq_len=<= 4") in _one_line(e)
+    assert config_from_hf(config, seq_len=4).sliding_window == 4
+    with pytest.raises(ValueError) as e:
+        load_hf(hf_workers.tiny_hf_model(kind).__class__(config))
+    assert _one_line(e).startswith("model.sliding_window=4 is shorter than model.seq_len=8")
+
+
+def test_qwen2_layer_types_an_export_cannot_write_back_are_refused():
+    config = hf_workers.tiny_hf_model("qwen2").config.to_dict()
+    config.update(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError) as e:
+        config_from_hf(config)
+    assert ("Qwen2ForCausalLM layer_types=['sliding_attention', 'full_attention'] has a full-attention layer after "
+            "a sliding one") in _one_line(e)
+
+
 def test_unknown_rope_type_and_gpt2_activation_are_refused():
     cfg = hf_workers.tiny_hf_model("llama").config
     cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
@@ -230,6 +299,21 @@ def test_unknown_rope_type_and_gpt2_activation_are_refused():
 @pytest.mark.parametrize("cfg,words", [
     (ModelConfig(family="llama"), "train with model.rotary='half' to export"),
     (ModelConfig(family="gpt", num_kv_heads=2), "model.num_kv_heads must equal num_heads"),
+    (ModelConfig(family="llama", rotary="half", qkv_bias=True),
+     "save_hf: LlamaForCausalLM has no q/k/v biases and the model has them (model.qkv_bias=True); "
+     "export with model.hf_architecture=Qwen2ForCausalLM"),
+    (ModelConfig(family="llama", rotary="half", hf_architecture="Qwen2ForCausalLM"),
+     "save_hf: Qwen2ForCausalLM has q/k/v biases and the model has none (model.qkv_bias=False)"),
+    (ModelConfig(family="llama", rotary="half", sliding_window=64),
+     "save_hf: LlamaForCausalLM has no sliding window (model.sliding_window=64); set model.sliding_window=null or "
+     "export with model.hf_architecture=MistralForCausalLM"),
+    (ModelConfig(family="llama", rotary="half", sliding_window=64, full_attention_layers=1,
+                 hf_architecture="MistralForCausalLM"),
+     "save_hf: MistralForCausalLM slides every layer; model.full_attention_layers=1 must be 0"),
+    (ModelConfig(family="gpt", hf_architecture="Qwen2ForCausalLM"),
+     f"save_hf: model.hf_architecture='Qwen2ForCausalLM' is not a class of family gpt; {SUPPORTED_LINE}"),
+    (ModelConfig(family="llama", rotary="half", hf_architecture="Qwen3ForCausalLM"),
+     "save_hf: model.hf_architecture='Qwen3ForCausalLM' is not a class of family llama"),
 ])
 def test_save_refuses_models_transformers_cannot_represent(tmp_path, cfg, words):
     with pytest.raises(ValueError) as e:
@@ -261,6 +345,12 @@ def test_save_refuses_what_is_not_a_model(tmp_path):
     (dict(pad_token_id=256), "model.pad_token_id=256 is not a token of model.vocab_size=256"),
     (dict(pad_token_id=-1), "model.pad_token_id=-1 is not a token"),
     (dict(norm_eps=0.0), "model.norm_eps must be > 0"),
+    (dict(qkv_bias=True), "model.qkv_bias applies to llama (gpt and bert have every bias already); leave it false"),
+    (dict(family="llama", qkv_bias="yes"), "model.qkv_bias must be true or false, got 'yes'"),
+    (dict(sliding_window=64), "model.sliding_window=64 applies to llama only; leave it null"),
+    (dict(family="llama", sliding_window=0), "model.sliding_window must be >= 1 (null: no window), got 0"),
+    (dict(family="llama", sliding_window=32, seq_len=64), "model.sliding_window=32 is shorter than model.seq_len=64"),
+    (dict(family="llama", full_attention_layers=-1), "model.full_attention_layers must be >= 0, got -1"),
 ])
 def test_model_option_errors_name_the_field(fields, words):
     with pytest.raises(ValueError) as e:

@@ -141,6 +141,26 @@ def test_plan_ops_puts_reshards_where_the_model_does() -> None:
     assert degrees[names.index("L1.reshard_mlp")] == 2 and degrees[names.index("head_reshard")] == 4
 
 
+def test_layer_counts_include_qkv_biases_and_hold_replicated_kv_heads_whole():
+    """The planner's parameter counts (meta-device layers) see Qwen2's q/k/v biases: H + 2 kv_dim
+    per layer, split over the TMP ranks with their rows; with fewer k/v heads than ranks every
+    rank holds the k/v projections whole, weights and biases (ReplicatedHeadLinear), and so does
+    the count (the real TMP 2 model is counted in tests/distributed/test_hf_parity.py)."""
+    base = ModelConfig(family="llama", hidden_size=32, num_heads=4, num_kv_heads=2, dropout=0.0, rotary="half")
+    biased = dataclasses.replace(base, qkv_bias=True)
+    for degree in (1, 2):
+        extra = layer_parameter_counts(biased, degree)["attn"] - layer_parameter_counts(base, degree)["attn"]
+        assert extra == (32 + 2 * biased.kv_dim) // degree
+    one_kv = dataclasses.replace(biased, num_kv_heads=1)  # at TMP 2 each rank holds the k/v head whole
+    extra = layer_parameter_counts(one_kv, 2)["attn"] - layer_parameter_counts(dataclasses.replace(one_kv, qkv_bias=False), 2)["attn"]
+    assert extra == 32 // 2 + 2 * one_kv.kv_dim
+    H = 32  # q and o split, k and v whole, the attention norm replicated
+    assert layer_parameter_counts(one_kv, 2)["attn"] == H * H // 2 + H // 2 + 2 * (8 * H + 8) + H * H // 2 + H
+    model = OperatorModel(biased)  # the counts are those of the model that runs
+    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0."))
+    assert layer == sum(layer_parameter_counts(biased, 1).values())
+
+
 # -- bad input: one line naming the field -------------------------------------------------------
 def test_an_operator_without_a_table_entry_names_it() -> None:
     with pytest.raises(ValueError, match=r"no entry for operator 'mystery'.*op_memory"):
