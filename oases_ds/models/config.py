@@ -179,10 +179,10 @@ class ModelConfig:
             raise ValueError("model.qkv_bias applies to llama (gpt and bert have every bias already); leave it false")
         if self.sliding_window is None:
             return
+        if not self.sliding_window >= 1:  # the range first, as for every numeric field
+            raise ValueError(f"model.sliding_window must be >= 1 (null: no window), got {self.sliding_window}")
         if self.family != "llama":
             raise ValueError(f"model.sliding_window={self.sliding_window} applies to llama only; leave it null")
-        if not self.sliding_window >= 1:
-            raise ValueError(f"model.sliding_window must be >= 1 (null: no window), got {self.sliding_window}")
         if self.sliding_window < self.seq_len:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} is shorter than model.seq_len={self.seq_len}: "

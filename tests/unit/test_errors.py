@@ -49,6 +49,8 @@ OUT_OF_RANGE = {
     "rope_high_freq_factor": (-4.0, "model.rope_high_freq_factor must be > 0, got -4.0"),
     "rope_original_max_positions": (0, "model.rope_original_max_positions must be >= 1, got 0"),
     "type_vocab_size": (-1, "model.type_vocab_size must be >= 0 (0: no token types), got -1"),
+    "sliding_window": (0, "model.sliding_window must be >= 1 (null: no window), got 0"),
+    "full_attention_layers": (-1, "model.full_attention_layers must be >= 0, got -1"),
     "pad_token_id": (-1, "model.pad_token_id=-1 is not a token of model.vocab_size=256; give an id below it, "
                          "or null for no padding token"),
 }
