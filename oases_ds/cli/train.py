@@ -194,7 +194,8 @@ def validate(cfg: dict) -> None:
     Topology(world, oases.tensor_parallel_size, oases.pipeline_stages)
     if cuda_ranks():
         check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
-    model.check_tp(oases.tensor_parallel_size)
+    if not oases.plan:
+        model.check_tp(oases.tensor_parallel_size)
     stages = oases.stages(model.num_layers)
     replicas = 1
     if oases.plan:
@@ -207,6 +208,10 @@ def validate(cfg: dict) -> None:
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
+        try:  # every degree the plan uses, before any rank starts
+            model.check_degrees(oases.tensor_parallel_size, plan.attn_degrees, plan.mlp_degrees)
+        except ValueError as err:
+            raise ValueError(f"plan={oases.plan}: {err}") from None
         try:
             stages = oases_ds.with_planned_stages(oases, prefix="").stages(model.num_layers)
         except OasesConfigError as err:

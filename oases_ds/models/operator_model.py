@@ -151,16 +151,16 @@ class OperatorModel(nn.Module):
         stage: Stage | None = None,
     ) -> None:
         super().__init__()
-        cfg.check_tp(group_size(group))
         self.cfg = cfg
         self.group = group
         full = BlockLayout(group_size(group), group)
-        layouts = layouts or [(full, full)] * cfg.num_layers
-        if len(layouts) != cfg.num_layers:
+        if layouts is None:
+            cfg.check_degrees(full.degree)
+        elif len(layouts) != cfg.num_layers:
             raise ValueError(f"plan has {len(layouts)} layers but model.num_layers={cfg.num_layers}")
-        for attn, mlp in layouts:
-            cfg.check_tp(attn.degree)
-            cfg.check_tp(mlp.degree)
+        else:  # every degree the plan uses, each block by what it splits
+            cfg.check_degrees(full.degree, [a.degree for a, _ in layouts], [m.degree for _, m in layouts])
+        layouts = layouts or [(full, full)] * cfg.num_layers
         self.stage = stage or Stage(0, 1, 0, cfg.num_layers)
         if self.stage.end > cfg.num_layers or (self.stage.is_last and self.stage.end != cfg.num_layers):
             raise ValueError(f"pipeline stage {self.stage.index} holds layers [{self.stage.start}, {self.stage.end}) "
@@ -239,6 +239,7 @@ class OperatorModel(nn.Module):
             raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
         if plan.layers != cfg.num_layers:
             raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
+        cfg.check_degrees(ctx.tp_size, plan.attn_degrees, plan.mlp_degrees)  # before any group is made
         # every group of the whole plan, on every rank, before this stage picks its own (ParallelContext)
         ctx.create_plan_groups([d for pair in zip(plan.attn_degrees, plan.mlp_degrees) for d in pair])
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
