@@ -181,6 +181,9 @@ class OperatorModel(nn.Module):
             self._mark_for_norms()
         self.reset_parameters(seed)
         self.rng = RNGTracker(seed=seed)
+        self.comm = Communicator()
+        """Where the eager forward (evaluation, a plain DeepSpeedEngine) issues its collectives:
+        the engine hands the model its executor's, so that evaluation is recorded with training."""
         self.ops: list[Op] = self._build_ops()
 
     def forward(
@@ -204,11 +207,11 @@ class OperatorModel(nn.Module):
         labels = batch["labels"]
         loss_scale = (labels != IGNORE_INDEX).sum().to(torch.float32).reciprocal()
         ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], loss_scale, self.rng,
-                        Communicator(), training=self.training)
+                        self.comm, phase="eval" if not torch.is_grad_enabled() else "forward", training=self.training)
         acts: Acts = tuple(inputs)
         for op in self.ops:
             if isinstance(op, CommOp):
-                acts = acts[: op.index] + (op.apply(acts[op.index]),) + acts[op.index + 1 :]
+                acts = acts[: op.index] + (op.apply(acts[op.index], self.comm),) + acts[op.index + 1 :]
             else:
                 acts = op.fn(ctx, acts)
         return acts
@@ -352,7 +355,7 @@ class OperatorModel(nn.Module):
             group = self.group
 
             def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
-                return c.comm.all_reduce(t, group, "loss", op).wait()
+                return c.comm.all_reduce(t, group, "loss", op, label=f"loss {c.phase}").wait()
 
             vocab_start = group_rank(group) * logits.shape[-1]
             per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, all_reduce, cfg.vocab_size)
