@@ -69,3 +69,23 @@ def test_train_with_a_plan_file(tmp_path):
     wrong = run("model=gpt_small", "steps=3", f"plan={path}", timeout=120)
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: plan={path} is for 2 layers on 2 devices")
+
+
+@pytest.mark.distributed
+def test_train_with_check_collectives_gives_the_same_losses_and_keeps_records_in_the_run_dir(tmp_path):
+    """``check_collectives=true`` runs guard mode in every rank (its checks are in the records)
+    and changes no loss; either way each rank's ring file sits in Hydra's output directory."""
+    from oases_ds.parallel.flight import RingFile
+
+    runs = {}
+    for check in ("false", "true"):
+        out, run_dir = tmp_path / f"stats-{check}.json", tmp_path / f"run-{check}"
+        proc = run("model=gpt_tiny", "steps=3", f"check_collectives={check}", f"stats_out={out}",
+                   f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rings = [RingFile.read(str(run_dir / f"collectives-rank{r}.ring")) for r in (0, 1)]
+        runs[check] = ([h["loss"] for h in json.loads(out.read_text())["history"]],
+                       {rec["label"] for ring in rings for rec in ring["records"]})
+    assert runs["true"][0] == runs["false"][0]
+    assert "guard.step 3" in runs["true"][1] and not any(label.startswith("guard.") for label in runs["false"][1])
+    assert "L0.attn_reduce eval" in runs["false"][1]  # evaluation's eager forward is recorded too
