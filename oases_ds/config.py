@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.stages import Stage, split_stages
+from oases_ds.parallel.flight import DEFAULT_RECORDS
 from oases_ds.parallel.link import LinkModel
 from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
 from oases_ds.schedule.pipeline import registered_pipelines
@@ -73,6 +74,12 @@ class OasesConfig(BaseModel):
             ``stages - stage`` micro-batches in flight) or ``gpipe`` (all forwards first).
         pipeline_layers: layers per stage, first stage first (e.g. ``[3, 2]``);
             default: an even split, the first stages one layer more.
+        check_collectives: guard mode (:mod:`oases_ds.parallel.guard`): ranks agree on every
+            collective before issuing it, waits are bounded, and a divergence fails in seconds
+            with one line naming the first differing collective (``OASES_CHECK_COLLECTIVES=1``
+            turns it on too).  Off by default: it costs a small synchronous exchange per collective.
+        flight_records: collectives each rank remembers for a hang's diagnosis
+            (:mod:`oases_ds.parallel.flight`); 0 keeps none.
     """
 
     model_config = _STRICT
@@ -91,6 +98,8 @@ class OasesConfig(BaseModel):
     pipeline_stages: int = Field(default=1, ge=1)
     pipeline_schedule: Literal[PIPELINES] = "1f1b"  # the registered orders
     pipeline_layers: list[int] | None = None
+    check_collectives: bool = False
+    flight_records: int = Field(default=DEFAULT_RECORDS, ge=0)
 
     @field_validator("plan")
     @classmethod

@@ -89,7 +89,9 @@ from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta
                                  check_rank_files, check_save_tag, prune, publish, read_latest)
 from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message
 from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
-from oases_ds.parallel.collectives import group_size, start_all_reduce
+from oases_ds.parallel.collectives import group_size
+from oases_ds.parallel.comm import Communicator
+from oases_ds.parallel.guard import check_collectives_from_env
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
@@ -128,13 +130,21 @@ class OasesEngine(DeepSpeedEngine):
         # then sealed: a group some rank asks for later would hang NCCL (ParallelContext)
         parallel_context.create_plan_groups([lay.degree for pair in model.sharding.layouts for lay in pair])
         self.pipelined = parallel_context.pp_size > 1
+        # One communicator for the schedule, the model's eager forward (evaluation) and the step's
+        # metrics: one flight record of the rank, one guard (oases.check_collectives or $OASES_CHECK_COLLECTIVES).
+        try:
+            check = check_collectives_from_env(oases.check_collectives)
+        except ValueError as err:
+            raise OasesConfigError(str(err)) from None
+        comm = Communicator.for_run(link, oases.flight_records, check)
+        model.comm = comm
         if self.pipelined:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
                 model, oases.schedule_spec(), oases.pipeline_schedule, self.gradient_accumulation_steps(),
-                StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline)
+                StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline, comm=comm)
         else:
             self.executor = Executor.for_schedule(model, oases.schedule_spec(), link, model.rng,
-                                                  record=oases.record_timeline)
+                                                  record=oases.record_timeline, comm=comm)
         self.schedule = self.executor.schedule
         self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}
@@ -274,6 +284,7 @@ class OasesEngine(DeepSpeedEngine):
         self.module.train()
         self.module.rng.step = self.global_steps  # dropout keys follow the checkpointed step count
         self.oases_comm.stats.reset()
+        self.oases_comm.step = self.global_steps + 1  # the step the flight records name (1-based)
         check_labelled_tokens(micro_batches)  # once per step, on the labels as delivered (see its docstring)
         clock = clock_for(self.device)
         start = clock.mark()
@@ -290,7 +301,8 @@ class OasesEngine(DeepSpeedEngine):
             timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device
             tokens += mb["tokens"].numel()
             self.step()
-        loss = start_all_reduce(torch.stack(losses).mean().float(), ctx.dp_group).wait() / ctx.dp_size
+        loss = self.oases_comm.all_reduce(torch.stack(losses).mean().float(), ctx.dp_group, "metrics",
+                                          label="step loss").wait() / ctx.dp_size
         begun, ended = clock.resolve([start, clock.mark()])
         elapsed = ended - begun
         dp_wait = self.dp_reducer.wait_s if self.dp_reducer is not None else 0.0  # the window's one boundary (arm resets it)
@@ -300,7 +312,7 @@ class OasesEngine(DeepSpeedEngine):
             "loss": float(loss),
             "step_s": elapsed,
             "tokens_per_s": tokens * ctx.dp_size / elapsed,
-            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items() if phase not in ("loss", "pipeline"))),
+            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items() if phase not in ("loss", "pipeline", "eval"))),
             "pipeline_bytes": float(stats.bytes_in("pipeline")),
             "exposed_comm_s": exposed,
             "exposed_comm_frac": exposed / elapsed,
@@ -442,7 +454,8 @@ class OasesEngine(DeepSpeedEngine):
         batch = {k: v.to(self.device) for k, v in batch.items()}
         loss = self.executor.evaluate(batch) if self.pipelined else self.module(batch)
         self.module.train(was_training)
-        return start_all_reduce(loss.float(), self.parallel_context.dp_group).wait() / self.parallel_context.dp_size
+        return self.oases_comm.all_reduce(loss.float(), self.parallel_context.dp_group, "metrics",
+                                          label="eval loss").wait() / self.parallel_context.dp_size
 
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_meta(self) -> CheckpointMeta:

@@ -10,6 +10,13 @@ without a report makes the whole launch fail, and the others are killed).  A ran
 has reported leaves with ``os._exit`` (:func:`_exit_now`), skipping the teardown where
 that abort, and its "terminate called without an active exception", happen.
 
+Why a run directory (``run_dir``): a rank that hangs in a collective is killed, and one
+that gloo aborts never reports, so what each rank issued must already be on disk when
+the launch fails.  With ``run_dir`` the ranks keep their flight records there
+(``OASES_RUN_DIR``; :mod:`oases_ds.parallel.flight`: a ring file written as collectives are
+issued, a JSON dump on a failed wait) and torch's NCCL flight recorder dumps there on a
+timeout; a failed launch's summary then ends with the first divergence the records show.
+
 Why pipes and not report files: a launcher killed with SIGKILL cannot clean up
 after itself, and a rank that outlives it just long enough to clean is a rank
 that outlives it.  Pipes leave nothing on disk to reap.
@@ -35,6 +42,7 @@ import contextlib
 import ctypes
 import os
 import pickle
+import secrets
 import signal
 import socket
 import sys
@@ -49,6 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from oases_ds.parallel.flight import DUMP_PREFIX, RUN_DIR_ENV, RUN_ID_ENV, explain, nccl_env, nccl_hint, read_run_dir
+
 _PR_SET_PDEATHSIG = 1
 _WATCHDOG_PERIOD_S = 0.5
 _TERMINATE_GRACE_S = 5.0
@@ -62,21 +72,32 @@ class LaunchError(RuntimeError):
     rank's traceback, if any, so the last line is the exception as Python prints it.
 
     Attributes:
-        summary: e.g. ``rank 1: ValueError: bad shape`` or ``timed out after 600s waiting for ranks [1]``.
+        summary: e.g. ``rank 1: ValueError: bad shape`` or ``timed out after 600s waiting for ranks [1]``;
+            with a run directory whose flight records show a divergence, followed by
+            ``| collectives diverged in group ...`` (:attr:`divergence`).
         rank: the failing rank, or None when no single rank is to blame (timeout).
         exc_type: the rank's exception class name, when it raised.
         exc_message: the rank's exception message, when it raised.
         traceback: the rank's formatted traceback, when it raised.
+        divergence: the first divergence of the ranks' collectives, from their flight records.
     """
 
     def __init__(self, summary: str, *, rank: int | None = None, exc_type: str | None = None,
-                 exc_message: str | None = None, traceback: str | None = None) -> None:
+                 exc_message: str | None = None, traceback: str | None = None, divergence: str | None = None) -> None:
+        if divergence:
+            summary = f"{summary} | {divergence}"
         super().__init__(summary if traceback is None else f"{summary}\n{traceback.rstrip()}")
         self.summary = summary
         self.rank = rank
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.traceback = traceback
+        self.divergence = divergence
+
+    def with_divergence(self, divergence: str) -> "LaunchError":
+        """This error with the flight records' line appended to its summary."""
+        return LaunchError(self.summary, rank=self.rank, exc_type=self.exc_type, exc_message=self.exc_message,
+                           traceback=self.traceback, divergence=divergence)
 
 
 class LaunchInterrupted(LaunchError):
@@ -233,15 +254,64 @@ def launch(
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
     threads_per_rank: int | None = None,
+    run_dir: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes with torchrun-style env vars.
 
     ``fn`` must be importable by module path (spawn).  Returns the per-rank results;
     raises :class:`LaunchError` (a rank failed, died or the launch timed out) or
     :class:`LaunchInterrupted` (SIGINT/SIGTERM), in both cases with every rank ended.
+    ``run_dir``: where the ranks keep their flight records (module docstring).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    env = dict(env or {})
+    run_id = None
+    if run_dir:
+        run_id = flight_env(run_dir, env)
+    try:
+        return _launch(fn, nprocs, args, timeout_s, env, threads_per_rank)
+    except LaunchInterrupted:
+        raise
+    except LaunchError as err:
+        if not run_dir or not _failed_in_communication(err, run_dir):
+            raise
+        line = explain(read_run_dir(run_dir, run_id))
+        if line is None and any(name.startswith("nccl_trace_rank_") for name in os.listdir(run_dir)):
+            line = nccl_hint(run_dir)
+        if line is None:
+            raise
+        raise err.with_divergence(line) from None
+
+
+def _failed_in_communication(err: LaunchError, run_dir: str) -> bool:
+    """Whether the flight records can explain ``err``: the launch timed out (ranks hung), the
+    rank died without a report (gloo aborts a rank that receives too much), or its failed
+    wait left a dump.  Not for an error of the rank's own (its peers then wait on it, which
+    the records would misname as the cause) nor one guard mode named already."""
+    if err.rank is None or err.exc_type is None:
+        return True
+    return err.exc_type != "CollectiveMismatchError" and os.path.exists(
+        os.path.join(run_dir, f"{DUMP_PREFIX}{err.rank}.json"))
+
+
+def flight_env(run_dir: str, env: dict[str, str]) -> str:
+    """Prepare ``run_dir`` for one launch's flight records and add their settings to ``env``:
+    the directory, a fresh run id (dumps of an earlier launch there are not read), torch's
+    NCCL flight recorder (:func:`~oases_ds.parallel.flight.nccl_env`; gloo ignores it).
+    Returns the run id."""
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        if name.startswith(DUMP_PREFIX):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(run_dir, name))
+    run_id = secrets.token_hex(6)
+    env.update({RUN_DIR_ENV: os.path.abspath(run_dir), RUN_ID_ENV: run_id, **nccl_env(run_dir)})
+    return run_id
+
+
+def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, env: dict[str, str],
+            threads_per_rank: int | None) -> list[Any]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
     spawn = mp.get_context("spawn")
     port = free_port()
@@ -253,7 +323,7 @@ def launch(
                 for r in range(nprocs):
                     reader, writer = spawn.Pipe(duplex=False)
                     p = spawn.Process(target=_child, daemon=False,
-                                      args=(r, nprocs, port, threads, dict(env or {}), fn, args, writer, os.getpid()))
+                                      args=(r, nprocs, port, threads, env, fn, args, writer, os.getpid()))
                     readers.append(reader)
                     p.start()
                     procs.append(p)

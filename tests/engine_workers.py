@@ -344,3 +344,24 @@ def host_sync_run() -> dict:
     out["weights_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
     out["global_steps"] = engine.global_steps
     return out
+
+
+def guarded_engine_run(check_collectives: bool, steps: int = 2) -> dict:
+    """OasesEngine (TMP 2, DP over the rest, the overlapped DP reduction) with the oases
+    section's ``check_collectives``; returns the losses, whether guard mode is on (the
+    section or ``$OASES_CHECK_COLLECTIVES``) and the labels the flight recorder kept."""
+    import oases_ds
+
+    oases = {"enabled": True, "tensor_parallel_size": 2, "seed": 7, "process_group_timeout_s": 60,
+             "check_collectives": check_collectives}
+    engine, *_ = oases_ds.initialize(model=tiny_config("gpt"), optimizer=sgd, config=ds_config(4, 1, oases=oases))
+    ctx = engine.parallel_context
+    losses = []
+    for step in range(steps):
+        full = make_batch(tiny_config("gpt"), 4 * ctx.dp_size, step)
+        losses.append(float(engine.train_batch({k: v[ctx.dp_rank * 4:(ctx.dp_rank + 1) * 4] for k, v in full.items()})))
+    eval_loss = float(engine.eval_batch(make_batch(tiny_config("gpt"), 4, 999)))
+    recorder = engine.oases_comm.recorder
+    return {"guard": engine.oases_comm.guard is not None, "losses": losses, "eval_loss": eval_loss,
+            "labels": sorted({r.label.split(" sb")[0] for r in recorder.records}),
+            "steps": sorted({r.step for r in recorder.records}), "dp_overlap": engine.dp_reducer is not None}

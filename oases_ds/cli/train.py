@@ -12,7 +12,10 @@ in that format (:mod:`oases_ds.hf`).  Hydra lives here and in ``configs/`` only;
 configs.
 
 A failing rank ends the run with one line, ``error: rank R: Type: message (full
-traceback in <hydra output dir>/rankR-traceback.log)``, exit code 1;
+traceback in <hydra output dir>/rankR-traceback.log)``, exit code 1; when ranks hung or
+failed in a collective, the line ends with the first divergence of their flight records
+(kept in the Hydra output dir; ``check_collectives=true``: guard mode, which fails in
+seconds instead of waiting out ``timeout_s``);
 ``OASES_VERBOSE=1`` prints the traceback too.  Ctrl-C / SIGTERM end the launcher
 and every rank with ``interrupted`` / ``terminated by SIGTERM`` and exit code 130 / 143.
 """
@@ -89,6 +92,7 @@ class TrainSchema:
     eval_every: int = 0
     metrics: MetricsSchema = field(default_factory=MetricsSchema)
     timeout_s: float = 600.0
+    check_collectives: bool = False
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     trace: Optional[str] = None
     stats_out: Optional[str] = None
@@ -153,6 +157,7 @@ def ds_config(cfg: dict) -> dict:
             "fine_grained_recompute": sched["fine_grained_recompute"],
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
+            "check_collectives": cfg["check_collectives"],
             **({"link": link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
             "pipeline_stages": cfg["pipeline_stages"],
@@ -194,7 +199,8 @@ def validate(cfg: dict) -> None:
     Topology(world, oases.tensor_parallel_size, oases.pipeline_stages)
     if cuda_ranks():
         check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
-    model.check_tp(oases.tensor_parallel_size)
+    if not oases.plan:
+        model.check_tp(oases.tensor_parallel_size)
     stages = oases.stages(model.num_layers)
     replicas = 1
     if oases.plan:
@@ -207,6 +213,10 @@ def validate(cfg: dict) -> None:
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")
+        try:  # every degree the plan uses, before any rank starts
+            model.check_degrees(oases.tensor_parallel_size, plan.attn_degrees, plan.mlp_degrees)
+        except ValueError as err:
+            raise ValueError(f"plan={oases.plan}: {err}") from None
         try:
             stages = oases_ds.with_planned_stages(oases, prefix="").stages(model.num_layers)
         except OasesConfigError as err:
@@ -332,8 +342,9 @@ def main(dcfg: DictConfig) -> None:
 
     # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
     env = {} if cuda_ranks() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    run_dir = HydraConfig.get().runtime.output_dir  # the ranks' flight records, read if the launch fails
     try:
-        summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env)
+        summaries = launch(train_rank, cfg["nprocs"], (cfg,), timeout_s=cfg["timeout_s"], env=env, run_dir=run_dir)
     except LaunchInterrupted as err:
         stop(err)
     except LaunchError as err:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 Family = Literal["gpt", "bert", "llama"]
 FAMILIES: tuple[str, ...] = ("gpt", "bert", "llama")
@@ -224,19 +224,50 @@ class ModelConfig:
         return -(-self.vocab_size // tp) * tp
 
     def check_tp(self, tp: int) -> None:
-        """Raise a one-line error if ``tp`` cannot shard this model evenly."""
-        if self.kv_heads < tp and tp % self.kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} is neither a divisor nor a multiple of model.num_kv_heads="
-                             f"{self.kv_heads}; k/v heads are split over the ranks or replicated, so pick one that is")
-        for name, value in (
-            ("num_heads", self.num_heads),
-            ("ffn_size", self.ffn),
-        ) + ((("num_kv_heads", self.kv_heads),) if self.kv_heads >= tp else ()):
-            if value % tp:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} does not divide model.{name}={value}; "
-                    f"pick a TMP degree that divides it or change model.{name}"
-                )
+        """Raise a one-line error if ``tp`` cannot shard this model evenly (every block at ``tp``)."""
+        self.check_degrees(tp)
+
+    def check_degrees(self, tensor_parallel_size: int, attn_degrees: Sequence[int] | None = None,
+                      mlp_degrees: Sequence[int] | None = None) -> None:
+        """Every TMP degree the model is built at, checked in one place, one line per failure.
+
+        An attention block at degree ``t`` splits its query heads over ``t`` ranks (``t`` must
+        divide ``num_heads``) and its key/value heads too, or replicates them when there are
+        fewer than ``t`` (``t`` a multiple of ``num_kv_heads``: each rank's query heads then
+        read one k/v head); an MLP block splits ``ffn_size``.  The vocabulary is padded to a
+        multiple of the degree (:meth:`padded_vocab`), so it shards at any degree and the
+        embedding and head need no check.  Without a plan every block runs at
+        ``tensor_parallel_size``; with one (``attn_degrees`` / ``mlp_degrees``, per layer) each
+        block at its own degree, and the error names the block."""
+        if attn_degrees is None and mlp_degrees is None:
+            blocks = [("attn", None, tensor_parallel_size), ("mlp", None, tensor_parallel_size)]
+        else:
+            blocks = [("attn", i, d) for i, d in enumerate(attn_degrees or ())] + \
+                     [("mlp", i, d) for i, d in enumerate(mlp_degrees or ())]
+        for kind, layer, degree in blocks:
+            problem = self._block_problem(kind, degree)
+            if problem is None:
+                continue
+            field, value, why, note = problem
+            if layer is None:
+                raise ValueError(f"tensor_parallel_size={degree} {why} model.{field}={value}{note}; "
+                                 f"pick a TMP degree that divides it or change model.{field}")
+            block = "attention" if kind == "attn" else "MLP"
+            raise ValueError(f"plan: layer {layer}'s {block} block at TMP degree {degree} {why} model.{field}={value}"
+                             f"{note}; plan that block at another degree or change model.{field}")
+
+    def _block_problem(self, kind: str, degree: int) -> tuple[str, int, str, str] | None:
+        """``(field, value, what is wrong, why)`` if a ``kind`` block cannot run at ``degree``, else ``None``."""
+        if kind == "mlp":
+            return ("ffn_size", self.ffn, "does not divide", "") if self.ffn % degree else None
+        if self.num_heads % degree:
+            return "num_heads", self.num_heads, "does not divide", ""
+        if self.kv_heads >= degree and self.kv_heads % degree:
+            return "num_kv_heads", self.kv_heads, "does not divide", ""
+        if self.kv_heads < degree and degree % self.kv_heads:
+            return ("num_kv_heads", self.kv_heads, "is neither a divisor nor a multiple of",
+                    " (k/v heads are split over the ranks or replicated)")
+        return None
 
     def to_dict(self) -> dict:
         return asdict(self)

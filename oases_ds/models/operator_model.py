@@ -153,16 +153,16 @@ class OperatorModel(nn.Module):
         stage: Stage | None = None,
     ) -> None:
         super().__init__()
-        cfg.check_tp(group_size(group))
         self.cfg = cfg
         self.group = group
         full = BlockLayout(group_size(group), group)
-        layouts = layouts or [(full, full)] * cfg.num_layers
-        if len(layouts) != cfg.num_layers:
+        if layouts is None:
+            cfg.check_degrees(full.degree)
+        elif len(layouts) != cfg.num_layers:
             raise ValueError(f"plan has {len(layouts)} layers but model.num_layers={cfg.num_layers}")
-        for attn, mlp in layouts:
-            cfg.check_tp(attn.degree)
-            cfg.check_tp(mlp.degree)
+        else:  # every degree the plan uses, each block by what it splits
+            cfg.check_degrees(full.degree, [a.degree for a, _ in layouts], [m.degree for _, m in layouts])
+        layouts = layouts or [(full, full)] * cfg.num_layers
         self.stage = stage or Stage(0, 1, 0, cfg.num_layers)
         if self.stage.end > cfg.num_layers or (self.stage.is_last and self.stage.end != cfg.num_layers):
             raise ValueError(f"pipeline stage {self.stage.index} holds layers [{self.stage.start}, {self.stage.end}) "
@@ -183,6 +183,9 @@ class OperatorModel(nn.Module):
             self._mark_for_norms()
         self.reset_parameters(seed)
         self.rng = RNGTracker(seed=seed)
+        self.comm = Communicator()
+        """Where the eager forward (evaluation, a plain DeepSpeedEngine) issues its collectives:
+        the engine hands the model its executor's, so that evaluation is recorded with training."""
         self.ops: list[Op] = self._build_ops()
 
     def forward(
@@ -206,11 +209,11 @@ class OperatorModel(nn.Module):
         labels = batch["labels"]
         loss_scale = (labels != IGNORE_INDEX).sum().to(torch.float32).reciprocal()
         ctx = OpContext(batch, sample_offset, global_batch or labels.shape[0], loss_scale, self.rng,
-                        Communicator(), training=self.training)
+                        self.comm, phase="eval" if not torch.is_grad_enabled() else "forward", training=self.training)
         acts: Acts = tuple(inputs)
         for op in self.ops:
             if isinstance(op, CommOp):
-                acts = acts[: op.index] + (op.apply(acts[op.index]),) + acts[op.index + 1 :]
+                acts = acts[: op.index] + (op.apply(acts[op.index], self.comm),) + acts[op.index + 1 :]
             else:
                 acts = op.fn(ctx, acts)
         return acts
@@ -241,6 +244,7 @@ class OperatorModel(nn.Module):
             raise ValueError(f"plan.devices={plan.devices} but oases.tensor_parallel_size={ctx.tp_size}")
         if plan.layers != cfg.num_layers:
             raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
+        cfg.check_degrees(ctx.tp_size, plan.attn_degrees, plan.mlp_degrees)  # before any group is made
         # every group of the whole plan, on every rank, before this stage picks its own (ParallelContext)
         ctx.create_plan_groups([d for pair in zip(plan.attn_degrees, plan.mlp_degrees) for d in pair])
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
@@ -353,7 +357,7 @@ class OperatorModel(nn.Module):
             group = self.group
 
             def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
-                return c.comm.all_reduce(t, group, "loss", op).wait()
+                return c.comm.all_reduce(t, group, "loss", op, label=f"loss {c.phase}").wait()
 
             vocab_start = group_rank(group) * logits.shape[-1]
             per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, all_reduce, cfg.vocab_size)

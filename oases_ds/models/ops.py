@@ -46,7 +46,7 @@ Acts = tuple[torch.Tensor, ...]
 Collective = Literal["all_reduce", "all_gather", "split"] | None
 
 
-def _start_split(comm: Communicator, tensor: torch.Tensor, group: Group, dim: int, phase: str) -> Pending:
+def _start_split(comm: Communicator, tensor: torch.Tensor, group: Group, dim: int, phase: str, label: str) -> Pending:
     """Local: keep this rank's share, nothing crosses a link (so nothing is counted)."""
     piece = split_for_rank(tensor, group, dim)
     return Pending(None, lambda: piece)
@@ -59,7 +59,8 @@ class CollectiveKind:
     Attributes:
         partner: the collective the other direction must run -- the gradient of
             this one (AllReduce <-> identity, AllGather <-> split).
-        start: async, one direction: ``(comm, tensor, group, dim, phase) -> Pending``.
+        start: async, one direction: ``(comm, tensor, group, dim, phase, label) -> Pending``
+            (``label`` names it in the flight records).
         in_forward: eager autograd Function: this collective forward, ``partner`` backward.
         in_backward: eager autograd Function: ``partner`` forward, this collective backward.
         moves_bytes: whether it crosses a link; ``split`` keeps a local share (the cost and
@@ -67,7 +68,7 @@ class CollectiveKind:
     """
 
     partner: Collective
-    start: Callable[[Communicator, torch.Tensor, Group, int, str], Pending]
+    start: Callable[[Communicator, torch.Tensor, Group, int, str, str], Pending]
     in_forward: Callable[[torch.Tensor, Group, int], torch.Tensor]
     in_backward: Callable[[torch.Tensor, Group, int], torch.Tensor]
     moves_bytes: bool = True
@@ -76,13 +77,13 @@ class CollectiveKind:
 COLLECTIVES: dict[str, CollectiveKind] = {
     "all_reduce": CollectiveKind(
         partner=None,
-        start=lambda comm, t, group, dim, phase: comm.all_reduce(t, group, phase),
+        start=lambda comm, t, group, dim, phase, label: comm.all_reduce(t, group, phase, label=label),
         in_forward=lambda x, group, dim: reduce_from_tensor_parallel(x, group),
         in_backward=lambda x, group, dim: copy_to_tensor_parallel(x, group),
     ),
     "all_gather": CollectiveKind(
         partner="split",
-        start=lambda comm, t, group, dim, phase: comm.all_gather(t, group, dim, phase),
+        start=lambda comm, t, group, dim, phase, label: comm.all_gather(t, group, dim, phase, label=label),
         in_forward=GatherFromTensorParallel.apply,
         in_backward=SplitToTensorParallel.apply,
     ),
@@ -205,16 +206,21 @@ class CommOp:
         """The collective this operator runs in ``phase`` (forward and recompute: its forward one)."""
         return self.backward if phase == "backward" else self.forward
 
-    def start(self, comm: Communicator, tensor: torch.Tensor, direction: str, phase: str) -> Pending:
-        """Issue this operator's ``direction`` collective on ``tensor``; the caller waits on the handle."""
+    def start(self, comm: Communicator, tensor: torch.Tensor, direction: str, phase: str, label: str = "") -> Pending:
+        """Issue this operator's ``direction`` collective on ``tensor``; the caller waits on the handle.
+        ``label`` names it in the flight records (default: the operator's name)."""
         collective = self.forward if direction == "forward" else self.backward
         if collective is None:
             raise ValueError(f"{self.name} has no {direction} collective")
-        return COLLECTIVES[collective].start(comm, tensor, self.group, self.dim, phase)
+        return COLLECTIVES[collective].start(comm, tensor, self.group, self.dim, phase, label or self.name)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, comm: Communicator | None = None) -> torch.Tensor:
         """Eager: both directions as one autograd Function, synchronous (forward runs now,
-        backward when autograd reaches it)."""
+        backward when autograd reaches it).  Without autograd (evaluation) and with a
+        ``comm``, the forward collective goes through it instead, so it is recorded: the
+        same collective, the same result, no backward to wire."""
+        if comm is not None and not torch.is_grad_enabled():
+            return self.start(comm, x, "forward", "eval", f"{self.name} eval").wait() if self.forward is not None else x
         if self.forward is not None:
             return COLLECTIVES[self.forward].in_forward(x, self.group, self.dim)
         if self.backward is not None:

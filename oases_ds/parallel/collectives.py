@@ -19,7 +19,7 @@ stream (NCCL) while the caller keeps computing.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,20 +36,39 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+class Waiter(Protocol):
+    """Who waits on a collective's work for a :class:`Pending` (the flight recorder, which
+    dumps a failed wait, or guard mode, which bounds it): ``wait(work, record)``."""
+
+    def wait(self, work: dist.Work, record: Any) -> None: ...
+
+
 class Pending:
     """An in-flight collective.  ``wait()`` returns its result exactly once."""
+
+    __slots__ = ("_work", "_finish", "_done", "_waiter", "_record")
 
     def __init__(self, work: dist.Work | None, finish: Callable[[], torch.Tensor]) -> None:
         self._work = work
         self._finish = finish
         self._done = False
+        self._waiter: Waiter | None = None
+        self._record: Any = None
+
+    def watched(self, waiter: Waiter | None, record: Any) -> "Pending":
+        """Have ``waiter`` wait on the work, for ``record`` (what the recorder logged of it)."""
+        self._waiter, self._record = waiter, record
+        return self
 
     def wait(self) -> torch.Tensor:
         if self._done:
             raise RuntimeError("Pending.wait() called twice on one collective")
         self._done = True
         if self._work is not None:
-            self._work.wait()
+            if self._waiter is None:
+                self._work.wait()
+            else:
+                self._waiter.wait(self._work, self._record)
         return self._finish()
 
 
@@ -73,6 +92,14 @@ def start_all_gather(tensor: torch.Tensor, group: Group, dim: int) -> Pending:
     parts = [torch.empty_like(src) for _ in range(size)]
     work = dist.all_gather(parts, src, group=group, async_op=True)
     return Pending(work, lambda: torch.cat(parts, dim=dim))
+
+
+def start_broadcast(tensor: torch.Tensor, src: int, group: Group) -> Pending:
+    """Broadcast ``tensor`` from global rank ``src`` of ``group`` asynchronously, in place."""
+    if group_size(group) == 1:
+        return Pending(None, lambda: tensor)
+    work = dist.broadcast(tensor, src, group=group, async_op=True)
+    return Pending(work, lambda: tensor)
 
 
 def start_send(tensor: torch.Tensor, dst: int, group: Group) -> Pending:

@@ -209,7 +209,7 @@ class DPGradReducer:
         if self.predivide and self.dp_size > 1:
             flat.div_(self.dp_size)
         self._started.add(id(bucket))
-        bucket.pending = self.comm.all_reduce(flat, bucket.group, "grad_sync")
+        bucket.pending = self.comm.all_reduce(flat, bucket.group, "grad_sync", label=f"dp grad L{bucket.key[0]}.{bucket.key[1]}")
         self.log.append(f"dp:{bucket.key[0]}.{bucket.key[1]}")
         self._in_flight.append(bucket)
         while len(self._in_flight) > self.max_in_flight:  # bound the reduced copies alive at once

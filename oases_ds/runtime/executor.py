@@ -94,7 +94,7 @@ class Executor:
         model: the operator model (this rank's shards).
         schedule: instruction list from :func:`~oases_ds.schedule.generators.build_schedule`
             (:meth:`for_schedule` builds and checks it from a spec).
-        comm: communicator (accounting, optional link emulation).
+        comm: communicator (accounting, flight records, optional guard mode and link emulation).
         rng: dropout key source, advanced by the caller once per optimizer step.
         record: keep a timeline of every instruction.
     """
@@ -120,6 +120,9 @@ class Executor:
         They run with ``OpContext.outputs_needed`` off: an op marked ``graph_only_recompute``
         builds only the graph its Backward needs (no output GEMM)."""
         self._labels = [op_label(op.name, op.layer, op.block) for op in self.ops]
+        self._comm_labels = {(i, phase): f"{op.name} {short}" for i, op in enumerate(self.ops) if isinstance(op, CommOp)
+                             for phase, short in _COMM_PHASE.items()}
+        self._record_tag = ""  # the pipeline executor prefixes its micro-batch ("mb3 ")
         self._is_comm = [isinstance(op, CommOp) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
@@ -148,14 +151,15 @@ class Executor:
         link: LinkModel | None = None,
         rng: RNGTracker | None = None,
         record: bool = True,
+        comm: Communicator | None = None,
     ) -> Executor:
         """The executor of ``spec``'s schedule over ``model``: build the schedule, prove it
         with the invariant checker (a broken schedule would deadlock or read garbage;
-        checking is pure and costs far less than one step), and give it a communicator
-        on ``link`` (``None``: the real link as it is)."""
+        checking is pure and costs far less than one step), and give it ``comm`` or a
+        communicator on ``link`` (``None``: the real link as it is)."""
         schedule = build_schedule(spec, model.ops)
         check(schedule, model.ops)
-        return cls(model, schedule, Communicator(link), rng, record)
+        return cls(model, schedule, comm or Communicator(link), rng, record)
 
     # -- public ------------------------------------------------------------------
     def add_hook(self, hook: InstructionHook) -> Callable[[], None]:
@@ -193,6 +197,7 @@ class Executor:
                 global batch (keys dropout; default: this rank alone).
         Returns the micro-batch's mean loss (detached).
         """
+        self.comm.check_batch(batch, self.model.group)  # guard mode only: the TMP ranks hold one batch
         self._prepare(batch, sample_offset, global_batch)
         handlers, hooks, buffers = self._handlers, self._hooks, self._buffers
         for ins, frees in zip(self.schedule.instructions, self._frees):  # the hot loop: see benchmarks/host_overhead.py
@@ -211,6 +216,7 @@ class Executor:
             raise RuntimeError(f"schedule left buffers alive: {leftover[:4]}")
         if self.sum_replica_grads:
             self._sum_replica_grads()
+        self.comm.check_step()  # guard mode only: every group's records agree before anything else runs
         return torch.stack(self._losses).sum()
 
     def _sum_replica_grads(self) -> None:
@@ -218,7 +224,7 @@ class Executor:
         share of the batch: their gradients are partial sums, completed here (one
         flat AllReduce per replica group)."""
         for params, group in self._replica_groups:
-            all_reduce_grads(params, self.comm, group)
+            all_reduce_grads(params, self.comm, group, label="replica grads")
 
     # -- set-up --------------------------------------------------------------------
     def _prepare(self, batch, sample_offset, global_batch) -> list[OpContext]:
@@ -336,7 +342,8 @@ class Executor:
         src = ("grad", ins.op + 1, ins.sub) if ins.phase == "backward" else ("act", ins.op, ins.sub)
         acts = self._buffers[src]
         direction = "backward" if ins.phase == "backward" else "forward"
-        pending = op.start(self.comm, acts[op.index], direction, ins.phase)
+        pending = op.start(self.comm, acts[op.index], direction, ins.phase,
+                           f"{self._record_tag}{self._comm_labels[ins.op, ins.phase]} sb{ins.sub}")
         self._buffers[("comm", ins.op, ins.sub, ins.phase)] = (pending, acts, t0)
 
     def _wait_timed(self, ins: Instruction, pending, started, comm_name: str, label: str, phase: str) -> torch.Tensor:

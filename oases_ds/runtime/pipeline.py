@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.collectives import Group, Pending
@@ -118,13 +117,13 @@ class PipelineExecutor(Executor):
     @classmethod
     def for_pipeline(cls, model: OperatorModel, spec: ScheduleSpec, pipeline: str, micro_batches: int,
                      links: StageLinks, link: LinkModel | None = None, rng: RNGTracker | None = None,
-                     record: bool = True) -> "PipelineExecutor":
+                     record: bool = True, comm: Communicator | None = None) -> "PipelineExecutor":
         """Build ``pipeline``'s schedule (``1f1b``, ``gpipe``) with ``spec``'s TMP schedule
         inside, for ``model``'s stage, prove it with the checker, and wrap it."""
         stage = model.stage
         pipe = build_pipeline(pipeline, spec, model.ops, stage.index, stage.stages, micro_batches)
         check_pipeline(pipe, model.ops)
-        return cls(model, pipe, links, Communicator(link), rng, record)
+        return cls(model, pipe, links, comm or Communicator(link), rng, record)
 
     def _frees_per_step(self) -> list[list[tuple]]:
         """Buffers that die with each step: :func:`last_reads` over each micro-batch's own
@@ -161,10 +160,13 @@ class PipelineExecutor(Executor):
             self._micros[m] = _Micro(buffers, contexts, sub_batch=mb["tokens"].shape[0] // self.pipe.sub_batches,
                                      seq_len=mb["tokens"].shape[1])
         self._losses = []
+        self.comm.check_batch(micro_batches[0], self.model.group)  # guard mode only: the TMP ranks hold one batch
+        tags = [f"mb{m} " for m in range(len(micro_batches))]
         for idx, step in enumerate(self.pipe.steps):
             micro = self._micros[step.micro]
             self._buffers, self._ctx, self._rng_states = micro.buffers, micro.contexts, micro.rng_states
             self._current = micro
+            self._record_tag = tags[step.micro]
             for hook in self._hooks:
                 hook(step.ins, "before")
             self._handlers[type(step.ins)](step.ins)
@@ -177,8 +179,10 @@ class PipelineExecutor(Executor):
         self._buffers = {}
         if leftover:
             raise RuntimeError(f"pipeline schedule left buffers alive: {leftover[:4]}")
+        self._record_tag = ""
         if self.sum_replica_grads:
             self._sum_replica_grads()
+        self.comm.check_step()  # guard mode only: every group's and link's records agree
         return self._broadcast_loss(len(micro_batches))
 
     def run(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
@@ -197,16 +201,14 @@ class PipelineExecutor(Executor):
         inputs: tuple = ()
         if not model.stage.is_first:
             shape = model.boundary_shape(model.stage.start - 1, batch["tokens"].shape[0], batch["tokens"].shape[1])
-            inputs = (self.comm.recv(shape, param.dtype, param.device, links.prev_rank, links.group).wait(),)
+            inputs = (self.comm.recv(shape, param.dtype, param.device, links.prev_rank, links.group, "eval act").wait(),)
         out = model.stage_forward(batch, inputs, sample_offset, global_batch)
         if not model.stage.is_last:
-            self.comm.send(out[0], links.next_rank, links.group).wait()
+            self.comm.send(out[0], links.next_rank, links.group, "eval act").wait()
             loss = torch.zeros((), dtype=torch.float32, device=param.device)
         else:
             loss = out[0].float()
-        if links.group is not None:
-            dist.broadcast(loss, links.last_rank, group=links.group)
-        return loss
+        return self.comm.broadcast(loss, links.last_rank, links.group, "metrics", "eval loss broadcast").wait()
 
     def _broadcast_loss(self, micro_batches: int) -> torch.Tensor:
         """The last stage's mean micro-batch loss, on every stage of the pipeline."""
@@ -215,9 +217,7 @@ class PipelineExecutor(Executor):
             loss = (torch.stack(self._losses).sum() / micro_batches).float()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=device)
-        if self.links.group is not None:
-            dist.broadcast(loss, self.links.last_rank, group=self.links.group)
-        return loss
+        return self.comm.broadcast(loss, self.links.last_rank, self.links.group, "metrics", "loss broadcast").wait()
 
     # -- transfers -------------------------------------------------------------------
     def _p2p_start(self, ins: P2PStart) -> None:
@@ -230,14 +230,21 @@ class PipelineExecutor(Executor):
                 raise RuntimeError(f"{ins}: a stage boundary carries one tensor, got {len(acts)} "
                                    f"({'None' if acts and acts[0] is None else 'tuple'})")
             dst = links.next_rank if ins.kind == "send_act" else links.prev_rank
-            pending: Pending = self.comm.send(acts[0], dst, links.group_for(ins.kind))
+            pending: Pending = self.comm.send(acts[0], dst, links.group_for(ins.kind), self._transfer_label(ins))
         else:
             layer = self.model.stage.start - 1 if ins.kind == "recv_act" else self.model.stage.end - 1
             shape = self.model.boundary_shape(layer, micro.sub_batch, micro.seq_len)
             param = next(self.model.parameters())
             src = links.prev_rank if ins.kind == "recv_act" else links.next_rank
-            pending = self.comm.recv(shape, param.dtype, param.device, src, links.group_for(ins.kind))
+            pending = self.comm.recv(shape, param.dtype, param.device, src, links.group_for(ins.kind),
+                                     self._transfer_label(ins))
         self._buffers[("p2p", ins.kind, ins.op, ins.sub)] = (pending, t0)
+
+    def _transfer_label(self, ins: P2PStart) -> str:
+        """The name both ends record for one message (``act mb0 sb1``): the channel, the
+        micro-batch and the sub-batch, which the sender and the receiver share (their
+        operator indices differ, each stage numbering its own)."""
+        return f"{CHANNEL[ins.kind]} {self._record_tag}sb{ins.sub}"
 
     def _p2p_sync(self, ins: P2PSync) -> None:
         pending, started = self._buffers[("p2p", ins.kind, ins.op, ins.sub)]

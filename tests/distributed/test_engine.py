@@ -323,3 +323,21 @@ def test_dp2_replicated_plan_folds_the_replica_sum_into_the_dp_reduction(tmp_pat
     # 6 blocks, one AllReduce each, replicated ones included; no separate per-micro-batch replica sums
     assert out["grad_sync_calls"] == 6
     assert {"dp:0.mlp", "dp:1.attn"} <= set(out["dp_log"])
+
+
+def test_guard_mode_through_the_engine_changes_no_number_and_records_every_reduction():
+    """``"check_collectives": true`` (or ``OASES_CHECK_COLLECTIVES=1``) turns guard mode on in the
+    engine; TMP 2 x DP 2 with the overlapped DP reduction trains to the same losses as without
+    it; the records hold the schedule's collectives, the DP buckets, the step's loss and
+    evaluation's eager forward, each step numbered from 1."""
+    on = launch(ew.guarded_engine_run, 4, (True,), timeout_s=240)
+    off = launch(ew.guarded_engine_run, 4, (False,), timeout_s=240)
+    assert [r["guard"] for r in on] == [True] * 4 and [r["guard"] for r in off] == [False] * 4
+    assert [r["losses"] for r in on] == [r["losses"] for r in off] and on[0]["eval_loss"] == off[0]["eval_loss"]
+    labels = set(off[0]["labels"])
+    assert off[0]["dp_overlap"] and {"step loss", "eval loss", "L0.attn_reduce fwd", "L0.attn_reduce eval"} <= labels
+    assert any(label.startswith("dp grad L") for label in labels) and "loss forward" in labels
+    assert {"guard.batch", "guard.step 1", "guard.step 2"} <= set(on[0]["labels"])
+    assert off[0]["steps"] == [1, 2]
+    by_env = launch(ew.guarded_engine_run, 2, (False,), timeout_s=240, env={"OASES_CHECK_COLLECTIVES": "1"})
+    assert [r["guard"] for r in by_env] == [True, True]

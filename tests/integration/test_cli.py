@@ -81,3 +81,24 @@ def test_a_clean_run_prints_only_its_own_lines(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     ours = ("oases-train: ", "step ", "eval ", "done: ")
     assert lines and all(line.startswith(ours) for line in lines), [l for l in lines if not l.startswith(ours)]
+
+
+@pytest.mark.distributed
+def test_train_with_check_collectives_gives_the_same_losses_and_keeps_records_in_the_run_dir(tmp_path):
+    """``check_collectives=true`` runs guard mode in every rank (its checks are in the records)
+    and changes no loss; either way each rank's ring file sits in Hydra's output directory."""
+    from oases_ds.parallel.flight import RingFile
+
+    runs = {}
+    for check in ("false", "true"):
+        out, run_dir = tmp_path / f"stats-{check}.json", tmp_path / f"run-{check}"
+        proc = run("model=gpt_tiny", "steps=3", f"check_collectives={check}", f"stats_out={out}",
+                   f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rings = [RingFile.read(str(run_dir / f"collectives-rank{r}.ring")) for r in (0, 1)]
+        runs[check] = ([h["loss"] for h in json.loads(out.read_text())["history"]],
+                       {rec["label"] for ring in rings for rec in ring["records"]})
+    assert runs["true"][0] == runs["false"][0]
+    assert "guard.step 3" in runs["true"][1] and not any(label.startswith("guard.") for label in runs["false"][1])
+    assert "L0.attn_reduce eval" in runs["false"][1]  # evaluation's eager forward is recorded too
+

@@ -25,6 +25,29 @@ def test_tp_degree_must_divide_model(cfg, tp, field):
         ModelConfig(**cfg).check_tp(tp)
 
 
+def test_every_degree_a_plan_uses_is_checked_by_what_its_block_splits():
+    """A plan's blocks are checked one by one, each by what it splits (attention: query and k/v
+    heads; MLP: the FFN width), and the line names the block.  Before, every block was checked
+    as a whole model at its degree, so an attention block at 4 was refused for an FFN width 4
+    does not divide, and the line blamed tensor_parallel_size."""
+    six_heads = ModelConfig(hidden_size=48, num_heads=6, ffn_size=128)
+    six_heads.check_degrees(4, [2, 2], [4, 4])  # attention at 2 (6 heads), MLP at 4 (128 wide): fine
+    with pytest.raises(ValueError, match=r"^plan: layer 1's attention block at TMP degree 4 does not divide "
+                                         r"model.num_heads=6; plan that block at another degree or change model.num_heads$"):
+        six_heads.check_degrees(4, [2, 4], [4, 4])
+    narrow = ModelConfig(hidden_size=64, num_heads=4, ffn_size=130)
+    narrow.check_degrees(4, [4, 4], [2, 2])  # the attention blocks at 4 need nothing of the FFN
+    with pytest.raises(ValueError, match=r"^plan: layer 0's MLP block at TMP degree 4 does not divide model.ffn_size=130;"):
+        narrow.check_degrees(4, [4, 4], [4, 2])
+    gqa = ModelConfig(family="llama", hidden_size=96, num_heads=12, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"layer 0's attention block at TMP degree 2 does not divide model.num_kv_heads=3"):
+        gqa.check_degrees(4, [2, 1], [4, 4])
+    with pytest.raises(ValueError, match=r"layer 1's attention block at TMP degree 4 is neither a divisor nor a multiple "
+                                         r"of model.num_kv_heads=3 \(k/v heads are split over the ranks or replicated\)"):
+        gqa.check_degrees(4, [1, 4], [4, 4])
+    ModelConfig(family="gpt", vocab_size=61).check_degrees(4)  # the vocabulary is padded: any degree shards it
+
+
 def test_heads_must_divide_hidden():
     with pytest.raises(ValueError, match="model.num_heads=3 does not divide model.hidden_size=32"):
         ModelConfig(hidden_size=32, num_heads=3)

@@ -9,8 +9,8 @@ Layers, low to high (a module may import from its own layer and any lower one)::
 
     utils     oases_ds/utils/* (atomic file writes: plain Python any layer may use; imports
               nothing of ours)
-    parallel  oases_ds/parallel/*, launcher.py (starts rank processes; imports nothing of ours,
-              the planner's profiler and the CLIs use it)
+    parallel  oases_ds/parallel/*, launcher.py (starts rank processes; of ours it imports only
+              parallel/flight, to read the ranks' records; the planner's profiler and the CLIs use it)
     models    oases_ds/models/*, hf.py (Hugging Face configs and weights in and out of an
               OperatorModel; it reads an engine only through its ``module`` attribute)
     schedule  oases_ds/schedule/*
