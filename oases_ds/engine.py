@@ -136,6 +136,10 @@ class OasesEngine(DeepSpeedEngine):
             check = check_collectives_from_env(oases.check_collectives)
         except ValueError as err:
             raise OasesConfigError(str(err)) from None
+        if check and self.pipelined and "nccl" in str(dist.get_backend()).lower():
+            # its pipeline signatures travel under their own message tag, which NCCL ignores
+            raise OasesConfigError("oases.check_collectives=true with pipeline_stages > 1 needs gloo (NCCL matches "
+                                   "point-to-point messages by order, not tag); turn it off, or debug the stages on CPU")
         comm = Communicator.for_run(link, oases.flight_records, check)
         model.comm = comm
         if self.pipelined:  # all micro-batches of a step through one pipeline schedule
