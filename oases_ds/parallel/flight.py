@@ -453,13 +453,17 @@ def nccl_env(run_dir: str, records: int = 2000) -> dict[str, str]:
     On NCCL a collective's ``wait`` returns before the transfer ends and a stuck one is
     ended by torch's watchdog, which can dump its own record of every rank's NCCL calls
     (``torchfrtrace <run_dir> -p nccl_trace_rank_`` reads them); so Oases sets that up
-    rather than writing its own files for NCCL.  Existing settings are kept."""
+    rather than writing its own files for NCCL.  The variables are torch 2.13's names
+    (``TORCH_FR_*``: the older ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``..._DEBUG_INFO_TEMP_FILE``
+    print a deprecation warning in every rank, gloo runs included); a setting the user made
+    under either name is kept."""
     wanted = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(records),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(run_dir), "nccl_trace_rank_"),
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(records),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(os.path.abspath(run_dir),
+                                                                                   "nccl_trace_rank_"),
     }
-    return {key: os.environ.get(key, value) for key, value in wanted.items()}
+    return {names[0]: value for names, value in wanted.items() if not any(n in os.environ for n in names)}
 
 
 def nccl_hint(run_dir: str) -> str:

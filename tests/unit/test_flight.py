@@ -167,17 +167,20 @@ def test_guard_mode_switches_are_strict(monkeypatch):
 
 
 def test_the_launcher_prepares_the_run_dir_and_turns_on_nccls_flight_recorder(tmp_path, monkeypatch):
-    for key in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(key, raising=False)
     (tmp_path / f"{DUMP_PREFIX}0.json").write_text("{}")  # a previous launch's
     env: dict[str, str] = {}
     run_id = flight_env(str(tmp_path), env)
     assert not (tmp_path / f"{DUMP_PREFIX}0.json").exists()
     assert env[RUN_DIR_ENV] == str(tmp_path) and env[RUN_ID_ENV] == run_id
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
-    assert nccl_env(str(tmp_path))["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"  # a user's setting is kept
+    # torch 2.13's names: the older ones print a deprecation warning in every rank, gloo runs too
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # a user's setting, under the old name, is kept
+    assert "TORCH_FR_BUFFER_SIZE" not in nccl_env(str(tmp_path))
 
 
 def test_the_records_explain_a_hang_or_an_abort_not_a_ranks_own_error(tmp_path):
