@@ -7,7 +7,7 @@ through a pipe before exiting; the launcher returns the results when every rank
 reported success, raises :class:`LaunchError` for the first failing rank
 otherwise, and never waits longer than ``timeout_s`` (a rank that hangs or dies
 without a report makes the whole launch fail, and the others are killed).  A rank that
-has reported leaves with ``os._exit`` (:func:`_exit_now`), skipping the teardown where
+has reported leaves with ``os._exit`` (:func:`end_rank`), skipping the teardown where
 that abort, and its "terminate called without an active exception", happen.
 
 Why a run directory (``run_dir``): a rank that hangs in a collective is killed, and one
@@ -160,21 +160,25 @@ def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], 
         data = pickle.dumps(("error", (type(err).__name__, f"rank result cannot be pickled: {err}", traceback.format_exc())))
     report.send_bytes(data)
     report.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _exit_now(0 if payload[0] == "ok" else 1)
+    end_rank(0 if payload[0] == "ok" else 1)
 
 
-def _exit_now(code: int) -> None:
-    """End a rank that has reported without the interpreter's teardown.
+def end_rank(code: int) -> None:
+    """End a rank whose work is done (and reported) without the interpreter's teardown.
 
     At a normal exit, C++ objects of torch's (gloo's worker threads among them) are
-    destroyed while their threads may still be joinable, and the process aborts with
-    "terminate called without an active exception" on stderr: printed after a run that
-    succeeded, it reads as a crash.  The rank's result is already with the launcher, so
-    flush what Python holds (standard streams, logging handlers) and leave."""
+    destroyed while their threads may still be joinable: the process aborts with
+    "terminate called without an active exception" on stderr, which after a run that
+    succeeded reads as a crash.  So destroy the process group, flush what Python holds
+    (standard streams, logging handlers) and leave.  Used by this launcher's ranks and by
+    ``oases-train`` ranks that torchrun or DeepSpeed's launcher started: those launchers
+    wait on exit codes, and a teardown that does not end would keep them waiting (a CI
+    run once timed out on a torchrun rank after its steps had run)."""
     import logging
 
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -41,7 +42,7 @@ from oases_ds.config import (OasesConfigError, activation_all_reduce, check_deep
                              slow_link_message)
 from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
-from oases_ds.launcher import LaunchError, LaunchInterrupted, launch
+from oases_ds.launcher import LaunchError, LaunchInterrupted, end_rank, launch
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
@@ -335,10 +336,14 @@ def main(dcfg: DictConfig) -> None:
     except ValueError as err:
         fail(str(err))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / deepspeed launcher
-        summary = train_rank(cfg)
-        if int(os.environ["RANK"]) == 0:
-            print_summary(summary)
-        return
+        try:
+            summary = train_rank(cfg)
+            if int(os.environ["RANK"]) == 0:
+                print_summary(summary)
+        except BaseException:  # the launcher judges this rank by its exit code alone
+            print(f"oases-train rank {os.environ['RANK']} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            end_rank(1)
+        end_rank(0)
 
     # CPU machines: tell DeepSpeed so (it would guess, with a warning); GPU machines: let it detect CUDA.
     env = {} if cuda_ranks() else {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}

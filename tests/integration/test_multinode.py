@@ -9,10 +9,14 @@ Not exercised here: a second host, a real NIC, a real inter-node link (network n
 on a shaped link are ``benchmarks/multinode_netns.py``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -23,23 +27,41 @@ JOB = ["model=gpt_tiny", "tensor_parallel_size=2", "steps=3", "log_every=1", "mi
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    # PYTHONFAULTHANDLER: a "node" that does not end is sent SIGABRT, and every process of it
+    # prints where each of its threads stood (see run_nodes).
+    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                PYTHONFAULTHANDLER="1")
 
 
 def run_nodes(commands: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    """Start every "node" at once (they wait for each other at the rendezvous), then collect them."""
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in commands]
-    done = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    """Start every "node" at once (they wait for each other at the rendezvous), then collect them.
+
+    Each node is its own process group: past ``timeout`` every process of every node gets
+    SIGABRT (Python tracebacks of all threads on stderr, from the faulthandler) and the test
+    fails with each node's last output, so a hang says where it was."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for cmd in commands]
+    outputs: dict[int, tuple[str, str]] = {}
+    readers = [threading.Thread(target=lambda i=i, p=p: outputs.__setitem__(i, p.communicate()), daemon=True)
+               for i, p in enumerate(procs)]  # read while waiting: a full pipe would stall a node
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for signum, grace in ((signal.SIGABRT, 5.0), (signal.SIGKILL, 30.0)):
+        for i, p in enumerate(procs):
+            if readers[i].is_alive():  # the node, or a rank of it holding its pipes, is still there
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signum)
+        for reader in readers:
+            reader.join(grace)
+    done = [subprocess.CompletedProcess(p.args, p.wait(), *outputs.get(i, ("", ""))) for i, p in enumerate(procs)]
+    if hung:
+        pytest.fail(f"nodes {hung} did not end within {timeout} s:\n" + "\n".join(
+            f"--- node {i} stdout:\n{d.stdout[-2000:]}\n--- node {i} stderr:\n{d.stderr[-6000:]}"
+            for i, d in enumerate(done)))
     return done
 
 
