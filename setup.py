@@ -43,6 +43,7 @@ setup(
             "oases-plan=oases_ds.cli.plan:entry",
             "oases-bench=oases_ds.cli.bench:entry",
             "oases-data=oases_ds.cli.data:entry",
+            "oases-ckpt=oases_ds.cli.ckpt:entry",
         ]
     },
 )
