@@ -16,6 +16,8 @@ the launch fails.  With ``run_dir`` the ranks keep their flight records there
 (``OASES_RUN_DIR``; :mod:`oases_ds.parallel.flight`: a ring file written as collectives are
 issued, a JSON dump on a failed wait) and torch's NCCL flight recorder dumps there on a
 timeout; a failed launch's summary then ends with the first divergence the records show.
+When a rank fails because a wait timed out, its peers get a few seconds to time out and
+dump too (:func:`_await_peers`) before they are ended.
 
 Why pipes and not report files: a launcher killed with SIGKILL cannot clean up
 after itself, and a rank that outlives it just long enough to clean is a rank
@@ -42,6 +44,7 @@ import contextlib
 import ctypes
 import os
 import pickle
+import re
 import secrets
 import signal
 import socket
@@ -62,6 +65,7 @@ from oases_ds.parallel.flight import DUMP_PREFIX, RUN_DIR_ENV, RUN_ID_ENV, expla
 _PR_SET_PDEATHSIG = 1
 _WATCHDOG_PERIOD_S = 0.5
 _TERMINATE_GRACE_S = 5.0
+_PEER_TIMEOUT_GRACE_S = 5.0  # after a rank's wait timed out, how long its peers get to time out and dump too
 
 
 class LaunchError(RuntimeError):
@@ -237,6 +241,26 @@ def _end(procs: list, gently: bool) -> None:
             p.join()
 
 
+def _timed_out(err: LaunchError) -> bool:
+    """Whether a rank failed because a collective's wait ran out of time (gloo's "Timed out
+    waiting", NCCL's watchdog "timeout")."""
+    return bool(err.exc_message) and bool(re.search(r"timed out|timeout", err.exc_message, re.IGNORECASE))
+
+
+def _await_peers(procs: list, readers: list[Connection], done: set[int], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for every rank not in ``done`` to report or exit, reading nothing.
+
+    Why: a hang times out on every rank of the group, each within about the time between
+    the starts of their waits, and each rank writes its flight-record dump before it
+    reports.  Ending the peers as soon as the first rank reports would kill them before
+    their dumps, and the divergence is read from all of them."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if all(readers[r].poll() or not procs[r].is_alive() for r in range(len(procs)) if r not in done):
+            return
+        time.sleep(0.02)
+
+
 def _receive(rank: int, reader: Connection, proc) -> tuple[str, Any]:
     """The report of a rank whose pipe is readable; raises if it died before sending one."""
     try:
@@ -340,7 +364,12 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
                     if r in results:
                         continue
                     if readers[r].poll():
-                        results[r] = _receive(r, readers[r], procs[r])
+                        try:
+                            results[r] = _receive(r, readers[r], procs[r])
+                        except LaunchError as err:
+                            if _timed_out(err):  # its peers are likely timing out too: let them dump first
+                                _await_peers(procs, readers, set(results) | {r}, _PEER_TIMEOUT_GRACE_S)
+                            raise
                     elif not procs[r].is_alive() and not readers[r].poll():
                         raise LaunchError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result",
                                           rank=r)

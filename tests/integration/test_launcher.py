@@ -75,6 +75,20 @@ def exit_without_report(code: int) -> None:
     os._exit(code)
 
 
+def fail_then_peer_dumps(marker_dir: str, message: str, peer_delay_s: float) -> None:
+    """Rank 0 fails with ``message`` at once; rank 1, ``peer_delay_s`` after rank 0's failure,
+    writes its "dump" (a marker file) and fails too: a hang timing out on both ranks."""
+    failing = os.path.join(marker_dir, "rank0-failing")
+    if os.environ["RANK"] == "0":
+        open(failing, "w").close()
+        raise RuntimeError(message)
+    while not os.path.exists(failing):
+        time.sleep(0.01)
+    time.sleep(peer_delay_s)
+    open(os.path.join(marker_dir, "rank1-dump"), "w").close()
+    raise RuntimeError(message)
+
+
 # ---- helpers ---------------------------------------------------------------------------
 
 def alive(pid: int) -> bool:
@@ -174,6 +188,22 @@ def test_a_rank_that_died_without_reporting_fails_the_launch():
     with pytest.raises(LaunchError, match=r"^rank 0 exited with code 3 without reporting a result$") as caught:
         launch(exit_without_report, 1, (3,), timeout_s=300)
     assert caught.value.rank == 0 and caught.value.traceback is None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("message, peer_dumps", [
+    ("Timed out waiting 5000ms for recv operation to complete", True),  # gloo's timeout: the peer gets time to dump
+    ("bad shape", False),  # a rank's own error: its peers are ended at once
+])
+def test_after_a_timed_out_wait_the_peers_get_time_to_dump(tmp_path, message, peer_dumps):
+    """A hang times out on every rank, each within about the time between their waits, and
+    each writes its flight-record dump before reporting: ending the peers as soon as the
+    first rank reports loses their dumps (a CI run lost rank 1's that way)."""
+    with pytest.raises(LaunchError) as caught:
+        launch(fail_then_peer_dumps, 2, (str(tmp_path), message, 1.5), timeout_s=120)
+    assert caught.value.rank == 0 and caught.value.exc_message == message
+    assert (tmp_path / "rank1-dump").exists() == peer_dumps
+    assert spawned_children() == []
 
 
 def spawned_children() -> list[psutil.Process]:
