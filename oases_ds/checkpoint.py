@@ -47,6 +47,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from oases_ds import portable as portable_state
 from oases_ds.models.config import ModelConfig
 from oases_ds.utils.io import write_json_atomic, write_text_atomic
 
@@ -112,6 +113,9 @@ class CheckpointMeta:
         pipeline_layers: layers of each pipeline stage (``(num_layers,)``: one stage).
             Each stage saves its own layers (its own mp-rank files), so a different
             split cannot read them.
+        portable: the checkpoint also holds its state layout-free (:mod:`oases_ds.portable`),
+            so a run with another layout (any fact in :data:`LAYOUT_FACTS`) can load it.
+            Not a fact a run must match; ``False`` in checkpoints saved before it existed.
     """
 
     model: dict
@@ -121,6 +125,7 @@ class CheckpointMeta:
     zero_stage: int
     data_parallel_size: int
     pipeline_layers: tuple[int, ...] = ()
+    portable: bool = False
 
     @classmethod
     def build(cls, model: ModelConfig, tensor_parallel_size: int, block_degrees: Sequence[int] | None, bf16: bool,
@@ -137,7 +142,8 @@ class CheckpointMeta:
         try:
             with open(path) as f:
                 raw = json.load(f)
-            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k != "pipeline_layers"}
+            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in ("pipeline_layers", "portable")}
+            fields["portable"] = bool(raw.get("portable", False))  # saved before portable state existed: none
             fields["block_degrees"] = tuple(fields["block_degrees"])
             # saved before a ModelConfig field existed: that run had the field's default
             fields["model"] = {**_MODEL_DEFAULTS, **fields["model"]}
@@ -189,11 +195,38 @@ class CheckpointMeta:
         return files
 
     def refuse_mismatch(self, tag_dir: str, run: CheckpointMeta, optimizer_states: bool = True) -> None:
+        """Raise unless ``run`` can load this checkpoint as DeepSpeed wrote it (same layout)."""
         diffs = self.differences(run, optimizer_states)
         if diffs:
-            saved = ", ".join(f"{name}={value}" for name, value, _ in diffs)
-            now = ", ".join(f"{name}={value}" for name, _, value in diffs)
-            raise CheckpointError(f"checkpoint {tag_dir} was saved with {saved}, this run has {now}")
+            raise CheckpointError(_mismatch_line(tag_dir, diffs))
+
+    def load_route(self, tag_dir: str, run: CheckpointMeta, optimizer_states: bool = True) -> str:
+        """How ``run`` loads this checkpoint: ``"native"`` (same layout: DeepSpeed's own files)
+        or ``"portable"`` (another layout: the layout-free state, resharded on load); one
+        line naming both sides when neither can (another model or precision, or another
+        layout and no portable state)."""
+        diffs = self.differences(run, optimizer_states)
+        if not diffs:
+            return "native"
+        if any(name not in LAYOUT_FACTS for name, _, _ in diffs):
+            raise CheckpointError(_mismatch_line(tag_dir, [d for d in diffs if d[0] not in LAYOUT_FACTS]))
+        if not self.portable:
+            raise CheckpointError(f"{_mismatch_line(tag_dir, diffs)}; it holds no portable state (saved with "
+                                  "oases.portable_checkpoint=false, or by an older oases_ds), so only its own layout "
+                                  "loads it")
+        return "portable"
+
+
+LAYOUT_FACTS = frozenset({"tensor_parallel_size", "plan block degrees", "pipeline_layers (layers per stage)",
+                          "zero_stage", "data_parallel_size (ZeRO partitions)"})
+"""The facts of :meth:`CheckpointMeta.differences` that only say how the state is split over
+ranks; the portable state converts between any two values of them."""
+
+
+def _mismatch_line(tag_dir: str, diffs: list[tuple[str, Any, Any]]) -> str:
+    saved = ", ".join(f"{name}={value}" for name, value, _ in diffs)
+    now = ", ".join(f"{name}={value}" for name, _, value in diffs)
+    return f"checkpoint {tag_dir} was saved with {saved}, this run has {now}"
 
 
 def check_tag(tag: str, source: str = "tag") -> str:
@@ -231,13 +264,22 @@ def check_complete(directory: str, tag: str, source: str = "tag") -> str:
     return tag
 
 
-def check_rank_files(directory: str, tag: str, saved: CheckpointMeta, optimizer_states: bool = True) -> None:
-    """Every file ``saved``'s layout needs is in ``directory/tag``, a non-empty file, readable,
-    and a complete torch file (``torch.save`` writes a zip archive; its directory is at the end,
-    so a file cut short by a crash or an interrupted copy has none).  Reads only each file's
-    zip directory, not the tensors."""
+def check_rank_files(directory: str, tag: str, saved: CheckpointMeta, optimizer_states: bool = True,
+                     portable: bool = False) -> None:
+    """Every file ``saved``'s layout needs (``portable``: every file of its portable state) is
+    in ``directory/tag``, a non-empty file, readable, and a complete torch file
+    (``torch.save`` writes a zip archive; its directory is at the end, so a file cut short by
+    a crash or an interrupted copy has none).  Reads only each file's zip directory, not the
+    tensors."""
     tag_dir = os.path.join(directory, tag)
-    for name, holds in saved.rank_files(optimizer_states):
+    if portable:
+        try:
+            needed = portable_state.files(tag_dir)
+        except portable_state.PortableStateError as err:
+            raise CheckpointError(str(err)) from None
+    else:
+        needed = saved.rank_files(optimizer_states)
+    for name, holds in needed:
         path = os.path.join(tag_dir, name)
         problem = _rank_file_problem(path)
         if problem:
@@ -382,6 +424,5 @@ def preflight(directory: str | None, resume: bool, expected: CheckpointMeta | No
                               "file); drop checkpoint.resume to start from step 0")
     tag_dir = os.path.join(directory, tag)
     saved = CheckpointMeta.read(tag_dir)
-    if expected is not None:
-        saved.refuse_mismatch(tag_dir, expected)
-    check_rank_files(directory, tag, saved)
+    route = saved.load_route(tag_dir, expected) if expected is not None else "native"
+    check_rank_files(directory, tag, saved, portable=route == "portable")

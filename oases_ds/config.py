@@ -80,6 +80,11 @@ class OasesConfig(BaseModel):
             turns it on too).  Off by default: it costs a small synchronous exchange per collective.
         flight_records: collectives each rank remembers for a hang's diagnosis
             (:mod:`oases_ds.parallel.flight`); 0 keeps none.
+        portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
+            optimizer state of every parameter (:mod:`oases_ds.portable`), so that a run
+            with another TMP degree, plan, pipeline split, DP size or ZeRO stage can resume
+            from it.  Costs a second copy of the fp32 state on disk and a gather per
+            parameter at save; ``false`` keeps DeepSpeed's files only.
     """
 
     model_config = _STRICT
@@ -100,6 +105,7 @@ class OasesConfig(BaseModel):
     pipeline_layers: list[int] | None = None
     check_collectives: bool = False
     flight_records: int = Field(default=DEFAULT_RECORDS, ge=0)
+    portable_checkpoint: bool = True
 
     @field_validator("plan")
     @classmethod

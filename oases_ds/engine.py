@@ -74,6 +74,7 @@ import math
 import os
 import shutil
 import warnings
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -85,6 +86,7 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from oases_ds import portable as portable_state
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_rank_files, check_save_tag, prune, publish, read_latest)
 from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message
@@ -486,11 +488,16 @@ class OasesEngine(DeepSpeedEngine):
         dist.barrier()
         ok = super().save_checkpoint(save_dir, os.path.basename(staged), client_state or {}, save_latest=False,
                                      exclude_frozen_parameters=exclude_frozen_parameters)
-        dist.barrier()
         error = None
-        if dist.get_rank() == 0:
+        if self.oases.portable_checkpoint:  # collective; a failure on any rank is raised on all
             try:
-                self.checkpoint_meta().write(staged, self.global_steps)
+                portable_state.save(self, staged, client_state)
+            except portable_state.PortableStateError as err:
+                error = f"saving the portable state of checkpoint {os.path.join(save_dir, tag)} failed: {err}"
+        dist.barrier()
+        if dist.get_rank() == 0 and error is None:
+            try:
+                replace(self.checkpoint_meta(), portable=self.oases.portable_checkpoint).write(staged, self.global_steps)
                 publish(save_dir, tag, staged, save_latest)
                 prune(save_dir, keep)
             except OSError as err:
@@ -514,15 +521,20 @@ class OasesEngine(DeepSpeedEngine):
             tag = check_complete(load_dir, str(tag))
         tag_dir = os.path.join(load_dir, tag)
         saved, optimizer_states = CheckpointMeta.read(tag_dir), load_optimizer_states and not load_module_only
-        saved.refuse_mismatch(tag_dir, self.checkpoint_meta(), optimizer_states=optimizer_states)
-        check_rank_files(load_dir, tag, saved, optimizer_states)  # every rank sees the same files: all raise alike
+        route = saved.load_route(tag_dir, self.checkpoint_meta(), optimizer_states=optimizer_states)
+        # every rank sees the same files: all raise alike
+        check_rank_files(load_dir, tag, saved, optimizer_states, portable=route == "portable")
         result, error = (None, None), None
         try:
-            result = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        except CheckpointError as err:
+            if route == "portable":  # another layout: each rank narrows the full values to its shards
+                client = portable_state.load(self, tag_dir, optimizer_states, load_lr_scheduler_states, load_module_only)
+                result = (os.path.join(tag_dir, portable_state.PORTABLE_DIR), client)
+            else:
+                result = super().load_checkpoint(load_dir, tag, load_module_strict=load_module_strict,
+                                                 load_optimizer_states=load_optimizer_states,
+                                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                                 load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        except (CheckpointError, portable_state.PortableStateError) as err:
             error = str(err)
         self._agree_or_raise(error)
         return result

@@ -64,7 +64,8 @@ class CheckpointSchema:
     dir: Optional[str] = None
     every: int = 0
     keep: int = 0  # newest checkpoints kept in dir; 0 keeps all
-    resume: bool = False
+    resume: bool = False  # from dir's latest; another layout (TMP degree, plan, stages, DP, ZeRO) needs its portable state
+    portable: bool = True  # also save every parameter's full value and optimizer state (oases_ds.portable)
 
 
 @dataclass
@@ -159,6 +160,7 @@ def ds_config(cfg: dict) -> dict:
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
             "check_collectives": cfg["check_collectives"],
+            "portable_checkpoint": cfg["checkpoint"].get("portable", True),
             **({"link": link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
             "pipeline_stages": cfg["pipeline_stages"],

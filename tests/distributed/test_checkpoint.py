@@ -19,6 +19,8 @@ import engine_workers as ew
 from oases_ds.checkpoint import (LATEST, META_FILE, CheckpointError, CheckpointMeta, check_tag, preflight, prune,
                                  publish, read_latest, saved_tags)
 from oases_ds.launcher import launch
+from oases_ds.portable import PORTABLE_DIR
+from oases_ds.portable import files as portable_files
 from oases_ds.models.config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -365,7 +367,9 @@ def test_engine_loads_every_mode_safely_and_refuses_bad_checkpoints(tmp_path):
     for mode in out["roundtrip"]:  # the layout names exactly what DeepSpeed wrote, in every mode
         tag_dir = tmp_path / mode / "global_step1"
         assert sorted(os.listdir(tag_dir)) == sorted([n for n, _ in CheckpointMeta.read(str(tag_dir)).rank_files()]
-                                                     + [META_FILE]), mode
+                                                     + [META_FILE, PORTABLE_DIR]), mode
+        assert sorted(f"{PORTABLE_DIR}/{n}" for n in os.listdir(tag_dir / PORTABLE_DIR)) == sorted(
+            [n for n, _ in portable_files(str(tag_dir))] + [f"{PORTABLE_DIR}/index.json"]), mode
 
 
 # -- oases-train ---------------------------------------------------------------------
@@ -396,7 +400,6 @@ def test_train_keeps_the_newest_checkpoint_only(saved):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("override, saved_with, has", [
-    ("tensor_parallel_size=1", "tensor_parallel_size=2", "tensor_parallel_size=1"),
     ("bf16=true", "precision=fp32", "precision=bf16"),
     ("model.num_layers=3", "model.num_layers=2", "model.num_layers=3"),
 ])
@@ -408,10 +411,22 @@ def test_train_refuses_a_mismatched_resume_before_launching(saved, override, sav
 
 
 @pytest.mark.distributed
+def test_train_resumes_under_another_tensor_parallel_size(saved, tmp_path):
+    """Saved at TMP 2, resumed at TMP 1 (through the portable state): it goes on from step 2
+    and saves a checkpoint of the new layout."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)  # the fixture's directory stays as saved
+    proc = train("steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "tensor_parallel_size=1", "nprocs=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TMP 1 x DP 1" in proc.stdout and "from step 2" in proc.stdout and "step     3/3" in proc.stdout
+    assert CheckpointMeta.read(str(ckpt / "global_step3")).tensor_parallel_size == 1
+
+
+@pytest.mark.distributed
 def test_train_saves_exactly_the_files_its_layout_lists(saved):
     tag_dir = saved / "global_step2"
     names = [name for name, _ in CheckpointMeta.read(str(tag_dir)).rank_files()]
-    assert sorted(os.listdir(tag_dir)) == sorted(names + [META_FILE])
+    assert sorted(os.listdir(tag_dir)) == sorted(names + [META_FILE, PORTABLE_DIR])
 
 
 @pytest.mark.distributed

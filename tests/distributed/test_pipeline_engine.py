@@ -4,6 +4,8 @@ gradient clipping 0.05 active).  Each stage's parameters after every step must m
 reference's to relative error <= 1e-5 (fp32), the loss every rank reports too, and the stages
 together must hold every parameter.  So gradient accumulation over the pipelined micro-batches,
 DeepSpeed's DP reduction and its clipping (norm summed over TMP x PP) are exact."""
+import json
+
 import pytest
 
 import engine_workers as ew
@@ -47,7 +49,7 @@ def test_engine_with_stages_matches_plain_deepspeed(family, tp, gas, micro, pipe
     assert all(out["stats"]["pipeline_bytes"] > 0 for out in per_rank)
 
 
-def test_checkpoint_resumes_with_stages_and_refuses_another_stage_count(tmp_path):
+def test_checkpoint_resumes_with_stages_and_another_stage_count_needs_its_portable_state(tmp_path):
     first = launch(pw.pipeline_engine_run, 2, ("gpt", 1, 2, 4, 2, 2, "oases", "1f1b", 0, str(tmp_path)), timeout_s=300)
     resumed = launch(pw.pipeline_engine_run, 2, ("gpt", 1, 2, 2, 2, 2, "oases", "1f1b", 0, str(tmp_path), True),
                      timeout_s=300)
@@ -57,9 +59,15 @@ def test_checkpoint_resumes_with_stages_and_refuses_another_stage_count(tmp_path
     # the resumed run trains steps 4 and 5: bit-identical to a run that never stopped
     cont = launch(pw.pipeline_engine_run, 2, ("gpt", 1, 2, 6, 2, 2, "oases", "1f1b"), timeout_s=300)
     assert resumed[0]["losses"] == cont[0]["losses"][4:]
+    # one stage reads the two stages' checkpoint through its portable state (tests/distributed/test_portable_checkpoint.py
+    # compares such resumes with unbroken runs); without that state, it is one line
+    assert launch(pw.load_refused, 2, (str(tmp_path), 1), timeout_s=300) == ["loaded", "loaded"]
+    meta = tmp_path / "global_step4" / "oases_meta.json"
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), portable=False)))
     refused = launch(pw.load_refused, 2, (str(tmp_path), 1), timeout_s=300)
     for msg in refused:
-        assert "pipeline_layers (layers per stage)=[1, 1], this run has pipeline_layers (layers per stage)=[2]" in msg
+        assert "pipeline_layers (layers per stage)=[1, 1], this run has pipeline_layers (layers per stage)=[2]; it holds " \
+               "no portable state" in msg
         assert "\n" not in msg
 
 

@@ -20,7 +20,8 @@ Layers, low to high (a module may import from its own layer and any lower one)::
               is read by the engine, initialize() and the CLIs, never by the planner --
               so it sits between runtime and planner
     planner   oases_ds/planner/*
-    engine    engine.py, checkpoint.py, __init__.py (initialize() builds the engine),
+    engine    engine.py, checkpoint.py, portable.py (layout-free checkpoint state), __init__.py
+              (initialize() builds the engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
     bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
               oases-bench and oases-plan mode=accuracy; it never imports a CLI)
@@ -47,7 +48,7 @@ LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "plann
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
                "data": "runtime", "planner": "planner", "bench": "bench", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "hf": "models", "config": "config", "engine": "engine",
-             "checkpoint": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
+             "checkpoint": "engine", "portable": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
 def module_name(path: Path, root: Path) -> str:
