@@ -57,3 +57,32 @@ def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path):
                   "model.num_layers=4", "model.seq_len=64", "model.vocab_size=256", "steps=2", "log_every=1",
                   f"hydra.run.dir={tmp_path}/hydra"])
     assert train.returncode == 0, train.stderr[-3000:]
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The command lines of the first ``bash`` block under README heading ``heading``."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.distributed
+def test_the_readme_changes_the_layout_of_a_run_as_written(tmp_path):
+    """Every command of "Change the layout of a run", in a fresh directory, as written: each
+    resumed run starts where the previous one stopped, at its new layout."""
+    commands = _readme_block("Change the layout of a run")
+    assert [c.split()[0] for c in commands] == ["oases-train"] * 3 + ["oases-ckpt"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    outputs = []
+    for command in commands:
+        tool, *args = command.split()
+        module = {"oases-train": "oases_ds.cli.train", "oases-ckpt": "oases_ds.cli.ckpt"}[tool]
+        done = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+        outputs.append(done.stdout)
+    layouts = [re.search(r"ranks = (.*?) \| .* from step (\d+)", out).groups() for out in outputs[:3]]
+    assert layouts == [("PP 2 x TMP 2 x DP 1", "0"), ("TMP 4 x DP 1", "20"), ("TMP 1 x DP 2", "30")]
+    assert all(re.search(rf"^done: {n} steps", out, re.M) for n, out in zip((20, 10, 10), outputs))
+    assert "step 40" in outputs[3] and "TMP 1" in outputs[3]
