@@ -29,6 +29,7 @@ from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile
 from oases_ds.planner.replay import can_replay, rank_by_replay
 from oases_ds.planner.stages import PipelineSpec, StagePlan, even_split, p2p_ms, plan_split, plan_stages
+from oases_ds.utils.io import read_input
 
 COSTS: tuple[str, ...] = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -163,12 +164,7 @@ def load_table(request: PlanRequest) -> LoadedTable:
     """The cost table the request names: read from ``table_path``, computed (``cost="analytic"``), or
     profiled (reused from ``cache_dir`` when a table of the same key is there)."""
     if request.table_path:
-        try:
-            table = CostTable.from_json(request.table_path)
-        except OSError as err:
-            raise ValueError(f"table={request.table_path}: {err.strerror}; give a cost-table JSON written by oases-plan") from None
-        except ValueError as err:
-            raise ValueError(f"table={err}") from None
+        table = read_input("table", request.table_path, CostTable.from_json, "give a cost-table JSON written by oases-plan")
         if request.layers is not None:
             table = dataclasses.replace(table, layers=request.layers)
         return LoadedTable(table, f"from {request.table_path}")

@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
 from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 PathLike = str | os.PathLike[str]
 
@@ -131,3 +133,15 @@ def replace_marked_section(path: PathLike, begin: str, end: str, body: str, *, a
     else:
         raise ValueError(f"{path}: markers {begin!r} / {end!r} missing; add them where the generated text belongs")
     write_text_atomic(path, text)
+
+
+def read_input(key: str, path: str, read: Callable[[str], T], hint: str) -> T:
+    """``read(path)`` for the setting ``key``, its failure as the one line a user needs: a file
+    that cannot be opened is ``key=path: <reason>; <hint>``, a malformed one ``key=<read's
+    message>`` (the readers, e.g. ``Plan.from_json``, start their message with the path)."""
+    try:
+        return read(path)
+    except OSError as err:
+        raise ValueError(f"{key}={path}: {err.strerror or err}; {hint}") from None
+    except ValueError as err:
+        raise ValueError(f"{key}={err}") from None
