@@ -204,7 +204,8 @@ def save(engine: Any, tag_dir: str, client_state: dict | None = None) -> None:
         return
     scheduler = engine.lr_scheduler
     torch.save({"format": PORTABLE_FORMAT, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "skipped_steps": engine.skipped_steps, "optimizer": {"hyper": access.hyper(), "scalars": access.scalars()},
+                "skipped_steps": engine.skipped_steps, "optimizer": {"class": type(access.inner).__name__, "hyper": access.hyper(),
+                              "scalars": access.scalars()},
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "client_state": dict(client_state or {})}, os.path.join(directory, COMMON_FILE))
     params = {name: entry for part, _ in everyone for name, entry in part.items()}  # type: ignore[misc]
@@ -284,6 +285,10 @@ def load(engine: Any, tag_dir: str, optimizer_states: bool = True, lr_scheduler_
         if optimizer_states:
             states[param] = {k: sharding.shard_of(name, param, full[k]).to(param.device)
                              for k in index[name]["state"]}
+    saved_class, this_class = common["optimizer"].get("class"), type(access.inner).__name__
+    if optimizer_states and any(states.values()) and saved_class not in (None, this_class):  # None: saved before it was kept
+        raise PortableStateError(f"checkpoint {tag_dir} holds the state of an optimizer {saved_class}, this run has "
+                                 f"{this_class}; configure the same optimizer, or load with load_optimizer_states=False")
     access.set_masters(masters)
     if optimizer_states and any(states.values()):
         access.set_state(states, common["optimizer"]["scalars"], common["optimizer"]["hyper"])

@@ -29,9 +29,24 @@ def _engine(layout: dict):
     oases = {"enabled": True, "tensor_parallel_size": layout.get("tp", 1), "pipeline_stages": layout.get("pp", 1),
              "seed": 7, "process_group_timeout_s": 120, **({"plan": layout["plan"]} if layout.get("plan") else {})}
     cfg = ds_config(layout["micro"], layout["gas"], layout.get("zero", 0), clip=1.0, oases=oases, bf16=layout.get("bf16", False))
-    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4}}
+    if layout.get("sgd"):
+        from engine_workers import sgd
+
+        return oases_ds.initialize(model=model_config(), optimizer=sgd, config=cfg)[0]
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
     return oases_ds.initialize(model=model_config(), config=cfg)[0]
+
+
+def load_error(layout: dict, save_dir: str) -> str:
+    """The one line loading ``save_dir`` under ``layout`` raises, or "loaded"."""
+    from oases_ds.checkpoint import CheckpointError
+
+    try:
+        _engine(layout).load_checkpoint(save_dir)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
 
 
 def _train(engine, layout: dict, step: int) -> float:

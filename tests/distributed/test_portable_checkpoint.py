@@ -128,3 +128,13 @@ def test_a_damaged_portable_file_is_named_before_loading(saved, tmp_path):
     (copy / tag / "portable" / "index.json").unlink()
     with pytest.raises(CheckpointError, match="has no portable/index.json: its portable state was not saved"):
         check_rank_files(str(copy), tag, CheckpointMeta.read(str(copy / tag)), portable=True)
+
+
+def test_another_optimizer_is_one_line_and_changes_nothing(saved):
+    """AdamW's moments are not SGD's momentum: loading them into another optimizer is refused on
+    every rank (before any parameter is written)."""
+    directory, _ = saved
+    lines = launch(pw.load_error, 4, (dict(tp=4, micro=4, gas=2, sgd=True), directory), timeout_s=300)
+    assert lines == [lines[0]] * 4
+    assert lines[0] == (f"checkpoint {os.path.join(directory, 'global_step3')} holds the state of an optimizer AdamW, this "
+                        "run has SGD; configure the same optimizer, or load with load_optimizer_states=False")
