@@ -233,7 +233,7 @@ def write_masters(tag_dir: str, values: Iterable[tuple[str, torch.Tensor]]) -> N
         file = f"{name}.pt"
         torch.save({"master": value.detach().to(torch.float32).contiguous()}, os.path.join(directory, file))
         params[name] = {"file": file, "shape": list(value.shape), "state": []}
-    _finish(directory, {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "optimizer": None,
+    _finish(directory, {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "optimizer": {},
                         "lr_scheduler": None, "client_state": {}}, params)
 
 
