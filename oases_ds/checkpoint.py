@@ -116,6 +116,11 @@ class CheckpointMeta:
         portable: the checkpoint also holds its state layout-free (:mod:`oases_ds.portable`),
             so a run with another layout (any fact in :data:`LAYOUT_FACTS`) can load it.
             Not a fact a run must match; ``False`` in checkpoints saved before it existed.
+
+    A checkpoint no run saved (``oases-ckpt convert --from-hf``, :meth:`portable_only`) has
+    no layout: ``tensor_parallel_size`` 0, no block degrees, ZeRO 0 over DP 0, and no rank
+    files.  No run has TMP degree 0, so :meth:`load_route` always finds another layout and
+    takes the portable route, with the same checks of model and precision as any resume.
     """
 
     model: dict
@@ -135,6 +140,17 @@ class CheckpointMeta:
         layers = tuple(int(n) for n in pipeline_layers) if pipeline_layers else (model.num_layers,)
         return cls(model.to_dict(), tensor_parallel_size, tuple(int(d) for d in degrees), "bf16" if bf16 else "fp32",
                    int(zero_stage), data_parallel_size, layers)
+
+    @classmethod
+    def portable_only(cls, model: ModelConfig, bf16: bool) -> CheckpointMeta:
+        """The meta of a checkpoint that holds only its portable state (no rank files, no
+        layout: see the class docstring), which every run loads through that state."""
+        return cls(model.to_dict(), 0, (), "bf16" if bf16 else "fp32", 0, 0, (model.num_layers,), portable=True)
+
+    @property
+    def has_layout(self) -> bool:
+        """Whether a run saved it (rank files of a layout); ``False``: portable state only."""
+        return self.tensor_parallel_size > 0
 
     @classmethod
     def read(cls, tag_dir: str) -> CheckpointMeta:
@@ -182,7 +198,8 @@ class CheckpointMeta:
         """``(file name, what it holds)`` of every rank file DeepSpeed 0.19.8 writes for this
         layout: the model states of each model-parallel rank (``mpu.get_model_parallel_rank``:
         pipeline stage x TMP degree + TMP rank; written by DP rank 0) and, with ZeRO, the
-        optimizer-state partition of each DP rank for each of them (``bf16_`` in front in bf16)."""
+        optimizer-state partition of each DP rank for each of them (``bf16_`` in front in bf16).
+        None without a layout (:attr:`has_layout`): TMP degree 0 makes 0 model-parallel ranks."""
         model_parallel = self.tensor_parallel_size * len(self.pipeline_layers)
         files = [(f"mp_rank_{mp:02d}_model_states.pt", f"model states of model-parallel rank {mp} of {model_parallel}")
                  for mp in range(model_parallel)]
@@ -202,7 +219,8 @@ class CheckpointMeta:
 
     def load_route(self, tag_dir: str, run: CheckpointMeta, optimizer_states: bool = True) -> str:
         """How ``run`` loads this checkpoint: ``"native"`` (same layout: DeepSpeed's own files)
-        or ``"portable"`` (another layout: the layout-free state, resharded on load); one
+        or ``"portable"`` (another layout: the layout-free state, resharded on load; always
+        for a checkpoint without a layout, whose TMP degree 0 differs from every run's); one
         line naming both sides when neither can (another model or precision, or another
         layout and no portable state)."""
         diffs = self.differences(run, optimizer_states)

@@ -33,7 +33,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -438,33 +438,50 @@ def _key_resolver(tensors: _Tensors, cfg: ModelConfig) -> Callable[[Source], str
     return key
 
 
+def _read_block(cfg: ModelConfig, tensors: _Tensors, key: str, src: Source, name: str,
+                ranges: list[tuple[int, int]], full_rows: int) -> torch.Tensor:
+    """The block ``ranges`` (per dimension, in the Oases orientation) of parameter ``name``
+    stored as ``src`` under ``key``: only those elements are read.  ``full_rows``: the
+    parameter's full first dimension (where its part of a fused tensor starts)."""
+    ranges = list(ranges)
+    if name == "embed.pos":  # a checkpoint may hold more positions than the model uses
+        ranges[0] = (0, cfg.seq_len)
+    offset = src.part * full_rows
+    ranges[0] = (ranges[0][0] + offset, ranges[0][1] + offset)
+    if src.transposed:
+        ranges.reverse()
+    value = tensors.read(key, tuple(slice(lo, hi) for lo, hi in ranges))
+    return value.t() if src.transposed else value
+
+
 @torch.no_grad()
 def _load_into(model: OperatorModel, tensors: _Tensors) -> None:
     """Copy this rank's slice of every parameter; only those rows are read."""
     cfg, sources = model.cfg, _sources(model.cfg)
     key_of = _key_resolver(tensors, cfg)
     for name, param in model.named_parameters():
-        src = sources[name]
         full_shape = model.sharding.full_shape(name, param)
         ranges = [(0, n) for n in full_shape]
         dim = getattr(param, "tp_dim", None)
         if dim is not None:
             start = group_rank(model.sharding.group_of(name)) * param.shape[dim]
             ranges[dim] = (min(start, full_shape[dim]), min(start + param.shape[dim], full_shape[dim]))
-        if name == "embed.pos":  # a checkpoint may hold more positions than the model uses
-            ranges[0] = (0, cfg.seq_len)
-        offset = src.part * full_shape[0]
-        ranges[0] = (ranges[0][0] + offset, ranges[0][1] + offset)
-        if src.transposed:
-            ranges.reverse()
-        value = tensors.read(key_of(src), tuple(slice(lo, hi) for lo, hi in ranges))
-        if src.transposed:
-            value = value.t()
+        value = _read_block(cfg, tensors, key_of(sources[name]), sources[name], name, ranges, full_shape[0])
         if dim is not None and value.shape[dim] < param.shape[dim]:  # vocabulary padding rows
             pad = list(value.shape)
             pad[dim] = param.shape[dim] - value.shape[dim]
             value = torch.cat((value, value.new_zeros(pad)), dim=dim)
         param.copy_(value)
+
+
+def _full_values(cfg: ModelConfig, tensors: _Tensors,
+                 shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter's full (unsharded, unpadded) value, one at a time, so that a
+    conversion holds one tensor in memory, not the model."""
+    sources, key_of = _sources(cfg), _key_resolver(tensors, cfg)
+    for name, shape in shapes.items():
+        yield name, _read_block(cfg, tensors, key_of(sources[name]), sources[name], name,
+                                [(0, n) for n in shape], shape[0])
 
 
 def _group_of(group_or_ctx: Union[Group, ParallelContext]) -> Group:
@@ -508,13 +525,22 @@ class HFCheckpoint:
             return config_from_hf(json.loads((Path(self.source) / "config.json").read_text()), **self.overrides)
         return config_from_hf(self.source.config, **self.overrides)
 
+    def _tensors(self) -> _Tensors:
+        if isinstance(self.source, (str, os.PathLike)):
+            return _SafetensorsDir(Path(self.source)).tensors()
+        state = self.source.state_dict()
+        return _Tensors(set(state), lambda key, slices: state[key][slices])
+
     def load_into(self, model: OperatorModel) -> None:
         """Copy this rank's slices of the checkpoint into ``model`` (built from :meth:`config`)."""
-        if isinstance(self.source, (str, os.PathLike)):
-            _load_into(model, _SafetensorsDir(Path(self.source)).tensors())
-        else:
-            state = self.source.state_dict()
-            _load_into(model, _Tensors(set(state), lambda key, slices: state[key][slices]))
+        _load_into(model, self._tensors())
+
+    def full_values(self, cfg: ModelConfig,
+                    shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full value)`` of each parameter in ``shapes`` (name -> full shape, of a
+        model of ``cfg``, i.e. :meth:`config`), read one at a time: what an offline
+        conversion (``oases-ckpt convert --from-hf``) writes without building the model."""
+        return _full_values(cfg, self._tensors(), shapes)
 
 
 def load_hf(source: Union[str, os.PathLike, Any], group: Union[Group, ParallelContext] = None,
@@ -577,16 +603,38 @@ def _publish(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_hf(cfg: ModelConfig, full: dict[str, torch.Tensor], path: Union[str, os.PathLike],
+             config: Any = None) -> None:
+    """Write the directory ``path`` that ``from_pretrained`` loads (``config.json`` and
+    ``model.safetensors``) from the unsharded Oases values ``full`` of a model of ``cfg``,
+    on this process alone; ``config``: :func:`hf_config` of ``cfg``, when the caller made it
+    already (to refuse an unexportable model before any work).
+
+    Written into a temporary sibling and renamed into place (:func:`_publish`), so a
+    reader never sees a half-written model.  The one writer of :func:`save_hf` (a running
+    model, gathered) and of ``oases-ckpt convert --to-hf`` (a checkpoint's portable state)."""
+    from safetensors.torch import save_file  # the [hf] extra
+
+    config = hf_config(cfg) if config is None else config
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        config.save_pretrained(str(tmp))
+        save_file(hf_state_dict(cfg, full), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_hf(model_or_engine: Any, path: Union[str, os.PathLike]) -> None:
     """Write a directory ``transformers`` loads with ``from_pretrained``.
 
     Collective: every rank calls it (each sharded parameter is gathered over its
-    group); global rank 0 writes ``config.json`` and ``model.safetensors`` into a
-    temporary sibling and renames it into place, then all ranks meet at a barrier,
+    group); global rank 0 writes it (:func:`write_hf`), then all ranks meet at a barrier,
     so no rank reads the directory before it is complete.
     """
-    from safetensors.torch import save_file  # the [hf] extra
-
     model = getattr(model_or_engine, "module", model_or_engine)
     if not isinstance(model, OperatorModel):
         raise ValueError(f"save_hf: expected an OperatorModel or an engine holding one, got {type(model).__name__}")
@@ -594,15 +642,6 @@ def save_hf(model_or_engine: Any, path: Union[str, os.PathLike]) -> None:
     full = {name: model.sharding.gather_full(name, p, p.data) for name, p in model.named_parameters()}
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir()
-        try:
-            config.save_pretrained(str(tmp))
-            save_file(hf_state_dict(model.cfg, full), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            _publish(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_hf(model.cfg, full, path, config)
     if distributed:
         dist.barrier()

@@ -27,6 +27,10 @@ read), narrows the full value to its shard with
 :meth:`~oases_ds.models.sharding.Sharding.shard_of`, and writes it into the parameter,
 the master copy and the optimizer state, whichever of DeepSpeed's optimizers holds them.
 Files are read with ``weights_only=True``: tensors and plain containers only.
+
+A portable state may also be written offline, with no run (:func:`write_masters`, for
+``oases-ckpt convert --from-hf``): the masters only, at step 0, no optimizer state and no
+scheduler in ``common.pt``; a run that loads it starts its optimizer and scheduler afresh.
 """
 from __future__ import annotations
 
@@ -203,13 +207,35 @@ def save(engine: Any, tag_dir: str, client_state: dict | None = None) -> None:
     if dist.get_rank() != 0:
         return
     scheduler = engine.lr_scheduler
-    torch.save({"format": PORTABLE_FORMAT, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "skipped_steps": engine.skipped_steps, "optimizer": {"class": type(access.inner).__name__, "hyper": access.hyper(),
-                              "scalars": access.scalars()},
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "client_state": dict(client_state or {})}, os.path.join(directory, COMMON_FILE))
     params = {name: entry for part, _ in everyone for name, entry in part.items()}  # type: ignore[misc]
+    _finish(directory, {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                        "skipped_steps": engine.skipped_steps,
+                        "optimizer": {"class": type(access.inner).__name__, "hyper": access.hyper(),
+                                      "scalars": access.scalars()},
+                        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "client_state": dict(client_state or {})}, params)
+
+
+def _finish(directory: str, common: dict[str, Any], params: dict[str, dict[str, Any]]) -> None:
+    """``common.pt``, then ``index.json`` (what a loader checks first) last, atomically."""
+    torch.save({"format": PORTABLE_FORMAT, **common}, os.path.join(directory, COMMON_FILE))
     write_json_atomic(os.path.join(directory, INDEX_FILE), {"format": PORTABLE_FORMAT, "params": params})
+
+
+def write_masters(tag_dir: str, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write ``tag_dir/portable/`` holding only each parameter's full fp32 value, at step 0:
+    no optimizer state (a run that loads it starts its optimizer afresh, with its own
+    hyper-parameters) and no scheduler.  One process, no engine: what ``oases-ckpt
+    convert --from-hf`` writes into a staged checkpoint; ``values`` is read one at a time."""
+    directory = os.path.join(tag_dir, PORTABLE_DIR)
+    os.makedirs(directory, exist_ok=True)
+    params: dict[str, dict[str, Any]] = {}
+    for name, value in values:
+        file = f"{name}.pt"
+        torch.save({"master": value.detach().to(torch.float32).contiguous()}, os.path.join(directory, file))
+        params[name] = {"file": file, "shape": list(value.shape), "state": []}
+    _finish(directory, {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "optimizer": {},
+                        "lr_scheduler": None, "client_state": {}}, params)
 
 
 def read_index(tag_dir: str) -> dict[str, dict[str, Any]]:
@@ -246,9 +272,10 @@ def _read(path: str) -> dict[str, Any]:
         raise PortableStateError(f"cannot read portable checkpoint file {path}: {reason}") from None
 
 
-def read_full(tag_dir: str, name: str) -> dict[str, torch.Tensor]:
-    """The full tensors saved for parameter ``name`` (memory-mapped: read on access)."""
-    index = read_index(tag_dir)
+def read_full(tag_dir: str, name: str, index: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+    """The full tensors saved for parameter ``name`` (memory-mapped: read on access);
+    ``index``: :func:`read_index` of ``tag_dir``, when reading many (read once)."""
+    index = read_index(tag_dir) if index is None else index
     if name not in index:
         raise PortableStateError(f"checkpoint {tag_dir} has no portable state for parameter {name}")
     return _read(os.path.join(tag_dir, PORTABLE_DIR, index[name]["file"]))
@@ -290,7 +317,10 @@ def load(engine: Any, tag_dir: str, optimizer_states: bool = True, lr_scheduler_
         raise PortableStateError(f"checkpoint {tag_dir} holds the state of an optimizer {saved_class}, this run has "
                                  f"{this_class}; configure the same optimizer, or load with load_optimizer_states=False")
     access.set_masters(masters)
-    if optimizer_states and any(states.values()):
+    if optimizer_states and any(states.values()):  # none (``write_masters``): the optimizer starts afresh
+        if not common.get("optimizer"):
+            raise PortableStateError(f"checkpoint {tag_dir} holds optimizer state but its {PORTABLE_DIR}/{COMMON_FILE} "
+                                     "has no optimizer hyper-parameters; copy the whole checkpoint again")
         access.set_state(states, common["optimizer"]["scalars"], common["optimizer"]["hyper"])
     if module_only:
         return dict(common["client_state"])

@@ -1,31 +1,49 @@
-"""``oases-ckpt``: look inside a checkpoint directory without starting a run.
+"""``oases-ckpt``: look inside a checkpoint directory, and convert it to and from Hugging
+Face, without starting a run.
 
     oases-ckpt info runs/ckpt              # what `latest` names: model, layout, step, precision, files
     oases-ckpt info runs/ckpt --tag step20 # another saved tag
     oases-ckpt info runs/ckpt --json       # the same, as one JSON object
+    oases-ckpt convert runs/ckpt --to-hf runs/hf        # the portable state's weights, for from_pretrained
+    oases-ckpt convert --from-hf runs/hf runs/ckpt2     # a checkpoint (tag `hf`) any layout resumes from
+    oases-ckpt convert --from-hf runs/hf runs/ckpt2 --bf16 --tag start   # for a bf16 run
 
 Why a command of its own: a resume refused for a layout mismatch names both layouts,
 but before choosing the next run's layout a user wants to know what a checkpoint holds
-(and whether its rank files are complete) without launching ranks.  It reads only
-``oases_meta.json`` and each rank file's zip directory, never the tensors.
+(and whether its rank files are complete) without launching ranks.  ``info`` reads only
+``oases_meta.json``, the portable index and each file's zip directory, never the tensors.
 
-A plain argparse CLI with subcommands (``info`` today), like ``oases-data``: its input is a
-directory, not a composed training configuration.  Bad input is one ``error:`` line, exit 2.
+Why ``convert`` works offline: the portable state (:mod:`oases_ds.portable`) holds every
+parameter's full fp32 master, so the Hugging Face weights are those masters mapped through
+:func:`oases_ds.hf.hf_state_dict` (rounded to bf16 when the run was bf16: what ``save_hf``
+on that run writes), and a Hugging Face model becomes a checkpoint by writing its tensors
+as masters, one at a time, without building the model or starting ranks.  A checkpoint so
+made has no layout (:meth:`~oases_ds.checkpoint.CheckpointMeta.portable_only`): every run
+loads it through its portable state, at step 0 with a fresh optimizer, as
+``oases-train checkpoint.dir=OUT checkpoint.resume=true model=hf model.path=HFDIR`` (or the
+same model given field by field) at any TMP degree, plan, pipeline split or ZeRO stage.
+
+A plain argparse CLI with subcommands, like ``oases-data``: its input is a directory, not a
+composed training configuration.  Bad input is one ``error:`` line, exit 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Any, Sequence
 
-# Nothing here computes: keep DeepSpeed, imported with the package, from probing for a GPU
-# and warning that it found none.  A user's setting is kept.
+# Nothing here needs an accelerator: keep DeepSpeed, imported with the package, from probing
+# for a GPU and warning that it found none.  A user's setting is kept.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from oases_ds.checkpoint import (META_FILE, CheckpointError, CheckpointMeta, check_complete, check_rank_files,
-                                 read_latest, saved_tags)
+import torch  # noqa: E402
+
+from oases_ds import portable
+from oases_ds.checkpoint import (META_FILE, STAGING_SUFFIX, CheckpointError, CheckpointMeta, check_complete,
+                                 check_rank_files, check_save_tag, publish, read_latest, saved_tags)
 from oases_ds.cli.common import fail
 
 
@@ -36,28 +54,53 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("directory", help="the checkpoint directory (oases-train checkpoint.dir)")
     info.add_argument("--tag", default=None, help="a saved tag under DIRECTORY (default: the one `latest` names)")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of the text form")
+    convert = sub.add_parser("convert", help="a checkpoint's portable state to a Hugging Face model, or back")
+    convert.add_argument("directory", help="the checkpoint directory: read with --to-hf, written with --from-hf")
+    way = convert.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to-hf", metavar="OUT", help="write a Hugging Face model directory (config.json + "
+                     "model.safetensors) from DIRECTORY's portable state")
+    way.add_argument("--from-hf", metavar="HFDIR", help="write DIRECTORY, a checkpoint holding HFDIR's weights")
+    convert.add_argument("--tag", default=None, help="--to-hf: the saved tag to read (default: the one `latest` "
+                         "names); --from-hf: the tag to write (default: hf)")
+    convert.add_argument("--bf16", action="store_true", help="--from-hf: for a bf16 run (default: fp32)")
     return p
+
+
+def _resolve_tag(directory: str, tag: str | None) -> str:
+    """The completed tag to read: ``tag``, or the one ``latest`` names; one line otherwise."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is not a directory; give the checkpoint.dir a run saved into")
+    if tag is not None:
+        return check_complete(directory, tag, source="--tag")
+    latest = read_latest(directory)
+    if latest is None:
+        tags = saved_tags(directory)
+        raise CheckpointError(f"{directory} has no `latest` file" + (
+            f"; give one of its saved tags with --tag ({', '.join(tags)})" if tags
+            else ", and no saved checkpoint: give the checkpoint.dir a run saved into"))
+    return latest
+
+
+def _portable_summary(tag_dir: str) -> dict[str, Any]:
+    """Parameters, bytes on disk and optimizer state keys of a (checked) portable state."""
+    index = portable.read_index(tag_dir)
+    directory = os.path.join(tag_dir, portable.PORTABLE_DIR)
+    size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    return {"parameters": len(index), "bytes": size,
+            "optimizer_state": sorted({k for entry in index.values() for k in entry["state"]})}
 
 
 def describe(directory: str, tag: str | None = None) -> dict[str, Any]:
     """What the checkpoint ``directory/tag`` (``latest`` by default) holds, checked complete.
 
     Raises :class:`CheckpointError` (one line) for a directory that holds no checkpoint,
-    a tag that is not a completed one, or a rank file that is missing or cut short."""
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory} is not a directory; give the checkpoint.dir a run saved into")
-    if tag is None:
-        tag = read_latest(directory)
-        if tag is None:
-            tags = saved_tags(directory)
-            raise CheckpointError(f"{directory} has no `latest` file" + (
-                f"; give one of its saved tags with --tag ({', '.join(tags)})" if tags
-                else ", and no saved checkpoint: give the checkpoint.dir a run saved into"))
-    else:
-        check_complete(directory, tag, source="--tag")
+    a tag that is not a completed one, or a rank or portable file that is missing or cut short."""
+    tag = _resolve_tag(directory, tag)
     tag_dir = os.path.join(directory, tag)
     meta = CheckpointMeta.read(tag_dir)
     check_rank_files(directory, tag, meta)
+    if meta.portable:
+        check_rank_files(directory, tag, meta, portable=True)
     with open(os.path.join(tag_dir, META_FILE)) as f:
         raw = json.load(f)
     files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name, _ in meta.rank_files()}
@@ -68,6 +111,7 @@ def describe(directory: str, tag: str | None = None) -> dict[str, Any]:
         "block_degrees": list(meta.block_degrees), "pipeline_layers": list(meta.pipeline_layers),
         "zero_stage": meta.zero_stage, "data_parallel_size": meta.data_parallel_size,
         "files": files, "bytes": sum(files.values()), "tags": saved_tags(directory),
+        "portable": _portable_summary(tag_dir) if meta.portable else None,
     }
 
 
@@ -76,28 +120,134 @@ def text(info: dict[str, Any]) -> str:
     degrees = info["block_degrees"]
     uniform = all(d == info["tensor_parallel_size"] for d in degrees)
     stages = info["pipeline_layers"]
+    layout = (f"layout: TMP {info['tensor_parallel_size']}"
+              + (" (every block)" if uniform else f", plan block degrees {degrees}")
+              + (f" | PP {len(stages)} (layers per stage {stages})" if len(stages) > 1 else "")
+              + f" | ZeRO {info['zero_stage']}"
+              + (f" over DP {info['data_parallel_size']}" if info["zero_stage"] else ""))
+    if not info["tensor_parallel_size"]:  # CheckpointMeta.portable_only: converted, no run saved it
+        layout = "layout: none (written by oases-ckpt convert: portable state only, no rank files)"
     lines = [
         f"checkpoint {os.path.join(info['directory'], info['tag'])} | step {info['global_steps']} | {info['precision']}",
         f"model: {m.get('family')} h={m.get('hidden_size')} L={m.get('num_layers')} heads={m.get('num_heads')} "
         f"vocab={m.get('vocab_size')} seq={m.get('seq_len')}",
-        f"layout: TMP {info['tensor_parallel_size']}"
-        + (" (every block)" if uniform else f", plan block degrees {degrees}")
-        + (f" | PP {len(stages)} (layers per stage {stages})" if len(stages) > 1 else "")
-        + f" | ZeRO {info['zero_stage']}"
-        + (f" over DP {info['data_parallel_size']}" if info["zero_stage"] else ""),
+        layout,
         f"files: {len(info['files'])} rank files, {info['bytes']:,} bytes, all complete",
+        portable_line(info["portable"]),
         f"saved tags (oldest first): {', '.join(info['tags'])}",
     ]
     return "\n".join(lines)
 
 
+def portable_line(summary: dict[str, Any] | None) -> str:
+    """The text form of :func:`describe`'s ``portable``: whether another layout can resume."""
+    if summary is None:
+        return "portable state: none (resumes only under its own layout)"
+    state = ", ".join(summary["optimizer_state"]) or "no optimizer state"
+    return (f"portable state: {summary['parameters']} parameters, {summary['bytes'] / 2**20:.1f} MiB ({state}): "
+            "resumable under any layout")
+
+
+def to_hf(directory: str, out: str, tag: str | None = None) -> str:
+    """Write the Hugging Face model directory ``out`` from the portable masters of the
+    checkpoint ``directory/tag``; returns the tag read.  One process: the masters are read
+    memory-mapped, so a parameter is read when it is written."""
+    from oases_ds.hf import hf_config, write_hf
+    from oases_ds.models.config import ModelConfig
+
+    _check_out(out)
+    tag = _resolve_tag(directory, tag)
+    tag_dir = os.path.join(directory, tag)
+    meta = CheckpointMeta.read(tag_dir)
+    if not meta.portable:
+        steps = _saved_steps(tag_dir)
+        raise CheckpointError(f"checkpoint {tag_dir} holds no portable state (saved with oases.portable_checkpoint=false "
+                              f"or by an older oases_ds), so it cannot be converted offline; export it from a run resumed "
+                              f"at its own layout: oases-train ... checkpoint.dir={directory} checkpoint.resume=true "
+                              f"steps={steps} export_hf={out}")
+    check_rank_files(directory, tag, meta, portable=True)
+    cfg = ModelConfig(**meta.model)
+    try:
+        config = hf_config(cfg)
+    except ValueError as err:  # a model no Hugging Face class states
+        raise CheckpointError(f"checkpoint {tag_dir} cannot be converted: {err}") from None
+    index = portable.read_index(tag_dir)
+    dtype = torch.bfloat16 if meta.precision == "bf16" else torch.float32  # a bf16 weight is its master rounded
+    full = {name: portable.read_full(tag_dir, name, index)["master"].to(dtype) for name in index}
+    write_hf(cfg, full, out, config)
+    return tag
+
+
+def _saved_steps(tag_dir: str) -> int:
+    with open(os.path.join(tag_dir, META_FILE)) as f:
+        return int(json.load(f).get("global_steps", 0))
+
+
+def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = False) -> str:
+    """Write the checkpoint ``directory/tag`` (default ``hf``) holding the Hugging Face model
+    ``source``'s weights as portable masters, published as a run's checkpoint is (staged
+    under ``<tag>.partial``, then :func:`~oases_ds.checkpoint.publish`); returns the tag.
+
+    Under ``bf16`` the masters are the weights rounded to bf16: what a fresh bf16 run
+    starting from ``source`` has (DeepSpeed builds its fp32 masters from the bf16 weights)."""
+    from oases_ds.hf import HFCheckpoint
+    from oases_ds.models.operator_model import OperatorModel
+
+    tag = check_save_tag("hf" if tag is None else tag)
+    _check_out(directory)
+    try:
+        checkpoint = HFCheckpoint(source)
+        cfg = checkpoint.config()
+    except ValueError as err:
+        raise CheckpointError(f"--from-hf {source}: {err}") from None
+    with torch.device("meta"):  # names and full shapes only: no memory for the weights
+        model = OperatorModel(cfg)
+    shapes = {name: tuple(model.sharding.full_shape(name, p)) for name, p in model.named_parameters() if p.requires_grad}
+    round_to = torch.bfloat16 if bf16 else torch.float32
+    os.makedirs(directory, exist_ok=True)
+    staged = os.path.join(directory, f"{tag}{STAGING_SUFFIX}")
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged)
+    try:
+        portable.write_masters(staged, ((name, value.to(round_to).float())
+                                        for name, value in checkpoint.full_values(cfg, shapes)))
+        CheckpointMeta.portable_only(cfg, bf16).write(staged, global_steps=0)
+        publish(directory, tag, staged)
+    except ValueError as err:  # a tensor missing from the safetensors files
+        raise CheckpointError(f"--from-hf {source}: {err}") from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return tag
+
+
+def _check_out(path: str) -> None:
+    """An output is a new or empty directory: never written over what is there."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"{path} exists and is not an empty directory; give a new or empty directory to write into")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.command == "info":
+        try:
+            info = describe(args.directory, args.tag)
+        except CheckpointError as err:
+            fail(str(err))
+        print(json.dumps(info, indent=1) if args.json else text(info))
+        return
+    if args.bf16 and args.to_hf:
+        fail("--bf16 applies to --from-hf only; --to-hf writes the checkpoint's own precision")
     try:
-        info = describe(args.directory, args.tag)
-    except CheckpointError as err:
-        fail(str(err))
-    print(json.dumps(info, indent=1) if args.json else text(info))
+        if args.to_hf:
+            tag = to_hf(args.directory, args.to_hf, args.tag)
+            print(f"wrote {args.to_hf} (Hugging Face model) from {os.path.join(args.directory, tag)}")
+        else:
+            tag = from_hf(args.from_hf, args.directory, args.tag, args.bf16)
+            print(f"wrote {os.path.join(args.directory, tag)} (step 0, portable state only) from {args.from_hf}; resume "
+                  f"with oases-train model=hf model.path={args.from_hf} checkpoint.dir={args.directory} "
+                  "checkpoint.resume=true")
+    except (CheckpointError, portable.PortableStateError, OSError) as err:
+        fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
 
 def entry() -> None:

@@ -313,8 +313,11 @@ def rotary_inverse_frequencies(
     ``original_max_positions / low_freq_factor`` by ``factor``, those shorter than
     ``original_max_positions / high_freq_factor`` not at all, and blends linearly in
     between, so local word order is seen exactly as in pre-training.
+
+    Computed on the CPU whatever the default device, so that a model built under
+    ``torch.device("meta")`` (names and shapes only: ``oases-ckpt convert``) has its tables.
     """
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
     if scaling == "linear":
         return inv / factor
     if scaling == "llama3":

@@ -78,3 +78,146 @@ def test_bad_directories_and_damaged_files_are_one_line(saved: str, tmp_path) ->
     victim.write_bytes(victim.read_bytes()[:100])
     line = error(str(copy))
     assert str(victim) in line and "is damaged" in line
+
+
+# -- the portable state: info and offline conversion to and from Hugging Face ----------
+def train(stats: str, *args: str) -> dict:
+    """One ``oases-train`` run; its summary, from its ``stats_out`` file ``stats``."""
+    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.train", *args, f"stats_out={stats}"], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.load(open(stats))["summary"]
+
+
+def one_line_error(capsys, *args: str) -> str:
+    """``oases-ckpt ARGS`` in this process: exit 2 with one ``error:`` line and no output."""
+    from oases_ds.cli import ckpt as cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert exited.value.code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dirs(tmp_path_factory):
+    """Two Hugging Face LLaMA directories of one tiny config (``hf_config`` of a ModelConfig),
+    random weights of seeds 0 and 1, saved as safetensors."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from oases_ds.hf import hf_config
+    from oases_ds.models.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2,
+                      ffn_size=48, seq_len=16, rotary="half", dropout=0.0)
+    root = tmp_path_factory.mktemp("hf")
+    dirs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(hf_config(cfg))
+        model.save_pretrained(root / f"seed{seed}", safe_serialization=True)
+        dirs.append(str(root / f"seed{seed}"))
+    return dirs
+
+
+@pytest.mark.distributed
+def test_info_reports_the_portable_state_as_on_disk(saved: str) -> None:
+    latest = open(os.path.join(saved, "latest")).read().strip()
+    directory = os.path.join(saved, latest, "portable")
+    index = json.load(open(os.path.join(directory, "index.json")))["params"]
+    proc = ckpt("info", saved, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["portable"] == {
+        "parameters": len(index), "optimizer_state": ["exp_avg", "exp_avg_sq"],
+        "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))}
+    text = ckpt("info", saved)
+    assert f"portable state: {len(index)} parameters, " in text.stdout
+    assert "MiB (exp_avg, exp_avg_sq): resumable under any layout" in text.stdout
+
+
+@pytest.mark.distributed
+def test_convert_to_hf_writes_the_portable_masters(saved: str, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from oases_ds import portable
+    from oases_ds.hf import hf_state_dict
+    from oases_ds.models.config import ModelConfig
+
+    out = tmp_path / "hf"
+    proc = ckpt("convert", saved, "--to-hf", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tag_dir = os.path.join(saved, open(os.path.join(saved, "latest")).read().strip())
+    meta = json.load(open(os.path.join(tag_dir, "oases_meta.json")))
+    masters = {name: portable.read_full(tag_dir, name)["master"] for name in portable.read_index(tag_dir)}
+    want = hf_state_dict(ModelConfig(**meta["model"]), masters)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    got = model.state_dict()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    logits = model(torch.randint(0, 256, (2, 16))).logits
+    assert logits.shape == (2, 16, 256) and bool(torch.isfinite(logits).all())
+
+
+def test_convert_round_trips_a_hugging_face_model(tiny_llama_dirs, tmp_path) -> None:
+    """--from-hf then --to-hf: the same tensors in fp32; rounded to bf16 with --bf16."""
+    import torch
+    from safetensors.torch import load_file
+
+    from oases_ds.cli import ckpt as cli
+
+    original = load_file(os.path.join(tiny_llama_dirs[0], "model.safetensors"))
+    for flags, dtype in (([], torch.float32), (["--bf16"], torch.bfloat16)):
+        name = "bf16" if flags else "fp32"
+        cli.main(["convert", "--from-hf", tiny_llama_dirs[0], str(tmp_path / f"ckpt_{name}"), *flags])
+        info = cli.describe(str(tmp_path / f"ckpt_{name}"))
+        assert (info["tag"], info["global_steps"], info["tensor_parallel_size"], info["files"]) == ("hf", 0, 0, {})
+        assert info["portable"]["optimizer_state"] == [] and info["precision"] == name
+        cli.main(["convert", str(tmp_path / f"ckpt_{name}"), "--to-hf", str(tmp_path / f"hf_{name}")])
+        back = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+        assert sorted(back) == sorted(original)
+        assert [k for k in original if not torch.equal(back[k], original[k].to(dtype))] == []
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_from_a_converted_hf_model_starts_from_its_weights(tiny_llama_dirs, tmp_path) -> None:
+    """The converted checkpoint (tag ``hf``, no layout) resumes at TMP 2; the run's model
+    directory holds other weights (seed 1), so only the portable load can give it seed 0's
+    loss: that of a fresh run from seed 0."""
+    a, b = tiny_llama_dirs
+    out = str(tmp_path / "ckpt")
+    proc = ckpt("convert", "--from-hf", a, out)
+    assert proc.returncode == 0, proc.stderr
+    common = ["steps=1", "tensor_parallel_size=2", "nprocs=2", "model=hf"]
+    resumed = train(str(tmp_path / "resumed.json"), *common, f"model.path={b}", f"checkpoint.dir={out}",
+                    "checkpoint.resume=true")
+    fresh = train(str(tmp_path / "fresh.json"), *common, f"model.path={a}")
+    assert resumed["steps_run"] == fresh["steps_run"] == 1
+    assert abs(resumed["first_loss"] - fresh["first_loss"]) <= 1e-6 * abs(fresh["first_loss"])
+
+
+@pytest.mark.distributed
+def test_convert_errors_are_one_line(saved: str, tiny_llama_dirs, tmp_path, capsys) -> None:
+    # a copy of the run saved without portable state (as with oases.portable_checkpoint=false)
+    old = tmp_path / "old"
+    subprocess.run(["cp", "-r", saved, str(old)], check=True)
+    latest = (old / "latest").read_text().strip()
+    meta_file = old / latest / "oases_meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "portable": False}))
+    line = one_line_error(capsys, "convert", str(old), "--to-hf", str(tmp_path / "out"))
+    assert "holds no portable state" in line and "checkpoint.resume=true steps=2 export_hf=" in line
+    assert not (tmp_path / "out").exists()
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("not a model")
+    line = one_line_error(capsys, "convert", "--from-hf", str(tmp_path / "plain"), str(tmp_path / "ckpt"))
+    assert "is not a directory with a config.json" in line and not (tmp_path / "ckpt").exists()
+
+    taken = str(tmp_path / "plain")  # exists, not empty: never written over
+    assert "exists and is not an empty directory" in one_line_error(capsys, "convert", saved, "--to-hf", taken)
+    assert "exists and is not an empty directory" in one_line_error(
+        capsys, "convert", "--from-hf", tiny_llama_dirs[0], taken)
+    assert os.listdir(taken) == ["notes.txt"]
