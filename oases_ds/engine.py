@@ -318,7 +318,10 @@ class OasesEngine(DeepSpeedEngine):
             "loss": float(loss),
             "step_s": elapsed,
             "tokens_per_s": tokens * ctx.dp_size / elapsed,
-            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items() if phase not in ("loss", "pipeline", "eval"))),
+            # the schedule's TMP collectives; the DP gradient reduction (grad_sync) has its own count
+            "tmp_bytes": float(sum(b for (phase, _), b in stats.bytes.items()
+                                   if phase not in ("loss", "pipeline", "eval", "grad_sync"))),
+            "dp_bytes": float(stats.bytes_in("grad_sync")),
             "pipeline_bytes": float(stats.bytes_in("pipeline")),
             "exposed_comm_s": exposed,
             "exposed_comm_frac": exposed / elapsed,

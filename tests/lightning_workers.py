@@ -54,6 +54,10 @@ def _recorder():
         def __init__(self, save_at_epoch_end: str | None = None) -> None:
             self.losses, self.val_losses, self.steps = [], [], []
             self.save_at_epoch_end = save_at_epoch_end
+            self.start_params: dict[str, torch.Tensor] = {}
+
+        def on_train_start(self, trainer, module):  # after a resume has loaded its checkpoint
+            self.start_params = full_params(module.model)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step > (self.steps[-1] if self.steps else 0):
@@ -110,7 +114,7 @@ def lightning_runs(work_dir: str) -> dict:
         trainer.fit(module, ckpt_path=ckpt_path)
         engine = trainer.strategy.deepspeed_engine
         out[name] = {
-            "params": full_params(module.model),
+            "params": full_params(module.model), "start_params": record.start_params,
             "losses": record.losses, "steps": record.steps, "val_losses": record.val_losses,
             "global_step": trainer.global_step, "engine_steps": engine.global_steps,
             "gas": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
@@ -123,6 +127,9 @@ def lightning_runs(work_dir: str) -> dict:
     out["listing"] = sorted(os.listdir(ckpt))
     del os.environ["PL_DEEPSPEED_CONFIG_PATH"]  # from here on, the constructor arguments
     run("resumed", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), ckpt_path=ckpt)
+    # the same checkpoint under another layout, TMP 1 x DP 2 (half the batch per rank: the same
+    # global batch), through its portable state
+    run("resumed_tmp1", OasesStrategy(tensor_parallel_size=1, seed=SEED), Record(), batch_size=MICRO // 2, ckpt_path=ckpt)
     run("accumulate", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), batch_size=MICRO // 2, accumulate=2)
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,

@@ -59,6 +59,21 @@ def test_resume_from_a_lightning_checkpoint_continues_the_same_trajectory(runs):
         assert torch.equal(resumed["params"][name], ref), name
 
 
+def test_a_lightning_checkpoint_resumes_under_another_layout(runs):
+    """Saved at TMP 2, resumed at TMP 1 x DP 2: the Trainer starts from the very weights the
+    TMP-2 resume starts from (bit for bit) and goes on from step 2.  (The trajectories are not
+    compared: Lightning's sampler puts the samples at other offsets under DP 2, so dropout
+    differs; tests/distributed/test_portable_checkpoint.py compares trajectories.)"""
+    same, other = runs["resumed"], runs["resumed_tmp1"]
+    assert other["sampler"] == {"num_replicas": 2, "rank": 0}  # 2 devices at TMP 1: DP 2
+    assert other["logged"]["tmp_bytes"] == 0  # was the DP gradient reduction's 119296 bytes, counted as TMP
+    assert other["start_params"].keys() == same["start_params"].keys()
+    for name, ref in same["start_params"].items():
+        assert torch.equal(other["start_params"][name], ref), name
+    assert other["steps"] == [3, 4] and other["global_step"] == other["engine_steps"] == 4
+    assert all(loss == loss and loss < 10 for loss in other["losses"])
+
+
 def test_accumulate_grad_batches_maps_to_gradient_accumulation_steps(runs):
     acc, direct = runs["accumulate"], runs["direct"]
     assert (acc["gas"], acc["micro"]) == (2, lw.MICRO // 2)
