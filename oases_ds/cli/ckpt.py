@@ -7,6 +7,8 @@ Face, without starting a run.
     oases-ckpt convert runs/ckpt --to-hf runs/hf        # the portable state's weights, for from_pretrained
     oases-ckpt convert --from-hf runs/hf runs/ckpt2     # a checkpoint (tag `hf`) any layout resumes from
     oases-ckpt convert --from-hf runs/hf runs/ckpt2 --bf16 --tag start   # for a bf16 run
+    oases-ckpt reshard runs/ckpt runs/tp4 --tensor-parallel-size 4      # DeepSpeed's files for another layout
+    oases-ckpt reshard runs/old runs/portable                            # add the portable state to an old checkpoint
 
 Why a command of its own: a resume refused for a layout mismatch names both layouts,
 but before choosing the next run's layout a user wants to know what a checkpoint holds
@@ -23,6 +25,15 @@ loads it through its portable state, at step 0 with a fresh optimizer, as
 ``oases-train checkpoint.dir=OUT checkpoint.resume=true model=hf model.path=HFDIR`` (or the
 same model given field by field) at any TMP degree, plan, pipeline split or ZeRO stage.
 
+Why ``reshard`` starts ranks: DeepSpeed's rank files are only readable by the layout that
+wrote them, and what reads them is DeepSpeed's own load.  ``reshard`` therefore launches the
+target layout's ranks on this machine (CPU, gloo), loads the checkpoint as a resume would
+(through its portable state; a checkpoint without one is first loaded at its own layout and
+saved with one) and saves it: a checkpoint of the target layout, with DeepSpeed's rank files
+for it and the portable state.  A resume under another layout needs none of this (it reads
+the portable state directly); ``reshard`` is for a checkpoint saved without portable state,
+or for rank files DeepSpeed's tools read.
+
 A plain argparse CLI with subcommands, like ``oases-data``: its input is a directory, not a
 composed training configuration.  Bad input is one ``error:`` line, exit 2.
 """
@@ -33,6 +44,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 # Nothing here needs an accelerator: keep DeepSpeed, imported with the package, from probing
@@ -63,6 +75,17 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--tag", default=None, help="--to-hf: the saved tag to read (default: the one `latest` "
                          "names); --from-hf: the tag to write (default: hf)")
     convert.add_argument("--bf16", action="store_true", help="--from-hf: for a bf16 run (default: fp32)")
+    reshard = sub.add_parser("reshard", help="write a checkpoint of another layout (starts its ranks on this machine)")
+    reshard.add_argument("directory", help="the checkpoint directory to read")
+    reshard.add_argument("out", help="the checkpoint directory to write (new or empty)")
+    reshard.add_argument("--tag", default=None, help="the saved tag to read (default: the one `latest` names)")
+    reshard.add_argument("--tensor-parallel-size", type=int, default=None, help="TMP degree (default: the saved one)")
+    reshard.add_argument("--data-parallel-size", type=int, default=None, help="DP ranks (default: the saved ones)")
+    reshard.add_argument("--pipeline-stages", type=int, default=None, help="pipeline stages (default: the saved ones)")
+    reshard.add_argument("--zero-stage", type=int, choices=(0, 1), default=None, help="ZeRO stage (default: the saved one)")
+    reshard.add_argument("--plan", default=None, help="a plan JSON of oases-plan for per-block degrees (default: "
+                         "every block at the TMP degree, or the saved plan when the TMP degree is kept)")
+    reshard.add_argument("--timeout-s", type=float, default=600.0, help="launch and process-group timeout")
     return p
 
 
@@ -220,6 +243,119 @@ def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = Fa
     return tag
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What ``reshard`` starts: ``world = tp x dp x pp`` ranks with these settings."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+    pipeline_layers: tuple[int, ...]
+    zero_stage: int
+    plan: str | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size * len(self.pipeline_layers)
+
+    def describe(self) -> str:
+        pp = f"PP {len(self.pipeline_layers)} x " if len(self.pipeline_layers) > 1 else ""
+        plan = f", plan {self.plan}" if self.plan else ""
+        return f"{pp}TMP {self.tensor_parallel_size} x DP {self.data_parallel_size}, ZeRO {self.zero_stage}{plan}"
+
+    def oases_section(self, timeout_s: float) -> dict[str, Any]:
+        return {"enabled": True, "tensor_parallel_size": self.tensor_parallel_size, "pipeline_stages": len(self.pipeline_layers),
+                "pipeline_layers": list(self.pipeline_layers), "process_group_timeout_s": timeout_s,
+                "portable_checkpoint": True, **({"plan": self.plan} if self.plan else {})}
+
+
+_DEEPSPEED_STATE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+    "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions"})
+"""What DeepSpeed 0.19.8's load hands back as client state besides the caller's own (it
+returns every key of the rank file it did not use itself); ``reshard`` keeps the caller's."""
+
+
+def _reshard_rank(source: str, tag: str, out: str, model: dict, ds_config: dict, oases: dict) -> int:
+    """One rank of ``reshard``: the target layout's engine loads ``source/tag`` as a resume
+    would and saves it as ``out/tag``.  Returns the step it saved."""
+    import oases_ds
+    from oases_ds.models.config import ModelConfig
+
+    engine = oases_ds.initialize(model=ModelConfig(**model), config={**ds_config, "oases": oases})[0]
+    _, client = engine.load_checkpoint(source, tag)
+    own = {k: v for k, v in (client or {}).items() if k not in _DEEPSPEED_STATE_KEYS}
+    engine.save_checkpoint(out, tag=tag, client_state=own)
+    return int(engine.global_steps)
+
+
+def _saved_ds_config(tag_dir: str, meta: CheckpointMeta) -> dict[str, Any]:
+    """The DeepSpeed config the run saved with (DeepSpeed keeps it in each model-states file),
+    for the optimizer and scheduler to rebuild; a run whose optimizer was a callable has none."""
+    from oases_ds.checkpoint import SafeCheckpointEngine
+
+    first = os.path.join(tag_dir, meta.rank_files(optimizer_states=False)[0][0])
+    config = SafeCheckpointEngine().load(first, map_location="cpu").get("ds_config") or {}
+    if "optimizer" not in config:
+        raise CheckpointError(f"{first} has no optimizer in its saved DeepSpeed config (the run passed an optimizer "
+                              "object, not a config section), so reshard cannot rebuild it; resume that run's script "
+                              "under the new layout instead (the portable state makes that work), or save with the "
+                              "optimizer in the config")
+    return config
+
+
+def reshard(directory: str, out: str, tag: str | None = None, tensor_parallel_size: int | None = None,
+            data_parallel_size: int | None = None, pipeline_stages: int | None = None, zero_stage: int | None = None,
+            plan: str | None = None, timeout_s: float = 600.0) -> tuple[str, Layout, Layout, int]:
+    """Write ``out/<tag>``: the checkpoint ``directory/<tag>`` under another layout (module
+    docstring).  Unset settings keep the saved ones.  Returns (tag, saved layout, written
+    layout, step)."""
+    import tempfile
+
+    from oases_ds.launcher import launch
+    from oases_ds.models.stages import stage_layer_counts
+    from oases_ds.planner.plan import Plan
+
+    tag = _resolve_tag(directory, tag)
+    tag_dir = os.path.join(directory, tag)
+    meta = CheckpointMeta.read(tag_dir)
+    if not meta.has_layout:
+        raise CheckpointError(f"{tag_dir} was written by oases-ckpt convert and has no layout to reshard from; resume "
+                              "it under any layout with oases-train checkpoint.resume=true")
+    check_rank_files(directory, tag, meta)
+    _check_out(out)
+    ds_config = _saved_ds_config(tag_dir, meta)
+    with tempfile.TemporaryDirectory(prefix=".oases-reshard-", dir=os.path.dirname(os.path.abspath(out))) as work:
+        saved_plan = None
+        if any(d != meta.tensor_parallel_size for d in meta.block_degrees):  # a plan: write it for the saved layout
+            saved_plan = os.path.join(work, "saved_plan.json")
+            Plan(meta.block_degrees[0::2], meta.block_degrees[1::2], devices=meta.tensor_parallel_size).to_json(saved_plan)
+        saved = Layout(meta.tensor_parallel_size, meta.data_parallel_size, meta.pipeline_layers, meta.zero_stage, saved_plan)
+        tp = tensor_parallel_size or saved.tensor_parallel_size
+        stages = pipeline_stages or len(saved.pipeline_layers)
+        layers = saved.pipeline_layers if stages == len(saved.pipeline_layers) else tuple(
+            stage_layer_counts(int(meta.model["num_layers"]), stages))
+        target = Layout(tp, data_parallel_size or saved.data_parallel_size, layers,
+                        saved.zero_stage if zero_stage is None else zero_stage,
+                        plan or (saved_plan if tp == saved.tensor_parallel_size else None))
+        if target.world < 1 or min(target.tensor_parallel_size, target.data_parallel_size) < 1:
+            raise CheckpointError("--tensor-parallel-size, --data-parallel-size and --pipeline-stages must be >= 1")
+
+        def run(layout: Layout, source: str, into: str) -> int:
+            config = {**ds_config, "zero_optimization": {**ds_config.get("zero_optimization", {}),
+                                                         "stage": layout.zero_stage}}
+            steps = launch(_reshard_rank, layout.world, (source, tag, into, meta.model, config,
+                                                         layout.oases_section(timeout_s)), timeout_s=timeout_s)
+            return steps[0]
+
+        source = directory
+        if not meta.portable and target != saved:  # DeepSpeed's files only: give it a portable state at its own layout
+            source = os.path.join(work, "portable")
+            run(saved, directory, source)
+        step = run(target, source, out)
+    return tag, saved, target, step
+
+
 def _check_out(path: str) -> None:
     """An output is a new or empty directory: never written over what is there."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
@@ -234,6 +370,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         except CheckpointError as err:
             fail(str(err))
         print(json.dumps(info, indent=1) if args.json else text(info))
+        return
+    if args.command == "reshard":
+        from oases_ds.launcher import LaunchError
+
+        try:
+            tag, saved, target, step = reshard(args.directory, args.out, args.tag, args.tensor_parallel_size,
+                                               args.data_parallel_size, args.pipeline_stages, args.zero_stage, args.plan,
+                                               args.timeout_s)
+        except LaunchError as err:  # a rank failed: its one line
+            fail(err.summary)
+        except (CheckpointError, portable.PortableStateError, OSError, ValueError) as err:
+            fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+        print(f"wrote {os.path.join(args.out, tag)} (step {step}, {target.describe()}) from "
+              f"{os.path.join(args.directory, tag)} ({saved.describe()}), {target.world} ranks on this machine")
         return
     if args.bf16 and args.to_hf:
         fail("--bf16 applies to --from-hf only; --to-hf writes the checkpoint's own precision")

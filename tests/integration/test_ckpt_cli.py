@@ -221,3 +221,37 @@ def test_convert_errors_are_one_line(saved: str, tiny_llama_dirs, tmp_path, caps
     assert "exists and is not an empty directory" in one_line_error(
         capsys, "convert", "--from-hf", tiny_llama_dirs[0], taken)
     assert os.listdir(taken) == ["notes.txt"]
+
+
+# -- reshard: a checkpoint of another layout, written by that layout's ranks -----------------
+@pytest.mark.distributed
+def test_reshard_gives_an_old_checkpoint_another_layout_that_resumes_as_its_own(tmp_path) -> None:
+    """A TMP 2 checkpoint saved without portable state (``checkpoint.portable=false``, as before
+    it existed) resharded to TMP 1 x DP 2 with ZeRO 1: the output holds exactly that layout's rank
+    files and a portable state, and a run at that layout resumes from it (DeepSpeed's own files)
+    to the same first loss, within 1e-5 relative (TMP 1 sums in another order), as a run
+    resumed from the original at its own layout.  The global batch stays 8 (micro_batch 4 on each
+    of the 2 DP ranks), so both read the same samples."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    train(str(tmp_path / "s0.json"), "model=gpt_tiny", "steps=2", f"checkpoint.dir={old}", "checkpoint.portable=false")
+    proc = ckpt("reshard", old, new, "--tensor-parallel-size", "1", "--data-parallel-size", "2", "--zero-stage", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == (f"wrote {new}/global_step2 (step 2, TMP 1 x DP 2, ZeRO 1) from {old}/global_step2 "
+                                   "(TMP 2 x DP 1, ZeRO 0), 2 ranks on this machine")
+    info = json.loads(ckpt("info", new, "--json").stdout)
+    assert (info["tensor_parallel_size"], info["data_parallel_size"], info["zero_stage"], info["global_steps"]) == (1, 2, 1, 2)
+    assert sorted(info["files"]) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert info["portable"] is not None and info["portable"]["optimizer_state"] == ["exp_avg", "exp_avg_sq"]
+    assert json.loads(ckpt("info", old, "--json").stdout)["portable"] is None  # the source is left as it was
+
+    resumed = train(str(tmp_path / "s1.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={new}",
+                    "checkpoint.resume=true", "tensor_parallel_size=1", "zero_stage=1", "micro_batch=4")
+    at_own = train(str(tmp_path / "s2.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={old}",
+                   "checkpoint.resume=true")
+    assert resumed["steps_run"] == at_own["steps_run"] == 1
+    assert resumed["first_loss"] == pytest.approx(at_own["first_loss"], rel=1e-5)
+
+    again = ckpt("reshard", old, new)  # the output is not empty now
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"error: {new} exists and is not an empty directory; give a new or empty directory to write into")
