@@ -124,12 +124,10 @@ def describe(directory: str, tag: str | None = None) -> dict[str, Any]:
     check_rank_files(directory, tag, meta)
     if meta.portable:
         check_rank_files(directory, tag, meta, portable=True)
-    with open(os.path.join(tag_dir, META_FILE)) as f:
-        raw = json.load(f)
     files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name, _ in meta.rank_files()}
     model = meta.model
     return {
-        "directory": directory, "tag": tag, "global_steps": int(raw.get("global_steps", 0)),
+        "directory": directory, "tag": tag, "global_steps": _saved_steps(tag_dir),
         "model": model, "precision": meta.precision, "tensor_parallel_size": meta.tensor_parallel_size,
         "block_degrees": list(meta.block_degrees), "pipeline_layers": list(meta.pipeline_layers),
         "zero_stage": meta.zero_stage, "data_parallel_size": meta.data_parallel_size,
@@ -202,6 +200,8 @@ def to_hf(directory: str, out: str, tag: str | None = None) -> str:
 
 
 def _saved_steps(tag_dir: str) -> int:
+    """The step a checkpoint was saved at: in its meta file, but not a fact a run must match
+    (so not a :class:`CheckpointMeta` field)."""
     with open(os.path.join(tag_dir, META_FILE)) as f:
         return int(json.load(f).get("global_steps", 0))
 
