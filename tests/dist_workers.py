@@ -24,7 +24,19 @@ VARIANTS = [
     ("oases", ScheduleSpec("oases")),
     ("oases-no-cross-pass", ScheduleSpec("oases", cross_pass=False)),
     ("oases-no-fine-grained", ScheduleSpec("oases", fine_grained_recompute=False)),
+    # per-block policies (a plan's attn/mlp_policies): attn0 and mlp1 stored, the rest recomputed
+    ("oases-store-mixed", ScheduleSpec("oases", stored_blocks=(0, 3))),
 ]
+EXTRA_VARIANTS = [
+    ("oases-store-all", ScheduleSpec("oases", stored_blocks=tuple(range(8)))),  # every block of up to 4 layers stored
+    ("oases-store-mixed-no-cross-pass", ScheduleSpec("oases", cross_pass=False, stored_blocks=(1, 2))),
+]
+"""Run only where a test names them (``variants``), not in every parity sweep."""
+
+
+def variant_spec(label: str) -> ScheduleSpec:
+    """The spec of a variant label above, else of a plain schedule name."""
+    return dict(VARIANTS + EXTRA_VARIANTS).get(label) or ScheduleSpec(label)
 
 
 def tiny_config(family: str, dropout: float = 0.1, **options) -> ModelConfig:
@@ -114,8 +126,8 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
             ref_losses.append(float(loss.detach()))
             opt.step()
             ref_rng.advance()
-        for label, spec in VARIANTS:
-            if variants is not None and label not in variants:
+        for label, spec in VARIANTS + EXTRA_VARIANTS:
+            if label not in (variants if variants is not None else dict(VARIANTS)):
                 continue
             if plan is None:
                 model = OperatorModel(cfg, group=ctx.tp_group, seed=7)

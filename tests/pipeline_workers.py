@@ -16,7 +16,7 @@ from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.schedule.generators import ScheduleSpec
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_workers import gather_full_grads, make_batch, rel_err, tiny_config  # noqa: E402
+from dist_workers import gather_full_grads, make_batch, rel_err, tiny_config, variant_spec  # noqa: E402
 
 
 def step_micro_batches(full: dict[str, torch.Tensor], micro_batches: int, micro: int, dp: int,
@@ -69,7 +69,7 @@ def pipeline_parity_worker(tp: int, pp: int, families: list[str], schedules: lis
 
                     model = OperatorModel.for_plan(cfg, ctx, Plan(plan[0], plan[1], devices=tp), seed=7, stage=stage)
                 rng = RNGTracker(seed=11)
-                ex = PipelineExecutor.for_pipeline(model, ScheduleSpec(schedule), pipeline, micro_batches,
+                ex = PipelineExecutor.for_pipeline(model, variant_spec(schedule), pipeline, micro_batches,
                                                    StageLinks.of(ctx), rng=rng)
                 sgd = torch.optim.SGD(model.parameters(), lr=lr)
                 worst_grad, worst_loss, worst_param = 0.0, 0.0, None

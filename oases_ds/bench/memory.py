@@ -63,7 +63,7 @@ def plan_memory_rank(case: dict[str, Any], micro_batch: int, timeout_s: float) -
     cfg = _model(case["family"], len(case["attn"]))
     plan = Plan(attn_degrees=case["attn"], mlp_degrees=case["mlp"], devices=devices)
     model = OperatorModel.for_plan(cfg, ctx, plan, seed=0)
-    spec = ScheduleSpec(case["schedule"])
+    spec = ScheduleSpec(case["schedule"], stored_blocks=tuple(case.get("stored", ())))  # "stored": policy store
     executor = Executor.for_schedule(model, spec, None, RNGTracker())
     batch = synthetic_batch(cfg.vocab_size, micro_batch, cfg.seq_len, seed=0)
     measured = ActivationProbe(executor, model).run(batch)

@@ -415,8 +415,9 @@ def _schedule_of_label(label: str) -> ScheduleSpec:
     if not options:
         return ScheduleSpec(name)
     values = dict(part.split("=", 1) for part in options.rstrip("]").split(","))
+    stored = tuple(int(b) for b in values["store"].split(".")) if values.get("store") else ()
     return ScheduleSpec(name, sub_batches=int(values["sb"]), cross_pass=values["cross"] == "1",
-                        fine_grained_recompute=values["fine"] == "1")
+                        fine_grained_recompute=values["fine"] == "1", stored_blocks=stored)
 
 
 def _table_from_dict(data: dict[str, Any]) -> CostTable:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from oases_ds.planner.costs import check_degree
 from oases_ds.planner.jsonio import load_dataclass
+from oases_ds.schedule.generators import RECOMPUTE_POLICIES
 from oases_ds.utils.io import write_json_atomic
 
 
@@ -22,9 +23,10 @@ class PlanInfeasibleError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-layer TMP degrees for a TMP group of ``devices`` devices.
+    """Per-layer TMP degrees for a TMP group of ``devices`` devices, and optionally each
+    block's recomputation policy (:data:`~oases_ds.schedule.generators.RECOMPUTE_POLICIES`).
 
-    Degree lists are stored as tuples so the frozen plan really is immutable.
+    Degree and policy lists are stored as tuples so the frozen plan really is immutable.
     """
 
     attn_degrees: tuple[int, ...]
@@ -49,6 +51,12 @@ class Plan:
     ``memory_bytes`` is then their largest."""
     micro_batches: int | None = None
     """Micro-batches per step the stage split was planned for."""
+    attn_policies: tuple[str, ...] | None = None
+    """Per layer, the attention block's recomputation policy: ``oases`` (fine-grained recompute)
+    or ``store`` (activations kept, no recompute).  None: every block ``oases`` (every plan
+    written before policies).  Given, ``mlp_policies`` must be too."""
+    mlp_policies: tuple[str, ...] | None = None
+    """Per layer, the MLP block's policy, as :attr:`attn_policies`."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -64,6 +72,23 @@ class Plan:
         for name in ("attn_degrees", "mlp_degrees"):
             for layer, degree in enumerate(getattr(self, name)):
                 check_degree(f"Plan.{name}[{layer}]", degree, self.devices)
+        self._check_policies()
+
+    def _check_policies(self) -> None:
+        """Both policy lists or neither, one known policy per layer."""
+        if (self.attn_policies is None) != (self.mlp_policies is None):
+            raise ValueError("Plan.attn_policies and Plan.mlp_policies come together; give both or neither")
+        if self.attn_policies is None:
+            return
+        for name in ("attn_policies", "mlp_policies"):
+            value = getattr(self, name)
+            if isinstance(value, str) or len(value) != self.layers:
+                raise ValueError(f"Plan.{name} must list one policy per layer ({self.layers}), got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+            for layer, policy in enumerate(value):
+                if policy not in RECOMPUTE_POLICIES:
+                    raise ValueError(f"Plan.{name}[{layer}]={policy!r} unknown; choose one of "
+                                     f"{', '.join(RECOMPUTE_POLICIES)}")
 
     def _check_stages(self) -> None:
         """Stage fields are all set or all unset, one entry per stage, layers summing to the plan's."""
@@ -101,13 +126,30 @@ class Plan:
         """Degrees in execution order attn0, mlp0, attn1, ... (the solver's block index)."""
         return [degree for pair in zip(self.attn_degrees, self.mlp_degrees) for degree in pair]
 
+    def block_policies(self) -> list[str]:
+        """Policies in execution order attn0, mlp0, ...; ``oases`` everywhere when the plan has none."""
+        if self.attn_policies is None or self.mlp_policies is None:
+            return ["oases"] * (2 * self.layers)
+        return [policy for pair in zip(self.attn_policies, self.mlp_policies) for policy in pair]
+
+    def stored_blocks(self) -> tuple[int, ...]:
+        """Block indices whose policy is ``store``: what the schedule keeps instead of recomputing
+        (:attr:`ScheduleSpec.stored_blocks <oases_ds.schedule.generators.ScheduleSpec.stored_blocks>`)."""
+        return tuple(block for block, policy in enumerate(self.block_policies()) if policy == "store")
+
     @classmethod
-    def from_block_degrees(cls, block_degrees: Sequence[int], devices: int, **provenance: object) -> Plan:
-        """Inverse of :meth:`block_degrees`; ``provenance`` fills the optional fields."""
+    def from_block_degrees(cls, block_degrees: Sequence[int], devices: int,
+                           block_policies: Sequence[str] | None = None, **provenance: object) -> Plan:
+        """Inverse of :meth:`block_degrees` (and :meth:`block_policies`, when given and not all
+        ``oases``); ``provenance`` fills the optional fields."""
+        policies: dict[str, object] = {}
+        if block_policies is not None and any(policy != "oases" for policy in block_policies):
+            policies = {"attn_policies": tuple(block_policies[0::2]), "mlp_policies": tuple(block_policies[1::2])}
         return cls(
             attn_degrees=tuple(block_degrees[0::2]),
             mlp_degrees=tuple(block_degrees[1::2]),
             devices=devices,
+            **policies,  # type: ignore[arg-type]
             **provenance,  # type: ignore[arg-type]
         )
 
@@ -117,14 +159,24 @@ class Plan:
         return cls((degree,) * layers, (degree,) * layers, devices, solver_name="uniform")
 
     def as_table(self) -> str:
-        """Text form in the shape of the paper's Table II, runs of equal layers collapsed."""
+        """Text form in the shape of the paper's Table II, runs of equal layers collapsed; with
+        policies, each block's after its degree (``attn 2 store, mlp 4 oases``)."""
+        policies = self.block_policies()
+        with_policies = self.attn_policies is not None
+
+        def row(layer: int) -> tuple:
+            return (self.attn_degrees[layer], self.mlp_degrees[layer], policies[2 * layer], policies[2 * layer + 1])
+
         rows: list[str] = []
         start = 0
         for layer in range(1, self.layers + 1):
-            pair = (self.attn_degrees[start], self.mlp_degrees[start])
-            if layer == self.layers or (self.attn_degrees[layer], self.mlp_degrees[layer]) != pair:
+            attn, mlp, attn_policy, mlp_policy = row(start)
+            if layer == self.layers or row(layer) != row(start):
                 span = f"{start}" if layer - 1 == start else f"{start}-{layer - 1}"
-                rows.append(f"layers {span}: attn {pair[0]}, mlp {pair[1]}")
+                if with_policies:
+                    rows.append(f"layers {span}: attn {attn} {attn_policy}, mlp {mlp} {mlp_policy}")
+                else:
+                    rows.append(f"layers {span}: attn {attn}, mlp {mlp}")
                 start = layer
         return "\n".join(rows)
 

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
 from oases_ds.schedule.dataflow import effects, initial_buffers
-from oases_ds.schedule.generators import Schedule
+from oases_ds.schedule.generators import Schedule, block_index
 from oases_ds.schedule.instructions import (P2P_TAG, Backward, Forward, Instruction, P2PStart, P2PSync, Recompute,
                                             StartAsync, Sync)
 from oases_ds.schedule.pipeline import CHANNEL, PipelineSchedule, transfers
@@ -42,6 +42,24 @@ def check(schedule: Schedule, ops: Sequence[Op]) -> None:
         for pos, ins in enumerate(instructions):
             if isinstance(ins, StartAsync) and ins.phase == "recompute":
                 raise ScheduleError(f"#{pos} {ins}: collective inside a fine-grained recomputation")
+    _check_stored(instructions, ops, schedule.stored_blocks)
+
+
+def _check_stored(instructions: Sequence[Instruction], ops: Sequence[Op], stored_blocks: Sequence[int]) -> None:
+    """A block the schedule stores (policy ``store``) is never recomputed and keeps every
+    compute op's graph from forward: otherwise it would pay the recompute it was planned
+    without, or read a graph that was never kept."""
+    stored = set(stored_blocks)
+    if not stored:
+        return
+    for pos, ins in enumerate(instructions):
+        op = ops[ins.op] if 0 <= ins.op < len(ops) else None
+        if op is None or block_index(op.layer, op.block) not in stored:
+            continue
+        if isinstance(ins, Recompute) or (isinstance(ins, StartAsync) and ins.phase == "recompute"):
+            raise ScheduleError(f"#{pos} {ins}: {op.name} is in a stored block (policy store) but is recomputed")
+        if isinstance(ins, Forward) and not ins.keep_graph and not isinstance(op, CommOp):
+            raise ScheduleError(f"#{pos} {ins}: {op.name} is in a stored block (policy store) but drops its graph")
 
 
 def _check_pairs(instructions: Sequence[Instruction]) -> None:
@@ -134,6 +152,8 @@ def check_pipeline(pipe: PipelineSchedule, ops: Sequence[Op]) -> None:
             _check_pairs(instructions)
             _check_dataflow(instructions, ops, subs, live)
             _check_complete(instructions, ops, subs)
+            _check_stored([i for i in instructions if not isinstance(i, (P2PStart, P2PSync))], ops,
+                          body.schedule.stored_blocks)
         except ScheduleError as err:
             raise ScheduleError(f"stage {pipe.stage} micro-batch {m}: {err}") from None
     if body.schedule.fine_grained:

@@ -83,12 +83,16 @@ class Segment:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A named instruction list plus what the checker needs to know about it."""
+    """A named instruction list plus what the checker needs to know about it.
+
+    ``stored_blocks``: the blocks (:func:`block_index`) whose activations the schedule stores
+    instead of recomputing them; the checker holds it to that (no Recompute of their ops)."""
 
     name: str
     instructions: tuple[Instruction, ...]
     sub_batches: int
     fine_grained: bool
+    stored_blocks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return to_text(list(self.instructions))
@@ -155,7 +159,22 @@ def registered_schedules() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-_SPEC_KEYS = ("name", "sub_batches", "cross_pass", "fine_grained_recompute")
+_SPEC_KEYS = ("name", "sub_batches", "cross_pass", "fine_grained_recompute", "stored_blocks")
+
+RECOMPUTE_POLICIES: tuple[str, ...] = ("oases", "store")
+"""What a plan may choose for each attention / MLP block: ``oases`` -- fine-grained recomputation
+(checkpoint the block's output, recompute it right before its backward, never re-running a
+collective); ``store`` -- keep the block's autograd graph from forward to backward (no recompute,
+more memory).  Both run inside one Oases schedule: stored blocks keep the sub-batch overlap of
+their collectives, recomputed ones the cross-pass overlap as well."""
+
+
+def block_index(layer: int, block: str) -> int | None:
+    """Index of an attention / MLP block in execution order (attn0 = 0, mlp0 = 1, attn1 = 2, ...),
+    the planner's block index; ``None`` for the embedding and the head."""
+    if block not in ("attn", "mlp") or layer < 0:
+        return None
+    return 2 * layer + (block == "mlp")
 
 
 @dataclass(frozen=True)
@@ -174,12 +193,17 @@ class ScheduleSpec:
             its forward AllReduce and output op, so the recompute never re-runs
             a collective (off: per-layer recomputation re-running them).  Like ``cross_pass`` it is
             ignored by the schedules that have no such switch.
+        stored_blocks: oases with fine-grained recomputation only; the blocks (:func:`block_index`)
+            whose activations are stored rather than recomputed (policy ``store``), normally
+            from a plan's per-block policies (:meth:`~oases_ds.planner.plan.Plan.stored_blocks`).
+            Empty: every block recomputed, the paper's schedule.
     """
 
     name: str = "oases"
     sub_batches: int = 2
     cross_pass: bool = True
     fine_grained_recompute: bool = True
+    stored_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in _REGISTRY:
@@ -191,6 +215,15 @@ class ScheduleSpec:
         for key in ("cross_pass", "fine_grained_recompute"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"schedule.{key} must be true or false, got {getattr(self, key)!r}")
+        stored = self.stored_blocks
+        if isinstance(stored, (str, bytes)) or not hasattr(stored, "__iter__") or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in stored):
+            raise ValueError(f"schedule.stored_blocks must be block indices >= 0 (attn0 = 0, mlp0 = 1, ...), got {stored!r}")
+        object.__setattr__(self, "stored_blocks", tuple(sorted(set(stored))))
+        if self.stored_blocks and not (self.name == "oases" and self.fine_grained_recompute):
+            raise ValueError(f"schedule.stored_blocks (policy store) needs schedule.name=oases with "
+                             f"fine_grained_recompute=true, got {self.name!r} with fine_grained_recompute="
+                             f"{str(self.fine_grained_recompute).lower()}; use that schedule or store no blocks")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> ScheduleSpec:
@@ -216,8 +249,9 @@ class ScheduleSpec:
         ones (``oases[sb=4,cross=0,fine=1]``); names cost tables and cache files."""
         if not _REGISTRY[self.name].sub_batched or self == ScheduleSpec(self.name):
             return self.name
+        store = f",store={'.'.join(map(str, self.stored_blocks))}" if self.stored_blocks else ""
         return (f"{self.name}[sb={self.sub_batches},cross={int(self.cross_pass)},"
-                f"fine={int(self.fine_grained_recompute)}]")
+                f"fine={int(self.fine_grained_recompute)}{store}]")
 
 
 # -- segments -------------------------------------------------------------------
@@ -245,21 +279,25 @@ def layer_segments(ops: Sequence[Op]) -> list[Segment]:
     return _cut(ops, starts, lambda a, b: a in in_layer, fine=False)
 
 
-def fine_grained_segments(ops: Sequence[Op]) -> list[Segment]:
+def fine_grained_segments(ops: Sequence[Op], stored_blocks: Sequence[int] = ()) -> list[Segment]:
     """Oases: a segment ends with each forward collective, whose output is not
     recomputed, so recomputation never re-runs a collective.  When the op right
     after the collective saves nothing for backward (``attn_out``/``mlp_out``:
     bias, keyed dropout, residual), the segment ends after it instead, with that
     op as a kept tail: the checkpoint is then the block's output ``(x',)``, not
     the pair ``(x, y)`` (residual and reduced output) the collective leaves.
-    The last segment (through the loss) is kept."""
+    The last segment (through the loss) is kept, and so is the segment of each
+    block in ``stored_blocks`` (policy ``store``; a segment belongs to the block
+    of its first op: ``attn_in`` .. ``attn_out``, ``mlp_in`` .. ``mlp_out``, a
+    reshard before the block)."""
     starts = []
     for i, op in enumerate(ops):
         if forward_collective(op):
             after = ops[i + 1] if i + 1 < len(ops) else None
             starts.append(i + 2 if getattr(after, "saves_nothing", False) else i + 1)
     last = max(starts)
-    return _cut(ops, starts, lambda a, b: a < last, fine=True)
+    stored = set(stored_blocks)
+    return _cut(ops, starts, lambda a, b: a < last and block_index(ops[a].layer, ops[a].block) not in stored, fine=True)
 
 
 def selective_segments(ops: Sequence[Op]) -> list[Segment]:
@@ -428,13 +466,14 @@ def _split_overlap(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -
 
 
 def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
-    return fine_grained_segments(ops) if spec.fine_grained_recompute else layer_segments(ops)
+    return fine_grained_segments(ops, spec.stored_blocks) if spec.fine_grained_recompute else layer_segments(ops)
 
 
 @register_schedule("oases", segments=_oases_segments, sub_batched=True, closed_form=OASES)
 def _oases(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
-    return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute)
+    return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute,
+                    spec.stored_blocks)
 
 
 SCHEDULES = registered_schedules()

@@ -16,8 +16,10 @@ TOL = 1e-5
 FAMILIES = ["gpt", "bert", "llama"]
 # name: (tp, world, micro_batch, (attn degrees, mlp degrees), variants)
 PLANS = {
-    "tp2_half_at_1": (2, 2, 4, ((2, 1), (1, 2)), None),
-    "tp4_mixed_4_2_1": (4, 4, 8, ((4, 1), (2, 4)), ["megatron", "split_overlap", "oases", "oases-no-fine-grained"]),
+    "tp2_half_at_1": (2, 2, 4, ((2, 1), (1, 2)), None),  # every parity variant, per-block policies included
+    "tp4_mixed_4_2_1": (4, 4, 8, ((4, 1), (2, 4)), ["megatron", "split_overlap", "oases", "oases-no-fine-grained",
+                                                     "oases-store-mixed", "oases-store-all",
+                                                     "oases-store-mixed-no-cross-pass"]),
 }
 _cache: dict = {}
 

@@ -17,6 +17,9 @@ CASES = (
     {"family": "llama", "devices": 4, "attn": (4, 1), "mlp": (2, 4), "schedule": "megatron"},
     # post-LN norms stay in their block where the next block has another degree (97a9ba4)
     {"family": "bert", "devices": 2, "attn": (2, 1), "mlp": (1, 2), "schedule": "oases"},
+    # per-block policies: attn0 and mlp1 store their activations, the other two recompute
+    {"family": "gpt", "devices": 2, "attn": (2, 1), "mlp": (1, 2), "schedule": "oases", "stored": (0, 3)},
+    {"family": "llama", "devices": 2, "attn": (2, 2), "mlp": (2, 2), "schedule": "oases", "stored": (0, 1, 2, 3)},
 )
 
 

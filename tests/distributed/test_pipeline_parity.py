@@ -53,10 +53,12 @@ def test_stages_match_the_unsharded_reference(layout, family, schedule, pipeline
 def test_a_heterogeneous_plan_cut_into_stages_matches_the_reference():
     """PP 2 x TMP 2 with per-block degrees that change at the stage boundary (layer 1's MLP at
     degree 1 sends replica shares of the batch; layer 2's attention receives them) and an
-    uneven explicit split [1, 3]: the same tolerance."""
+    uneven explicit split [1, 3]: the same tolerance, also with per-block policies (attn0 and mlp1
+    stored: one stored block in each stage; and every block stored)."""
     plan = ((2, 1, 2, 1), (1, 1, 2, 2))
     per_rank = launch(pipeline_workers.pipeline_parity_worker, 4,
-                      (2, 2, ["gpt"], ["oases", "none"], ["1f1b"], 2, 2, 4, 4, 0.05, [1, 3], plan), timeout_s=600)
+                      (2, 2, ["gpt"], ["oases", "none", "oases-store-mixed", "oases-store-all"], ["1f1b"], 2, 2, 4, 4,
+                       0.05, [1, 3], plan), timeout_s=600)
     for rank, res in enumerate(per_rank):
         for key, r in res.items():
             assert r["grad_err"] <= TOL, f"rank {rank} {key}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
