@@ -125,24 +125,9 @@ class OasesConfig(BaseModel):
 
     def schedule_spec(self) -> ScheduleSpec:
         """The schedule these flat keys describe (the JSON keeps them flat: DeepSpeed users
-        write ``"sub_batches": 4`` next to ``"schedule": "oases"``), storing the blocks
-        ``plan`` gives policy ``store``.  A plan that stores blocks under a schedule that
-        cannot store them is an :class:`OasesConfigError` naming both."""
-        stored: tuple[int, ...] = ()
-        if self.plan:
-            from oases_ds.planner.plan import Plan  # the planner package loads only when a plan is given
-
-            try:
-                stored = Plan.from_json(self.plan).stored_blocks()
-            except (OSError, ValueError) as err:
-                raise OasesConfigError(f"oases.plan={self.plan}: {err}") from None
-        if stored and not (self.schedule == "oases" and self.fine_grained_recompute):
-            raise OasesConfigError(f"oases.plan={self.plan} stores {len(stored)} blocks' activations (policy store), "
-                                   f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
-                                   f"schedule={self.schedule}, fine_grained_recompute="
-                                   f"{str(self.fine_grained_recompute).lower()}: use that schedule or a plan without "
-                                   f"store policies")
-        return ScheduleSpec(self.schedule, self.sub_batches, self.cross_pass, self.fine_grained_recompute, stored)
+        write ``"sub_batches": 4`` next to ``"schedule": "oases"``); the blocks a plan stores are
+        added where the plan is read (:func:`oases_ds.engine.planned_schedule`)."""
+        return ScheduleSpec(self.schedule, self.sub_batches, self.cross_pass, self.fine_grained_recompute)
 
 
 @dataclass(frozen=True)

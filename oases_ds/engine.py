@@ -95,10 +95,12 @@ from oases_ds.parallel.collectives import group_size
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.guard import check_collectives_from_env
 from oases_ds.parallel.context import ParallelContext
+from oases_ds.planner.plan import Plan
 from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.runtime.timeline import clock_for
+from oases_ds.schedule.generators import ScheduleSpec
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 HANDOFF_BUCKET_ELEMENTS = 1024
@@ -107,6 +109,26 @@ reducer reduces (:meth:`OasesEngine._small_zero_buckets`): it stages nothing the
 USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule: call engine.train_batch(batch) instead "
                    "of engine(batch)/engine.backward(loss)/engine.step() (engine(batch) is fine for evaluation, after "
                    "engine.eval() or under torch.no_grad())")
+
+
+def planned_schedule(oases: OasesConfig) -> ScheduleSpec:
+    """``oases.schedule_spec()`` storing the blocks ``oases.plan`` gives policy ``store``
+    (:meth:`Plan.stored_blocks <oases_ds.planner.plan.Plan.stored_blocks>`): what the executor runs.
+    A plan that stores blocks under a schedule that cannot store them is an
+    :class:`OasesConfigError` naming both and the fix."""
+    spec = oases.schedule_spec()
+    if not oases.plan:
+        return spec
+    try:
+        stored = Plan.from_json(oases.plan).stored_blocks()
+    except (OSError, ValueError) as err:
+        raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
+    if stored and not (spec.name == "oases" and spec.fine_grained_recompute):
+        raise OasesConfigError(f"oases.plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
+                               f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
+                               f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
+                               f"use that schedule or a plan without store policies")
+    return replace(spec, stored_blocks=stored)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -144,13 +166,13 @@ class OasesEngine(DeepSpeedEngine):
                                    "point-to-point messages by order, not tag); turn it off, or debug the stages on CPU")
         comm = Communicator.for_run(link, oases.flight_records, check)
         model.comm = comm
+        spec = planned_schedule(oases)
         if self.pipelined:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
-                model, oases.schedule_spec(), oases.pipeline_schedule, self.gradient_accumulation_steps(),
+                model, spec, oases.pipeline_schedule, self.gradient_accumulation_steps(),
                 StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline, comm=comm)
         else:
-            self.executor = Executor.for_schedule(model, oases.schedule_spec(), link, model.rng,
-                                                  record=oases.record_timeline, comm=comm)
+            self.executor = Executor.for_schedule(model, spec, link, model.rng, record=oases.record_timeline, comm=comm)
         self.schedule = self.executor.schedule
         self.oases_comm = self.executor.comm
         self.last_stats: dict[str, float] = {}

@@ -8,6 +8,7 @@ on ``sys.path`` so spawned rank processes import them by module path."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import subprocess
@@ -56,6 +57,16 @@ def random_table(seed: int, layers: int) -> CostTable:
         bandwidth_gbps=rng.choice([10.0, 25.0, 100.0]),
         latency_us=rng.uniform(5, 50),
     )
+
+
+def with_random_store(table: CostTable, seed: int) -> CostTable:
+    """``table`` pricing policy ``store`` too: each block faster (no recompute, a random share of its
+    backward) and holding more activations (a random multiple), as a stored block does."""
+    rng = random.Random(seed)
+    store = {kind: {t: dataclasses.replace(cost, bwd_ms=cost.bwd_ms * rng.uniform(0.5, 0.8),
+                                           act_bytes=cost.act_bytes * rng.uniform(2, 6))
+                    for t, cost in by_degree.items()} for kind, by_degree in table.blocks.items()}
+    return dataclasses.replace(table, store_blocks=store)
 
 
 def memory_extremes(table: CostTable) -> tuple[float, float]:

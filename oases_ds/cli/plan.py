@@ -46,6 +46,7 @@ class PlannerSchema:
     time_limit_s: float = 60.0
     seed: int = 0
     min_degree: int = 1
+    recompute: str = "oases"
 
 
 @dataclass
@@ -118,7 +119,8 @@ def request_of(cfg: dict) -> PlanRequest:
         device=device, layers=cfg["layers"], cache_dir=planner["cache_dir"], timeout_s=cfg["timeout_s"],
         solver=planner["solver"], backend=planner["backend"], time_limit_s=planner["time_limit_s"],
         memory_limit_bytes=parse_bytes("memory_limit", cfg["memory_limit"]),
-        pipeline=PipelineRequest(stages, cfg["micro_batches"], cfg["pipeline_link_gbps"]) if stages > 1 else None)
+        pipeline=PipelineRequest(stages, cfg["micro_batches"], cfg["pipeline_link_gbps"]) if stages > 1 else None,
+        recompute=planner["recompute"])
 
 
 def run(cfg: dict) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from oases_ds.models.config import FAMILIES
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.jsonio import check_fields, load_dataclass, parse_dataclass
-from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.schedule.generators import RECOMPUTE_POLICIES, ScheduleSpec
 from oases_ds.utils.io import write_json_atomic
 
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
@@ -291,6 +291,11 @@ class CostTable:
     op_profile: dict[int, DegreeProfile] = field(default_factory=dict)
     """Degree -> the one-layer profile a plan's step is replayed from; empty for a hand-made table
     (:func:`~oases_ds.planner.replay.can_replay`)."""
+    store_blocks: dict[str, dict[int, BlockCost]] = field(default_factory=dict)
+    """Block kind -> degree -> cost under policy ``store`` (activations kept, no recompute;
+    :func:`~oases_ds.planner.costmodel.stored_block_cost`), beside :attr:`blocks`, which are the
+    schedule's own policy ``oases``.  Empty: the table prices ``oases`` only (a table written
+    before policies, or a schedule that cannot store blocks), and every plan recomputes."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, ScheduleSpec):
@@ -320,6 +325,14 @@ class CostTable:
                 raise ValueError(
                     f"CostTable.blocks[{kind!r}] has degrees {sorted(by_degree)}, expected {list(self.degrees)}"
                 )
+        if self.store_blocks:
+            if not (self.schedule.name == "oases" and self.schedule.fine_grained_recompute):
+                raise ValueError(f"CostTable.store_blocks: schedule {self.schedule.label} cannot store blocks "
+                                 f"(policy store needs oases with fine_grained_recompute); leave store_blocks empty")
+            if sorted(self.store_blocks) != sorted(BLOCK_KINDS) or any(
+                    sorted(by_degree) != list(self.degrees) for by_degree in self.store_blocks.values()):
+                raise ValueError(f"CostTable.store_blocks must have kinds {list(BLOCK_KINDS)} at degrees "
+                                 f"{list(self.degrees)}, like CostTable.blocks")
         if self.bandwidth_gbps <= 0:
             raise ValueError(f"CostTable.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
         if not 0 <= self.fixed_bytes < math.inf:
@@ -346,15 +359,36 @@ class CostTable:
         """Kind of each block in execution order: attn0, mlp0, attn1, mlp1, ..."""
         return list(BLOCK_KINDS) * self.layers
 
+    def choices(self) -> list[tuple[int, str]]:
+        """Every (degree, policy) a block may take under this table: the solvers' states."""
+        return [(degree, policy) for policy in self.policies for degree in self.degrees]
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """The recomputation policies this table prices: ``oases`` and, with :attr:`store_blocks`, ``store``."""
+        return RECOMPUTE_POLICIES if self.store_blocks else ("oases",)
+
+    def block_cost(self, kind: str, degree: int, policy: str = "oases") -> BlockCost:
+        """The cost of a ``kind`` block at ``degree`` under ``policy``; a policy the table does not
+        price is one line saying how to get it."""
+        if policy == "oases":
+            return self.blocks[kind][degree]
+        if policy == "store" and self.store_blocks:
+            return self.store_blocks[kind][degree]
+        raise ValueError(f"table {self.key()} prices no policy {policy!r} (it prices {', '.join(self.policies)}); "
+                         f"profile again with planner.recompute=auto under schedule oases")
+
     def to_json(self, path: str | os.PathLike[str]) -> None:
         payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         payload["table_format"] = TABLE_FORMAT
         payload["degrees"] = list(self.degrees)
-        payload["schedule"] = dataclasses.asdict(self.schedule)
-        payload["blocks"] = {
-            kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
-            for kind, by_degree in self.blocks.items()
-        }
+        payload["schedule"] = {key: value for key, value in dataclasses.asdict(self.schedule).items()
+                               if key != "stored_blocks" or value}  # a profile's schedule stores none: the old layout
+        for name in ("blocks", "store_blocks"):
+            payload[name] = {
+                kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
+                for kind, by_degree in getattr(self, name).items()
+            }
         payload["op_profile"] = {str(degree): profile.to_dict() for degree, profile in self.op_profile.items()}
         write_json_atomic(path, payload, indent=2, sort_keys=True)
 
@@ -441,23 +475,24 @@ def _table_from_dict(data: dict[str, Any]) -> CostTable:
         raise ValueError(f"op_profile must map degrees (whole numbers) to profiles, got {profiles!r}")
     op_profile = {int(degree): DegreeProfile.from_dict(profile, f"op_profile.{degree}")
                   for degree, profile in profiles.items()}
-    blocks: dict[str, dict[int, BlockCost]] = {}
-    for kind, by_degree in data["blocks"].items():
-        if not isinstance(by_degree, dict):
-            raise ValueError(f"blocks.{kind} must map degrees to BlockCost objects, got {by_degree!r}")
-        blocks[kind] = {}
-        for degree, cost in by_degree.items():
-            if not str(degree).isdigit():
-                raise ValueError(f"blocks.{kind}: degree {degree!r} is not a whole number")
-            if isinstance(cost, dict) and "comm_fwd_last_ms" not in cost:
-                raise ValueError(f"a cost table of an older cost model (no comm_fwd_last_ms); "
-                                 f"profile again (version {COST_MODEL_VERSION})")
-            check_fields(cost, BlockCost, f"blocks.{kind}.{degree}")
-            blocks[kind][int(degree)] = BlockCost(**cost)
+    rows: dict[str, dict[str, dict[int, BlockCost]]] = {"blocks": {}, "store_blocks": {}}
+    for name, into in rows.items():
+        for kind, by_degree in data.get(name, {}).items():
+            if not isinstance(by_degree, dict):
+                raise ValueError(f"{name}.{kind} must map degrees to BlockCost objects, got {by_degree!r}")
+            into[kind] = {}
+            for degree, cost in by_degree.items():
+                if not str(degree).isdigit():
+                    raise ValueError(f"{name}.{kind}: degree {degree!r} is not a whole number")
+                if isinstance(cost, dict) and "comm_fwd_last_ms" not in cost:
+                    raise ValueError(f"a cost table of an older cost model (no comm_fwd_last_ms); "
+                                     f"profile again (version {COST_MODEL_VERSION})")
+                check_fields(cost, BlockCost, f"{name}.{kind}.{degree}")
+                into[kind][int(degree)] = BlockCost(**cost)
     overhead = data.get("collective_overhead_ms", {})
     if not isinstance(overhead, dict) or not all(str(k).isdigit() for k in overhead):
         raise ValueError(f"collective_overhead_ms must map group sizes (whole numbers) to ms, got {overhead!r}")
-    return CostTable(**{**data, "schedule": schedule, "blocks": blocks, "op_profile": op_profile,
+    return CostTable(**{**data, "schedule": schedule, **rows, "op_profile": op_profile,
                         "collective_overhead_ms": {int(k): float(v) for k, v in overhead.items()}})
 
 
@@ -504,7 +539,7 @@ def reshard_ms(table: CostTable, t_from: int, t_to: int) -> float:
     return table.sub_batches * (SLICE_MS + allgather_ms(table, ranks, gathered_bytes) + overhead)
 
 
-def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
+def edge_ms(table: CostTable, block: int, t_from: int, t_to: int, p_from: str = "oases", p_to: str = "oases") -> float:
     """Edge cost between block ``block`` at ``t_from`` and block ``block + 1`` at ``t_to``.
 
     Besides the reshard, it carries the collectives the node costs leave out
@@ -518,10 +553,11 @@ def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
 
     Only when both blocks run at the same degree: a reshard between them is a
     segment boundary of its own, so the collective is waited for in full, after
-    which the reshard's AllGather is charged as :func:`reshard_ms` says.
+    which the reshard's AllGather is charged as :func:`reshard_ms` says.  ``p_from`` /
+    ``p_to``: the blocks' recomputation policies (a stored block has no recompute to hide behind).
     """
     kinds = table.block_kinds()
-    here, there = table.blocks[kinds[block]][t_from], table.blocks[kinds[block + 1]][t_to]
+    here, there = table.block_cost(kinds[block], t_from, p_from), table.block_cost(kinds[block + 1], t_to, p_to)
     if t_from == t_to:
         sub_batches = table.sub_batches
         return (max(0.0, here.comm_fwd_last_ms - there.fwd_ms / sub_batches)
@@ -529,16 +565,16 @@ def edge_ms(table: CostTable, block: int, t_from: int, t_to: int) -> float:
     return reshard_ms(table, t_from, t_to) + here.comm_fwd_last_ms + there.comm_bwd_last_ms
 
 
-def first_block_ms(table: CostTable, degree: int) -> float:
+def first_block_ms(table: CostTable, degree: int, policy: str = "oases") -> float:
     """Edge from the embedding (always at the full degree T) into the first block.
 
     The embedding's compute is not in the table, so the first block's last backward
     collective is charged in full, as at a reshard."""
-    first = table.blocks[table.block_kinds()[0]][degree]
+    first = table.block_cost(table.block_kinds()[0], degree, policy)
     return reshard_ms(table, table.devices, degree) + first.comm_bwd_last_ms
 
 
-def last_block_ms(table: CostTable, degree: int) -> float:
+def last_block_ms(table: CostTable, degree: int, policy: str = "oases") -> float:
     """Edge from the last block into the head (always at the full degree T); see :func:`first_block_ms`."""
-    last = table.blocks[table.block_kinds()[-1]][degree]
+    last = table.block_cost(table.block_kinds()[-1], degree, policy)
     return reshard_ms(table, degree, table.devices) + last.comm_fwd_last_ms

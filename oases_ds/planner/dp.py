@@ -35,6 +35,10 @@ solve-time study, ``planner_solve_time.py``):
 Every prune uses a valid lower bound against a feasible plan's cost, so the plan
 returned is the exact optimum (up to a float slack of 1e-9 relative).
 
+A block's state is a (degree, recomputation policy) pair (:meth:`CostTable.choices
+<oases_ds.planner.costs.CostTable.choices>`): with a table that prices policy ``store``
+the graph has twice the columns and the same search runs on it unchanged.
+
 Measured by the solve-time study (``planner_solve_time.py``, its table in the dated
 report the benchmarks index names) against the ILP backends and the same search with
 the earlier DP's bounds (``bound="greedy"``: best uniform-per-kind plan, per-block
@@ -88,16 +92,19 @@ class _Chain:
 
     @classmethod
     def of(cls, table: CostTable) -> _Chain:
+        """Columns are the table's (degree, policy) choices (:meth:`CostTable.choices`): a policy is
+        one more state of a block, priced by its own row; the search does not tell them apart."""
         # Every layer shares one profile: build one layer (attn, mlp) and repeat it, and an
         # edge depends on its pair of kinds only, so edge_ms (the definition) runs once per pair.
-        kinds, degrees, layers = table.block_kinds(), table.degrees, table.layers
-        node = np.tile([[table.blocks[kind][t].step_ms for t in degrees] for kind in BLOCK_KINDS], (layers, 1))
-        node[0] += [first_block_ms(table, t) for t in degrees]
-        node[-1] += [last_block_ms(table, t) for t in degrees]
-        memory = np.tile([[table.blocks[kind][t].memory_bytes for t in degrees] for kind in BLOCK_KINDS], (layers, 1))
-        pairs = [[[edge_ms(table, block, a, t) for t in degrees] for a in degrees]
+        kinds, choices, layers = table.block_kinds(), table.choices(), table.layers
+        node = np.tile([[table.block_cost(kind, t, p).step_ms for t, p in choices] for kind in BLOCK_KINDS], (layers, 1))
+        node[0] += [first_block_ms(table, t, p) for t, p in choices]
+        node[-1] += [last_block_ms(table, t, p) for t, p in choices]
+        memory = np.tile([[table.block_cost(kind, t, p).memory_bytes for t, p in choices] for kind in BLOCK_KINDS],
+                         (layers, 1))
+        pairs = [[[edge_ms(table, block, a, t, pa, pt) for t, pt in choices] for a, pa in choices]
                  for block in range(min(len(BLOCK_KINDS), len(kinds) - 1))]  # attn -> mlp, mlp -> attn
-        edge = np.tile(pairs, (layers, 1, 1))[: len(kinds) - 1].reshape(len(kinds) - 1, len(degrees), len(degrees))
+        edge = np.tile(pairs, (layers, 1, 1))[: len(kinds) - 1].reshape(len(kinds) - 1, len(choices), len(choices))
         return cls(node, memory, edge)
 
     @property
@@ -279,7 +286,14 @@ class _Labels:
 
 
 def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bound: str = "lagrangian") -> list[int]:
-    """The degree of every block (attn0, mlp0, ...) in a minimum-cost plan within the limit.
+    """The degree of every block (attn0, mlp0, ...) in a minimum-cost plan within the limit
+    (:func:`optimal_block_choices` without the policies)."""
+    return [degree for degree, _ in optimal_block_choices(table, memory_limit_bytes, bound)]
+
+
+def optimal_block_choices(table: CostTable, memory_limit_bytes: float | None,
+                          bound: str = "lagrangian") -> list[tuple[int, str]]:
+    """The (degree, policy) of every block (attn0, mlp0, ...) in a minimum-cost plan within the limit.
 
     Raises :class:`~oases_ds.planner.plan.PlanInfeasibleError` when no plan fits.
     """
@@ -287,7 +301,7 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bo
         raise ValueError(f"bound={bound!r} unknown; choose one of {', '.join(BOUNDS)}")
     check_memory_feasible(table, memory_limit_bytes)
     chain = _Chain.of(table)
-    degrees = table.degrees
+    degrees = table.choices()  # the columns: "degree" below is a column index
     if memory_limit_bytes is None:  # one pass of the plain shortest path is the optimum
         return [degrees[i] for i in chain.priced(0.0)[1]]
     limit = block_memory_limit(table, memory_limit_bytes * (1 + MEMORY_REL_EPS))  # the rows' share: the table's constant is off
@@ -335,13 +349,15 @@ def optimal_block_degrees(table: CostTable, memory_limit_bytes: float | None, bo
 def solve_dp(table: CostTable, memory_limit_bytes: float | None, bound: str = "lagrangian") -> Plan:
     """Optimal plan by the label DP (same objective and limit as :func:`oases_ds.planner.ilp.solve`)."""
     started = time.perf_counter()
-    sequence = optimal_block_degrees(table, memory_limit_bytes, bound)
+    choices = optimal_block_choices(table, memory_limit_bytes, bound)
+    sequence, policies = [degree for degree, _ in choices], [policy for _, policy in choices]
     return Plan.from_block_degrees(
         sequence,
         table.devices,
-        predicted_step_ms=sequence_step_ms(table, sequence),
+        policies,
+        predicted_step_ms=sequence_step_ms(table, sequence, policies),
         solver_ms=(time.perf_counter() - started) * 1e3,
         solver_name="pareto-dp" if bound == "lagrangian" else f"pareto-dp-{bound}",
-        memory_bytes=sequence_memory_bytes(table, sequence),
+        memory_bytes=sequence_memory_bytes(table, sequence, policies),
         table_key=table.key(),
     )

@@ -87,27 +87,29 @@ def solve(
     solver.SetTimeLimit(int(time_limit_s * 1000))
 
     kinds = table.block_kinds()
-    degrees = table.degrees
-    choose = [{t: solver.BoolVar(f"choose_b{block}_t{t}") for t in degrees} for block in range(len(kinds))]
+    choices = table.choices()  # (degree, policy): a block takes exactly one
+    choose = [{c: solver.BoolVar(f"choose_b{block}_t{c[0]}_{c[1]}") for c in choices} for block in range(len(kinds))]
     for block, options in enumerate(choose):
         solver.Add(solver.Sum(options.values()) == 1, f"one_degree_b{block}")
 
     switch = []
     for block in range(len(kinds) - 1):
-        pairs = {(a, t): solver.NumVar(0.0, 1.0, f"switch_b{block}_{a}to{t}") for a in degrees for t in degrees}
-        for degree in degrees:
-            solver.Add(solver.Sum(pairs[degree, t] for t in degrees) == choose[block][degree])
-            solver.Add(solver.Sum(pairs[a, degree] for a in degrees) == choose[block + 1][degree])
+        pairs = {(a, c): solver.NumVar(0.0, 1.0, f"switch_b{block}_{a[0]}{a[1]}to{c[0]}{c[1]}")
+                 for a in choices for c in choices}
+        for choice in choices:
+            solver.Add(solver.Sum(pairs[choice, c] for c in choices) == choose[block][choice])
+            solver.Add(solver.Sum(pairs[a, choice] for a in choices) == choose[block + 1][choice])
         switch.append(pairs)
 
     last = len(kinds) - 1
     node_cost = solver.Sum(
-        (table.blocks[kind][t].step_ms + (first_block_ms(table, t) if block == 0 else 0.0)
-         + (last_block_ms(table, t) if block == last else 0.0)) * choose[block][t]
-        for block, kind in enumerate(kinds) for t in degrees
+        (table.block_cost(kind, *c).step_ms + (first_block_ms(table, *c) if block == 0 else 0.0)
+         + (last_block_ms(table, *c) if block == last else 0.0)) * choose[block][c]
+        for block, kind in enumerate(kinds) for c in choices
     )
     edge_cost = solver.Sum(
-        edge_ms(table, block, a, t) * var for block, pairs in enumerate(switch) for (a, t), var in pairs.items()
+        edge_ms(table, block, a[0], c[0], a[1], c[1]) * var
+        for block, pairs in enumerate(switch) for (a, c), var in pairs.items()
     )
     solver.Minimize(node_cost + edge_cost)
 
@@ -116,9 +118,9 @@ def solve(
         scale = max(memory_limit_bytes, 1.0)
         solver.Add(
             solver.Sum(
-                table.blocks[kind][t].memory_bytes / scale * choose[block][t]
+                table.block_cost(kind, *c).memory_bytes / scale * choose[block][c]
                 for block, kind in enumerate(kinds)
-                for t in degrees
+                for c in choices
             )
             <= block_memory_limit(table, memory_limit_bytes) / scale,
             "memory_limit",
@@ -127,8 +129,8 @@ def solve(
     if hint is not None:
         if len(hint) != len(kinds):
             raise ValueError(f"hint has {len(hint)} block degrees, the table has {len(kinds)} blocks")
-        solver.SetHint([choose[b][t] for b in range(len(kinds)) for t in degrees],
-                       [float(hint[b] == t) for b in range(len(kinds)) for t in degrees])
+        solver.SetHint([choose[b][c] for b in range(len(kinds)) for c in choices],
+                       [float(hint[b] == c[0] and c[1] == "oases") for b in range(len(kinds)) for c in choices])
 
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 0.0)
@@ -140,13 +142,15 @@ def solve(
             f"(time_limit_s={time_limit_s}) for {table.key()}, {table.layers} layers"
         )
 
-    block_degrees = [max(options, key=lambda t: options[t].solution_value()) for options in choose]
+    picked = [max(options, key=lambda c: options[c].solution_value()) for options in choose]
+    block_degrees, block_policies = [c[0] for c in picked], [c[1] for c in picked]
     return Plan.from_block_degrees(
         block_degrees,
         table.devices,
+        block_policies,
         predicted_step_ms=solver.Objective().Value(),
         solver_ms=solver_ms,
         solver_name=f"ortools-{backend}",
-        memory_bytes=sequence_memory_bytes(table, block_degrees),
+        memory_bytes=sequence_memory_bytes(table, block_degrees, block_policies),
         table_key=table.key(),
     )

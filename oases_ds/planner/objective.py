@@ -25,22 +25,35 @@ def fits_memory(memory_bytes: float, memory_limit_bytes: float | None) -> bool:
     return memory_limit_bytes is None or memory_bytes <= memory_limit_bytes * (1 + MEMORY_REL_EPS)
 
 
-def sequence_step_ms(table: CostTable, block_degrees: Sequence[int]) -> float:
-    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...): node costs, the
-    edges between neighbouring blocks, and the edges from the embedding and into the head."""
-    nodes = sum(table.blocks[kind][degree].step_ms for kind, degree in zip(table.block_kinds(), block_degrees))
-    edges = sum(edge_ms(table, i, a, b) for i, (a, b) in enumerate(zip(block_degrees, block_degrees[1:])))
-    ends = first_block_ms(table, block_degrees[0]) + last_block_ms(table, block_degrees[-1])
+def _policies(table: CostTable, block_degrees: Sequence[int], block_policies: Sequence[str] | None) -> Sequence[str]:
+    policies = block_policies if block_policies is not None else ["oases"] * len(block_degrees)
+    if len(policies) != len(block_degrees):
+        raise ValueError(f"{len(policies)} block policies for {len(block_degrees)} block degrees")
+    return policies
+
+
+def sequence_step_ms(table: CostTable, block_degrees: Sequence[int], block_policies: Sequence[str] | None = None) -> float:
+    """Objective of a block-degree sequence (attn0, mlp0, attn1, ...), each block under its policy
+    (``None``: every block ``oases``): node costs, the edges between neighbouring blocks, and the
+    edges from the embedding and into the head."""
+    policies = _policies(table, block_degrees, block_policies)
+    kinds = table.block_kinds()
+    nodes = sum(table.block_cost(kind, degree, policy).step_ms for kind, degree, policy in zip(kinds, block_degrees, policies))
+    edges = sum(edge_ms(table, i, block_degrees[i], block_degrees[i + 1], policies[i], policies[i + 1])
+                for i in range(len(block_degrees) - 1))
+    ends = first_block_ms(table, block_degrees[0], policies[0]) + last_block_ms(table, block_degrees[-1], policies[-1])
     return nodes + edges + ends
 
 
-def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int]) -> float:
-    """Per-device memory of a block-degree sequence: the table's constant plus each block's row."""
-    return table.fixed_bytes + sum(table.blocks[kind][degree].memory_bytes for kind, degree in zip(table.block_kinds(), block_degrees))
+def sequence_memory_bytes(table: CostTable, block_degrees: Sequence[int], block_policies: Sequence[str] | None = None) -> float:
+    """Per-device memory of a block-degree sequence: the table's constant plus each block's row (under its policy)."""
+    policies = _policies(table, block_degrees, block_policies)
+    return table.fixed_bytes + sum(table.block_cost(kind, degree, policy).memory_bytes
+                                   for kind, degree, policy in zip(table.block_kinds(), block_degrees, policies))
 
 
 def check_plan_fits_table(table: CostTable, plan: Plan) -> None:
-    """A plan priced by ``table`` must have its devices and layers and use only profiled degrees."""
+    """A plan priced by ``table`` must have its devices and layers and use only profiled degrees and priced policies."""
     if plan.devices != table.devices or plan.layers != table.layers:
         raise ValueError(
             f"plan is for devices={plan.devices}, layers={plan.layers}; "
@@ -48,17 +61,20 @@ def check_plan_fits_table(table: CostTable, plan: Plan) -> None:
         )
     if unprofiled := sorted(set(plan.block_degrees()) - set(table.degrees)):
         raise ValueError(f"plan uses degrees {unprofiled} not profiled in table {table.key()}")
+    if unpriced := sorted(set(plan.block_policies()) - set(table.policies)):
+        raise ValueError(f"plan uses policies {unpriced} the table {table.key()} does not price "
+                         f"(it prices {', '.join(table.policies)})")
 
 
 def predict_step_ms(table: CostTable, plan: Plan) -> float:
-    """Predicted step time of ``plan``: what the ILP minimises."""
+    """Predicted step time of ``plan``: what the solvers minimise."""
     check_plan_fits_table(table, plan)
-    return sequence_step_ms(table, plan.block_degrees())
+    return sequence_step_ms(table, plan.block_degrees(), plan.block_policies())
 
 
 def predict_memory_bytes(table: CostTable, plan: Plan) -> float:
     check_plan_fits_table(table, plan)
-    return sequence_memory_bytes(table, plan.block_degrees())
+    return sequence_memory_bytes(table, plan.block_degrees(), plan.block_policies())
 
 
 def block_memory_limit(table: CostTable, memory_limit_bytes: float) -> float:
@@ -76,7 +92,8 @@ def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) ->
     """
     if memory_limit_bytes is None:
         return
-    minimum = table.fixed_bytes + sum(min(cost.memory_bytes for cost in table.blocks[kind].values()) for kind in table.block_kinds())
+    minimum = table.fixed_bytes + sum(min(table.block_cost(kind, degree, policy).memory_bytes for degree, policy in table.choices())
+                                      for kind in table.block_kinds())
     if minimum > memory_limit_bytes:
         raise PlanInfeasibleError(
             f"no plan fits: the minimum memory any plan needs is {minimum:.6g} bytes per device, "
@@ -85,19 +102,25 @@ def check_memory_feasible(table: CostTable, memory_limit_bytes: float | None) ->
 
 
 def brute_force(table: CostTable, memory_limit_bytes: float | None) -> Plan:
-    """Exhaustive search, exponential in blocks: only the test oracle for small tables."""
+    """Exhaustive search over every block's (degree, policy), exponential in blocks: only the
+    test oracle for small tables."""
     check_memory_feasible(table, memory_limit_bytes)
+
+    def split(sequence: tuple[tuple[int, str], ...]) -> tuple[list[int], list[str]]:
+        return [degree for degree, _ in sequence], [policy for _, policy in sequence]
+
     feasible = (
         sequence
-        for sequence in itertools.product(table.degrees, repeat=2 * table.layers)
-        if fits_memory(sequence_memory_bytes(table, sequence), memory_limit_bytes)
+        for sequence in itertools.product(table.choices(), repeat=2 * table.layers)
+        if fits_memory(sequence_memory_bytes(table, *split(sequence)), memory_limit_bytes)
     )
-    best = min(feasible, key=lambda sequence: sequence_step_ms(table, sequence))
+    degrees, policies = split(min(feasible, key=lambda sequence: sequence_step_ms(table, *split(sequence))))
     return Plan.from_block_degrees(
-        best,
+        degrees,
         table.devices,
-        predicted_step_ms=sequence_step_ms(table, best),
+        policies,
+        predicted_step_ms=sequence_step_ms(table, degrees, policies),
         solver_name="brute_force",
-        memory_bytes=sequence_memory_bytes(table, best),
+        memory_bytes=sequence_memory_bytes(table, degrees, policies),
         table_key=table.key(),
     )

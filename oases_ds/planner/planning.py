@@ -26,6 +26,7 @@ from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.memory import MemoryEstimate, estimate_memory, memory_lines
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
+from oases_ds.planner.policies import RECOMPUTE_CHOICES, with_store_costs
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile
 from oases_ds.planner.replay import can_replay, rank_by_replay
 from oases_ds.planner.stages import PipelineSpec, StagePlan, even_split, p2p_ms, plan_split, plan_stages
@@ -83,6 +84,9 @@ class PlanRequest:
         solver / backend / time_limit_s: the solver (:data:`SOLVERS`) and, for the ILP, OR-Tools'.
         memory_limit_bytes: per-device bound (``None``: unbounded).
         pipeline: pipeline stages to plan (``None`` or one stage: one TMP group).
+        recompute: ``oases`` (every block recomputed, the paper's schedule) or ``auto`` (the solver
+            chooses each block's policy, ``store`` or ``oases``, with its degree: what the memory
+            limit leaves room to store is stored; :mod:`oases_ds.planner.policies`).
     """
 
     profile: ProfileSpec | None
@@ -97,9 +101,12 @@ class PlanRequest:
     time_limit_s: float = 60.0
     memory_limit_bytes: float | None = None
     pipeline: PipelineRequest | None = None
+    recompute: str = "oases"
 
     def __post_init__(self) -> None:
         check_source(self.cost, self.table_path)
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"planner.recompute={self.recompute!r} unknown; choose one of {', '.join(RECOMPUTE_CHOICES)}")
         if self.solver not in SOLVERS:
             raise ValueError(f"planner.solver={self.solver!r} unknown; choose one of {', '.join(SOLVERS)}")
         if self.profile is None and not self.table_path:
@@ -162,7 +169,22 @@ class PlanResult:
 
 def load_table(request: PlanRequest) -> LoadedTable:
     """The cost table the request names: read from ``table_path``, computed (``cost="analytic"``), or
-    profiled (reused from ``cache_dir`` when a table of the same key is there)."""
+    profiled (reused from ``cache_dir`` when a table of the same key is there); with
+    ``recompute="auto"``, with its ``store`` costs (:func:`~oases_ds.planner.policies.with_store_costs`)."""
+    loaded = _load_oases_table(request)
+    if request.recompute != "auto" or loaded.table.store_blocks:
+        return loaded
+    if request.profile is None:
+        raise ValueError(f"planner.recompute=auto: the table {request.table_path} prices no policy store and "
+                         f"table= describes no model to derive it for; plan from the model (drop table=) or "
+                         f"with planner.recompute=oases")
+    spec = request.profile
+    dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
+    table = with_store_costs(loaded.table, spec.model, spec.micro_batch, dtype)
+    return LoadedTable(table, f"{loaded.source}; policy store priced from it")
+
+
+def _load_oases_table(request: PlanRequest) -> LoadedTable:
     if request.table_path:
         table = read_input("table", request.table_path, CostTable.from_json, "give a cost-table JSON written by oases-plan")
         if request.layers is not None:
@@ -199,8 +221,9 @@ def best_uniform(table: CostTable, limit: float | None,
     """(degree, predicted ms) of the fastest same-degree-everywhere plan that fits, or None;
     from ``replayed`` (:func:`~oases_ds.planner.replay.rank_by_replay` priced every uniform plan
     that fits, as the plan it is compared with) where given, else the additive objective."""
-    if replayed is not None:
-        options = [(ms, plan.attn_degrees[0]) for plan, ms in replayed if len(set(plan.block_degrees())) == 1]
+    if replayed is not None:  # the paper's baseline: one degree, every block recomputed
+        options = [(ms, plan.attn_degrees[0]) for plan, ms in replayed
+                   if len(set(plan.block_degrees())) == 1 and not plan.stored_blocks()]
     else:
         options = []
         for degree in table.degrees:
@@ -230,8 +253,9 @@ def make_plan(request: PlanRequest, loaded: LoadedTable | None = None) -> PlanRe
     if not request.table_path and request.profile is not None:  # a table file's model is not the request's
         spec = request.profile
         dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
+        schedule = dataclasses.replace(spec.schedule, stored_blocks=plan.stored_blocks())
         memory = estimate_memory(dataclasses.replace(spec.model, num_layers=table.layers), plan.attn_degrees,
-                                 plan.mlp_degrees, plan.devices, spec.micro_batch, spec.schedule, dtype)
+                                 plan.mlp_degrees, plan.devices, spec.micro_batch, schedule, dtype)
     return PlanResult(loaded, plan, replayed, best_uniform(table, limit, replayed), memory)
 
 
@@ -258,8 +282,15 @@ def _limit_text(limit: float | None, digits: int) -> str:
     return "unbounded" if limit is None else f"limit {limit / 2**20:.{digits}f} MiB"
 
 
-def _describe(degrees: Any) -> str:
-    return ",".join(str(d) for d in degrees)
+def _describe(degrees: Any, policies: Any = None) -> str:
+    """Degrees as ``2,4,2``; a stored block's with ``s`` (``2s``)."""
+    policies = policies if policies is not None else ["oases"] * len(degrees)
+    return ",".join(f"{d}{'s' if p == 'store' else ''}" for d, p in zip(degrees, policies))
+
+
+def _blocks(plan: Plan) -> str:
+    policies = plan.block_policies()
+    return f"{_describe(plan.attn_degrees, policies[0::2])} / {_describe(plan.mlp_degrees, policies[1::2])}"
 
 
 def result_lines(result: PlanResult, request: PlanRequest) -> list[str]:
@@ -271,12 +302,15 @@ def plan_lines(result: PlanResult, request: PlanRequest) -> list[str]:
     """The replayed candidates, the plan as the paper's Table II, its step and memory, the best uniform plan."""
     plan, lines = result.plan, []
     if result.replayed is not None:
-        lines.append(f"replayed steps (cost model {COST_MODEL_VERSION}), attn / mlp degrees: " + "; ".join(
-            f"{_describe(p.attn_degrees)} / {_describe(p.mlp_degrees)} {ms:.3f} ms" for p, ms in result.replayed))
+        stored = " (s: block stored)" if any(p.stored_blocks() for p, _ in result.replayed) else ""
+        lines.append(f"replayed steps (cost model {COST_MODEL_VERSION}), attn / mlp degrees{stored}: " + "; ".join(
+            f"{_blocks(p)} {ms:.3f} ms" for p, ms in result.replayed))
+    limit = request.memory_limit_bytes
+    unused = "" if limit is None else f", {(limit - plan.memory_bytes) / 2**20:.3f} MiB of it unused"
     lines += [f"plan ({plan.solver_name}, solved in {plan.solver_ms:.1f} ms):",
               *(f"  {row}" for row in plan.as_table().splitlines()),
               f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device "
-              f"({_limit_text(request.memory_limit_bytes, 3)})"]
+              f"({_limit_text(limit, 3)}{unused})"]
     if result.memory is not None:
         lines += memory_lines(result.memory)
     if result.best_uniform is None:

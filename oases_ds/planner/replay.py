@@ -38,6 +38,8 @@ without them is priced additively (:func:`can_replay`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import re
 from dataclasses import dataclass, field
@@ -202,7 +204,7 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
             comm_bytes[i], ranks[i] = profile.payload_bytes, degree
     costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
                     ranks=ranks, kind=kind, default_ranks=devices)
-    program = build_schedule(table.schedule, ops)
+    program = build_schedule(dataclasses.replace(table.schedule, stored_blocks=plan.stored_blocks()), ops)
     issue = collective_issue_ms(table) if overhead else {}
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
     issued = [ranks[ins.op] for ins in program.instructions
@@ -239,21 +241,26 @@ def rank_by_replay(table: CostTable, solved: Plan,
     few plans a user would otherwise compare by hand.  The returned plan carries its
     replayed step as ``predicted_step_ms`` and ``"<solver>+replay"`` as its solver when
     a uniform plan beat the solver's."""
+    blocks = 2 * table.layers
     candidates = [solved] + [Plan.uniform(table.devices, table.layers, d) for d in table.degrees]
-    seen: set[tuple[int, ...]] = set()
+    if "store" in table.policies:  # and every degree with every block stored
+        candidates += [Plan.from_block_degrees([d] * blocks, table.devices, ["store"] * blocks, solver_name="uniform")
+                       for d in table.degrees]
+    seen: set[tuple] = set()
     priced: list[tuple[Plan, float]] = []
     for plan in candidates:
-        blocks = tuple(plan.block_degrees())
-        if blocks in seen or not fits_memory(predict_memory_bytes(table, plan), memory_limit_bytes):
+        key = (tuple(plan.block_degrees()), tuple(plan.block_policies()))
+        if key in seen or not fits_memory(predict_memory_bytes(table, plan), memory_limit_bytes):
             continue
-        seen.add(blocks)
+        seen.add(key)
         priced.append((plan, replay_plan(table, plan).step_ms))
     priced.sort(key=lambda pair: pair[1])
     best, ms = priced[0]
-    same = tuple(best.block_degrees()) == tuple(solved.block_degrees())
-    chosen = Plan(best.attn_degrees, best.mlp_degrees, table.devices, predicted_step_ms=ms,
-                  solver_ms=solved.solver_ms, solver_name=solved.solver_name if same else f"{solved.solver_name}+replay",
-                  memory_bytes=predict_memory_bytes(table, best), table_key=solved.table_key)
+    same = (best.block_degrees(), best.block_policies()) == (solved.block_degrees(), solved.block_policies())
+    chosen = Plan.from_block_degrees(best.block_degrees(), table.devices, best.block_policies(), predicted_step_ms=ms,
+                                     solver_ms=solved.solver_ms,
+                                     solver_name=solved.solver_name if same else f"{solved.solver_name}+replay",
+                                     memory_bytes=predict_memory_bytes(table, best), table_key=solved.table_key)
     return chosen, priced
 
 

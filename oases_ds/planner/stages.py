@@ -62,7 +62,7 @@ from typing import Sequence
 
 import numpy as np
 
-from oases_ds.planner.costs import BLOCK_KINDS, CostTable
+from oases_ds.planner.costs import BLOCK_KINDS, BlockCost, CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.objective import fits_memory, sequence_memory_bytes, sequence_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
@@ -135,22 +135,27 @@ def stage_table(table: CostTable, pipeline: PipelineSpec, stage: int, layers: in
     micro-batches in flight there, gradient all-reduce / m, and its role's constant."""
     k, m = pipeline.in_flight(stage), pipeline.micro_batches
     role = pipeline.role(stage)
-    blocks = {kind: {t: dataclasses.replace(cost, act_bytes=cost.act_bytes * k, grad_sync_ms=cost.grad_sync_ms / m)
-                     for t, cost in by_degree.items()} for kind, by_degree in table.blocks.items()}
+    def scaled(rows: dict[str, dict[int, BlockCost]]) -> dict[str, dict[int, BlockCost]]:
+        return {kind: {t: dataclasses.replace(cost, act_bytes=cost.act_bytes * k, grad_sync_ms=cost.grad_sync_ms / m)
+                       for t, cost in by_degree.items()} for kind, by_degree in rows.items()}
+
     fixed = table.fixed_bytes if role == "only" else table.stage_fixed_bytes.get(role, table.fixed_bytes)
-    return dataclasses.replace(table, blocks=blocks, layers=layers, fixed_bytes=fixed)
+    return dataclasses.replace(table, blocks=scaled(table.blocks), store_blocks=scaled(table.store_blocks),
+                               layers=layers, fixed_bytes=fixed)
 
 
-def stage_step_ms(table: CostTable, pipeline: PipelineSpec, stage: int, block_degrees: Sequence[int]) -> float:
-    """``t_s``: stage ``stage``'s time per micro-batch with these block degrees (attn, mlp, ...)."""
+def stage_step_ms(table: CostTable, pipeline: PipelineSpec, stage: int, block_degrees: Sequence[int],
+                  block_policies: Sequence[str] | None = None) -> float:
+    """``t_s``: stage ``stage``'s time per micro-batch with these block degrees (attn, mlp, ...) and policies."""
     inner = stage_table(table, pipeline, stage, len(block_degrees) // len(BLOCK_KINDS))
-    return sequence_step_ms(inner, block_degrees) + pipeline.extra_ms(stage)
+    return sequence_step_ms(inner, block_degrees, block_policies) + pipeline.extra_ms(stage)
 
 
-def stage_memory_bytes(table: CostTable, pipeline: PipelineSpec, stage: int, block_degrees: Sequence[int]) -> float:
-    """Per-device memory bound of stage ``stage`` with these block degrees (module doc)."""
+def stage_memory_bytes(table: CostTable, pipeline: PipelineSpec, stage: int, block_degrees: Sequence[int],
+                       block_policies: Sequence[str] | None = None) -> float:
+    """Per-device memory bound of stage ``stage`` with these block degrees and policies (module doc)."""
     inner = stage_table(table, pipeline, stage, len(block_degrees) // len(BLOCK_KINDS))
-    return sequence_memory_bytes(inner, block_degrees)
+    return sequence_memory_bytes(inner, block_degrees, block_policies)
 
 
 @dataclass(frozen=True)
@@ -190,11 +195,15 @@ class StagePlan:
     def block_degrees(self) -> list[int]:
         return [t for stage in self.stages for t in stage.plan.block_degrees()]
 
+    def block_policies(self) -> list[str]:
+        return [p for stage in self.stages for p in stage.plan.block_policies()]
+
     def to_plan(self, table: CostTable) -> Plan:
-        """The whole model's plan (every layer's degrees, stages concatenated) carrying the
-        split, each stage's time and memory: what ``oases-plan`` writes."""
+        """The whole model's plan (every layer's degrees and policies, stages concatenated) carrying
+        the split, each stage's time and memory: what ``oases-plan`` writes."""
         return Plan.from_block_degrees(
-            self.block_degrees(), table.devices, predicted_step_ms=self.step_ms, solver_ms=self.solver_ms,
+            self.block_degrees(), table.devices, self.block_policies(), predicted_step_ms=self.step_ms,
+            solver_ms=self.solver_ms,
             solver_name=self.solver_name, memory_bytes=max(stage.memory_bytes for stage in self.stages),
             table_key=table.key(), stage_layers=tuple(self.layer_counts()),
             stage_step_ms=tuple(stage.step_ms for stage in self.stages),
@@ -283,9 +292,9 @@ def _assemble(table: CostTable, pipeline: PipelineSpec, plans: list[Plan], start
     (:func:`stage_step_ms`, :func:`stage_memory_bytes`, :func:`pipeline_step_ms`)."""
     stages, first = [], 0
     for stage, plan in enumerate(plans):
-        degrees = plan.block_degrees()
-        stages.append(Stage(stage, first, plan, stage_step_ms(table, pipeline, stage, degrees),
-                            stage_memory_bytes(table, pipeline, stage, degrees), pipeline.in_flight(stage)))
+        degrees, policies = plan.block_degrees(), plan.block_policies()
+        stages.append(Stage(stage, first, plan, stage_step_ms(table, pipeline, stage, degrees, policies),
+                            stage_memory_bytes(table, pipeline, stage, degrees, policies), pipeline.in_flight(stage)))
         first += plan.layers
     step = pipeline_step_ms([s.step_ms for s in stages], pipeline.micro_batches)
     return StagePlan(pipeline, tuple(stages), step, (time.perf_counter() - started) * 1e3, solver_name)

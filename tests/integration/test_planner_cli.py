@@ -78,3 +78,23 @@ def test_profile_then_plan_with_a_real_profile(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "| reused " in second.stdout
     assert Plan.from_json(tmp_path / "plan.json").devices == 2
+
+
+def test_oases_plan_with_auto_recompute_prints_and_writes_each_blocks_policy(tmp_path):
+    """``planner.recompute=auto`` on an analytic table (nothing launched): a limit between the
+    all-recompute and the all-store plan's memory gives a mix, printed per block and written into
+    the plan JSON that oases-train reads; ``planner.recompute`` unknown is one line."""
+    from oases_ds.planner.plan import Plan
+
+    out = tmp_path / "plan.json"
+    args = ("cost=analytic", "model=gpt_39_1b", "cluster=eth_25g", "devices=8", "micro_batch=4", "layers=4",
+            "planner.min_degree=4", "planner.recompute=auto", f"out={out}")
+    done = plan_cli(*args, "memory_limit=11GiB")  # oases-plan prints: leanest plan 10.26 GiB, every MLP stored 11.26 GiB
+    assert done.returncode == 0, done.stderr
+    plan = Plan.from_json(out)
+    assert "store" in plan.block_policies() and "oases" in plan.block_policies(), done.stdout
+    assert any(line.strip().startswith("layers") and "store" in line for line in done.stdout.splitlines())
+    assert "MiB of it unused" in done.stdout
+    bad = plan_cli(*args, "planner.recompute=always")
+    assert bad.returncode != 0
+    assert "planner.recompute='always' unknown; choose one of oases, auto" in bad.stderr.strip().splitlines()[-1]

@@ -124,14 +124,16 @@ def test_a_plan_refuses_bad_policies_in_one_line(kwargs, message):
         Plan((2, 2), (2, 2), devices=2, **kwargs)
 
 
-def test_the_config_stores_the_plans_blocks_or_refuses_a_schedule_that_cannot(tmp_path):
+def test_the_engine_stores_the_plans_blocks_or_refuses_a_schedule_that_cannot(tmp_path):
     from oases_ds.config import OasesConfigError, parse_oases_section
+    from oases_ds.engine import planned_schedule
 
     path = tmp_path / "plan.json"
     Plan((2, 2), (2, 2), devices=2, attn_policies=("store", "oases"), mlp_policies=("oases", "store")).to_json(path)
     oases = parse_oases_section({"enabled": True, "tensor_parallel_size": 2, "plan": str(path)})
-    assert oases.schedule_spec() == ScheduleSpec("oases", stored_blocks=(0, 3))
+    assert planned_schedule(oases) == ScheduleSpec("oases", stored_blocks=(0, 3))
+    assert oases.schedule_spec().stored_blocks == ()  # the flat keys alone store nothing
     megatron = parse_oases_section({"enabled": True, "tensor_parallel_size": 2, "plan": str(path), "schedule": "megatron"})
     with pytest.raises(OasesConfigError, match=r"^oases.plan=.*plan.json stores 2 blocks' activations \(policy store\), "
                                                r"which only schedule=oases with fine_grained_recompute=true runs"):
-        megatron.schedule_spec()
+        planned_schedule(megatron)
