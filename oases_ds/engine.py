@@ -111,20 +111,21 @@ USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule:
                    "engine.eval() or under torch.no_grad())")
 
 
-def planned_schedule(oases: OasesConfig) -> ScheduleSpec:
+def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec:
     """``oases.schedule_spec()`` storing the blocks ``oases.plan`` gives policy ``store``
     (:meth:`Plan.stored_blocks <oases_ds.planner.plan.Plan.stored_blocks>`): what the executor runs.
     A plan that stores blocks under a schedule that cannot store them is an
-    :class:`OasesConfigError` naming both and the fix."""
+    :class:`OasesConfigError` naming both and the fix (``prefix``: how it names the plan key,
+    ``oases.`` in a DeepSpeed JSON, nothing on the ``oases-train`` line)."""
     spec = oases.schedule_spec()
     if not oases.plan:
         return spec
     try:
         stored = Plan.from_json(oases.plan).stored_blocks()
     except (OSError, ValueError) as err:
-        raise OasesConfigError(f"oases.plan={oases.plan}: {err}") from None
+        raise OasesConfigError(f"{prefix}plan={oases.plan}: {err}") from None
     if stored and not (spec.name == "oases" and spec.fine_grained_recompute):
-        raise OasesConfigError(f"oases.plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
+        raise OasesConfigError(f"{prefix}plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
                                f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
                                f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
                                f"use that schedule or a plan without store policies")

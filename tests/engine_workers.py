@@ -111,6 +111,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     eval_loss = float(start_all_reduce(engine(mine).detach(), ctx.dp_group).wait()) / ctx.dp_size
     reducer = engine.dp_reducer
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "global_steps": engine.global_steps,
+            "stored_blocks": engine.schedule.stored_blocks,
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
             "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
             "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,

@@ -120,6 +120,7 @@ def lightning_runs(work_dir: str) -> dict:
             "gas": engine.gradient_accumulation_steps(), "micro": engine.train_micro_batch_size_per_gpu(),
             "prog_bar": sorted(trainer.progress_bar_metrics), "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
             "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
+            "stored_blocks": tuple(engine.schedule.stored_blocks),
         }
 
     assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the seed"
@@ -131,6 +132,15 @@ def lightning_runs(work_dir: str) -> dict:
     # global batch), through its portable state
     run("resumed_tmp1", OasesStrategy(tensor_parallel_size=1, seed=SEED), Record(), batch_size=MICRO // 2, ckpt_path=ckpt)
     run("accumulate", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), batch_size=MICRO // 2, accumulate=2)
+    # a plan with recomputation policies (every block at degree 2; attn0 and mlp1 stored, as
+    # oases-plan planner.recompute=auto writes them): the same trajectory as "trainer"
+    from oases_ds.planner.plan import Plan
+
+    plan = os.path.join(work_dir, "policies.json")
+    if int(os.environ.get("RANK", "0")) == 0:
+        Plan((2, 2), (2, 2), devices=2, attn_policies=("store", "oases"), mlp_policies=("oases", "store")).to_json(plan)
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    run("planned", OasesStrategy(tensor_parallel_size=2, seed=SEED, plan=plan), Record())
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
            "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,

@@ -220,6 +220,12 @@ def validate(cfg: dict) -> None:
         except OasesConfigError as err:
             raise ValueError(str(err)) from None
         replicas = plan.devices // min(plan.block_degrees())
+        from oases_ds.engine import planned_schedule  # DeepSpeed loads here, where the run needs it anyway
+
+        try:  # store policies need a schedule that stores blocks: refused here, not on every rank
+            planned_schedule(oases, prefix="")
+        except OasesConfigError as err:
+            raise ValueError(str(err)) from None
     sub_batches = oases.schedule_spec().effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"

@@ -45,6 +45,15 @@ def test_trainer_matches_the_engine_driven_directly(runs):
     assert trainer["logged"]["tmp_bytes"] > 0  # strategy="oases", devices=2 shards the model (TMP 1 would send none)
 
 
+def test_a_plan_with_store_policies_trains_the_same_trajectory(runs):
+    """Trainer(strategy=OasesStrategy(plan=...)) with attn0 and mlp1 stored: the engine's schedule
+    stores exactly those blocks, and storing instead of recomputing changes no number."""
+    planned, trainer = runs["planned"], runs["trainer"]
+    assert planned["stored_blocks"] == (0, 3) and trainer["stored_blocks"] == ()
+    assert planned["losses"] == pytest.approx(trainer["losses"], rel=TOL)
+    assert_params_close(planned["params"], trainer["params"])
+
+
 def test_validation_runs_through_eval_batch(runs):
     assert len(runs["trainer"]["val_losses"]) == lw.EPOCHS
     assert runs["trainer"]["val_losses"] == pytest.approx(runs["direct"]["val_losses"], rel=TOL)

@@ -72,6 +72,25 @@ def test_train_with_a_plan_file(tmp_path):
 
 
 @pytest.mark.distributed
+def test_train_with_a_plan_that_stores_blocks(tmp_path):
+    """A plan from ``oases-plan planner.recompute=auto`` (attn0 and mlp1 stored) trains as any plan;
+    under a schedule that cannot store blocks it is one line before any rank starts."""
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 1), (1, 2), devices=2, attn_policies=("store", "oases"), mlp_policies=("oases", "store")).to_json(path)
+    proc = run("model=gpt_tiny", "steps=3", f"plan={path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 3 steps" in proc.stdout
+    wrong = run("model=gpt_tiny", "steps=3", f"plan={path}", "schedule=megatron", timeout=120)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines()[-1] == (
+        f"error: plan={path} stores 2 blocks' activations (policy store), which only schedule=oases with "
+        f"fine_grained_recompute=true runs; this run has schedule=megatron, fine_grained_recompute=true: use that "
+        f"schedule or a plan without store policies")
+
+
+@pytest.mark.distributed
 def test_a_clean_run_prints_only_its_own_lines(tmp_path):
     # DeepSpeed's WarmupLR warned "Attempting to get learning rate from scheduler before it has
     # started" once per rank at every start; a rank's teardown could print "terminate called
