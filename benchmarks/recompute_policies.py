@@ -9,10 +9,16 @@ collectives), all three replayed over the same analytic per-op costs
 the plan closes.  Limits are the planner's own memory bound of the two uniform plans (the bound the
 solver holds a plan to); each plan's replayed peak (:func:`~oases_ds.planner.memory.estimate_memory`)
 is printed beside it.  Nothing is measured: this is the cost model's prediction for a cluster this
-machine is not.  The measured h1024 counterpart on the emulated link is not in this script.
+machine is not.
+
+``--measure``: the same table measured here (:mod:`oases_ds.bench.policies`): LLaMA h1024, 4 layers,
+seq 512, micro-batch 4, fp32, TMP 2 gloo ranks, link EMULATED at 1 Gbit/s; limits are the measured
+peaks of the all-store and all-recompute plans and their midpoint; steps interleaved in one launch.
 
     python benchmarks/recompute_policies.py                 # 48 layers, writes benchmarks/results/recompute_policies_analytic.json
     python benchmarks/recompute_policies.py --layers 8 --out /tmp/r.json
+    python benchmarks/recompute_policies.py --measure       # h1024 measured (~15 min), results/recompute_policies_measured.json
+    python benchmarks/recompute_policies.py --measure --quick --out /tmp/q.json   # h128: the path only, numbers mean nothing
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from oases_ds.utils.io import write_json_atomic  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "oases_ds", "configs")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_analytic.json")
+MEASURED_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_measured.json")
 
 
 def _yaml(group: str, name: str) -> dict:
@@ -114,8 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--min-degree", type=int, default=4)
     parser.add_argument("--cluster", default="pcie_3090")
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--measure", action="store_true", help="measure here (EMULATED link) instead of simulating")
+    parser.add_argument("--quick", action="store_true", help="with --measure: h128 dims, checks the path")
+    parser.add_argument("--gbps", type=float, default=1.0, help="with --measure: the emulated link")
     args = parser.parse_args(argv)
+    if args.measure:
+        return measured(args)
+    args.out = args.out or DEFAULT_OUT
     result = run(args.layers, args.devices, args.micro_batch, args.min_degree, args.cluster)
     write_json_atomic(args.out, result, indent=2)
     mib = 2**20
@@ -133,6 +146,28 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['planned_over_none']:6.3f} {share(r['gap_closed']):>12} {share(r['gap_closed_vs_store_all']):>13} "
               f"{r['plan_bound_bytes'] / mib:10.0f} {r['plan_replayed_peak_bytes'] / mib:12.0f}")
     print(f"wrote {args.out}")
+
+
+def measured(args: argparse.Namespace) -> None:
+    from oases_ds.bench import e2e
+    from oases_ds.bench.policies import measure
+
+    out = args.out or MEASURED_OUT
+    model = e2e.QUICK_MODEL if args.quick else e2e.FULL_MODEL
+    result = measure(model, gbps=args.gbps, cache_dir=None if args.quick else ".oases/profiles")
+    write_json_atomic(out, result, indent=2)
+    mib = 2**20
+    print(f"{result['what']}; {result['table_source']}; {result['wall_s']:.0f} s")
+    for r in result["rows"]:
+        if "infeasible" in r:
+            print(f"{r['limit']:22} {r['limit_bytes'] / mib:9.1f} MiB: {r['infeasible']}")
+            continue
+        gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
+        print(f"{r['limit']:22} {r['limit_bytes'] / mib:9.1f} MiB  stored {r['stored_blocks']}/{r['blocks']}  planned "
+              f"{r['planned_ms']:.0f} ms  oases {r['oases_ms']:.0f}  none {r['none_ms']:.0f}  /none "
+              f"{r['planned_over_none']:.3f}  gap closed {gap}  peak {r['measured_peak_bytes'] / mib:.1f} MiB, "
+              f"bound {r['bound_error']:+.1%}, replay {r['replay_error']:+.1%}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

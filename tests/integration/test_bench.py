@@ -558,3 +558,24 @@ def test_oases_plan_points_bench_presets_to_oases_bench(tmp_path):
                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "run `oases-bench --multirun experiment=e2e`" in proc.stderr
     assert not (tmp_path / "p.json").exists() and not (tmp_path / ".oases").exists()  # refused before profiling
+
+
+@pytest.mark.distributed
+def test_the_recompute_policies_benchmark_runs_its_path_on_tiny_dims(tmp_path):
+    """``benchmarks/recompute_policies.py --measure --quick``'s path: profile, the two uniform peaks,
+    a plan per limit, the interleaved steps.  Only structure and memory are checked (no timing bar):
+    storing every block holds more than recomputing every block, a plan under a limit stores no more
+    than one under a higher limit, and each plan's replayed peak is within 10% of its measured one."""
+    from oases_ds.bench.e2e import QUICK_MODEL
+    from oases_ds.bench.policies import measure as measure_policies
+
+    result = measure_policies(QUICK_MODEL, repeats=1, cache_dir=None, timeout_s=300)
+    assert result["limits_from"]["all-store"] > result["limits_from"]["all-oases"]
+    planned = [row for row in result["rows"] if "variant" in row]
+    assert planned, result["rows"]
+    stored = [row["stored_blocks"] for row in planned]
+    assert stored == sorted(stored, reverse=True)  # rows go from the highest limit down
+    for row in planned:
+        assert row["measured_peak_bytes"] <= row["limit_bytes"] * 1.10
+        assert abs(row["replay_error"]) <= 0.10, row
+        assert len(result["step_ms"][row["variant"]][0]) == 1  # one timed step per rank

@@ -1,0 +1,145 @@
+"""Measured recompute-aware planning: planned vs uniform ``oases`` vs ``none`` at three memory limits.
+
+One TMP group of two gloo ranks on this machine, collectives paced by the in-process link emulator
+(``LinkModel(sharing="ring")``, so every row is EMULATED).  In order:
+
+1. the planner's profile of one layer (``planner.recompute=auto``: the ``store`` costs come from it);
+2. one launch measuring the per-rank peak (``ActivationProbe`` activations + 16 bytes per held
+   parameter, as :mod:`oases_ds.bench.memory` counts them) of the uniform degree-2 plan with every
+   block stored and with every block recomputed: the limits are those two peaks (the larger rank's)
+   and their midpoint;
+3. a plan per limit (:func:`~oases_ds.planner.planning.make_plan`);
+4. one launch stepping ``none``, uniform ``oases`` and every distinct planned plan interleaved
+   (the starting variant rotating each round), each first run once under the probe for its peak.
+
+The result JSON holds every timed step; medians and ratios are computed from it.
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from oases_ds.bench.measure import ActivationProbe
+from oases_ds.data.batches import synthetic_batch
+from oases_ds.launcher import launch
+from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import OperatorModel
+from oases_ds.parallel.context import ParallelContext
+from oases_ds.parallel.link import LinkModel
+from oases_ds.parallel.random import RNGTracker
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
+from oases_ds.planner.memory import estimate_memory
+from oases_ds.planner.plan import Plan, PlanInfeasibleError
+from oases_ds.planner.planning import PlanRequest, load_table, make_plan
+from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec
+from oases_ds.runtime.executor import Executor
+from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.utils.rounds import rotated
+
+DEVICES = 2
+
+
+def _variant(model: ModelConfig, ctx: ParallelContext, plan: Plan, schedule: str, gbps: float) -> tuple:
+    built = OperatorModel.for_plan(model, ctx, plan, seed=0)
+    spec = ScheduleSpec(schedule, stored_blocks=plan.stored_blocks() if schedule == "oases" else ())
+    return built, Executor.for_schedule(built, spec, LinkModel(gbps, sharing="ring"), RNGTracker(), record=False)
+
+
+def rank_worker(model_fields: dict, variants: list[tuple[str, dict, str]], micro_batch: int, gbps: float,
+                warmup: int, repeats: int, timeout_s: float) -> dict[str, Any]:
+    """One rank: each (label, plan fields, schedule) variant's probed peak, then interleaved timed steps."""
+    torch.manual_seed(0)
+    ctx = ParallelContext.build(tensor_parallel_size=DEVICES, timeout_s=timeout_s)
+    model = ModelConfig(**model_fields)
+    batch = synthetic_batch(model.vocab_size, micro_batch, model.seq_len, seed=0)
+    built = {label: _variant(model, ctx, Plan(**fields), schedule, gbps) for label, fields, schedule in variants}
+    peaks = {}
+    for label, (m, executor) in built.items():
+        activations = ActivationProbe(executor, m).run(batch)
+        m.zero_grad(set_to_none=True)
+        peaks[label] = {"activation_bytes": activations,
+                        "state_bytes": sum(p.numel() for p in m.parameters()) * STATE_BYTES_PER_PARAM}
+    steps: dict[str, list[float]] = {label: [] for label in built}
+    labels = list(built)
+    for rep in range(warmup + repeats):
+        for i in rotated(range(len(labels)), rep):
+            m, executor = built[labels[i]]
+            torch.distributed.barrier(group=ctx.tp_group)
+            started = time.perf_counter()
+            executor.run(batch)
+            torch.distributed.barrier(group=ctx.tp_group)
+            if rep >= warmup:
+                steps[labels[i]].append((time.perf_counter() - started) * 1e3)
+            m.zero_grad(set_to_none=True)
+    return {"rank": ctx.rank, "peaks": peaks, "step_ms": steps}
+
+
+def _peak(rank_results: list[dict], label: str) -> float:
+    return max(r["peaks"][label]["activation_bytes"] + r["peaks"][label]["state_bytes"] for r in rank_results)
+
+
+def measure(model_fields: dict, micro_batch: int = 4, gbps: float = 1.0, warmup: int = 1, repeats: int = 2,
+            profile_repeats: int = 2, timeout_s: float = 1800.0, cache_dir: str | None = ".oases/profiles") -> dict:
+    """Steps 1-4 of the module doc; returns the result record."""
+    model = ModelConfig(**model_fields)
+    link = LinkModel(gbps, sharing="ring")
+    spec = ProfileSpec(model=model, devices=DEVICES, micro_batch=micro_batch, link=link, cluster=f"emulated-{gbps:g}g",
+                       warmup=1, repeats=profile_repeats)
+    started = time.perf_counter()
+    loaded = load_table(PlanRequest(profile=spec, cache_dir=cache_dir, timeout_s=timeout_s, recompute="auto"))
+    layers, blocks = model.num_layers, 2 * model.num_layers
+    uniform = {"all-store": Plan.from_block_degrees([DEVICES] * blocks, DEVICES, ["store"] * blocks),
+               "all-oases": Plan.uniform(DEVICES, layers, DEVICES)}
+
+    def fields(plan: Plan) -> dict:
+        return {"attn_degrees": plan.attn_degrees, "mlp_degrees": plan.mlp_degrees, "devices": plan.devices,
+                "attn_policies": plan.attn_policies, "mlp_policies": plan.mlp_policies}
+
+    peaks = launch(rank_worker, DEVICES, (model_fields, [(k, fields(p), "oases") for k, p in uniform.items()],
+                                          micro_batch, gbps, 0, 0, timeout_s), timeout_s=timeout_s)
+    high, low = _peak(peaks, "all-store"), _peak(peaks, "all-oases")
+    plans, rows = {}, []
+    for name, limit in (("store-everything", high), ("midpoint", (high + low) / 2), ("recompute-everything", low)):
+        request = PlanRequest(profile=spec, cache_dir=cache_dir, memory_limit_bytes=limit, recompute="auto")
+        try:
+            plan = make_plan(request, loaded).plan
+        except PlanInfeasibleError as err:
+            rows.append({"limit": name, "limit_bytes": limit, "infeasible": str(err)})
+            continue
+        key = (tuple(plan.block_degrees()), tuple(plan.block_policies()))
+        label = plans.setdefault(key, (f"planned-{len(plans)}", plan))[0]
+        schedule = ScheduleSpec("oases", stored_blocks=plan.stored_blocks())
+        replayed = estimate_memory(model, plan.attn_degrees, plan.mlp_degrees, DEVICES, micro_batch, schedule,
+                                   PROFILE_DTYPE_BYTES).peak_bytes
+        rows.append({"limit": name, "limit_bytes": limit, "variant": label, "plan": plan.as_table().splitlines(),
+                     "stored_blocks": len(plan.stored_blocks()), "blocks": blocks,
+                     "predicted_bound_bytes": plan.memory_bytes, "predicted_replay_bytes": replayed,
+                     "predicted_step_ms": plan.predicted_step_ms})
+    variants = [("none", fields(uniform["all-oases"]), "none"), ("oases", fields(uniform["all-oases"]), "oases")]
+    variants += [(label, fields(plan), "oases") for label, plan in plans.values()]
+    timed = launch(rank_worker, DEVICES, (model_fields, variants, micro_batch, gbps, warmup, repeats, timeout_s),
+                   timeout_s=timeout_s)
+    median = {label: statistics.median(max(r["step_ms"][label][i] for r in timed) for i in range(repeats))
+              for label, _, _ in variants}
+    for row in rows:
+        if "variant" not in row:
+            continue
+        planned, oases, none = median[row["variant"]], median["oases"], median["none"]
+        row.update({"planned_ms": planned, "oases_ms": oases, "none_ms": none, "planned_over_none": planned / none,
+                    "gap_closed": (oases - planned) / (oases - none) if oases > none else None,
+                    "measured_peak_bytes": _peak(timed, row["variant"]),
+                    "bound_error": row["predicted_bound_bytes"] / _peak(timed, row["variant"]) - 1,
+                    "replay_error": row["predicted_replay_bytes"] / _peak(timed, row["variant"]) - 1})
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "what": f"measured, TMP {DEVICES} gloo ranks on this machine, link EMULATED (ring, {gbps:g} Gbit/s)",
+            "model": model_fields, "micro_batch": micro_batch, "table": loaded.table.key(), "table_source": loaded.source,
+            "limits_from": {"all-store": high, "all-oases": low}, "uniform_peaks": peaks, "rows": rows,
+            "step_ms": {label: [r["step_ms"][label] for r in timed] for label, _, _ in variants},
+            "wall_s": time.perf_counter() - started,
+            "note": "peak = ActivationProbe activations + 16 B per held parameter, the larger rank; steps: the slower "
+                    "rank's per timed step, median over steps; gap_closed = (oases - planned) / (oases - none), null "
+                    "where none is not faster"}
