@@ -24,7 +24,9 @@ step                  what it runs, what it checks
 
 Without CUDA each CUDA step is skipped with its reason and the environment step still
 runs, so the script is tested on CPU machines too (``tests/integration/test_gpu_smoke.py``).
-Exit code 0 unless a step failed; the JSON says which and keeps the tail of its output.
+Exit code 0 unless a step failed; the JSON says which and keeps the tail of its output. It is
+rewritten after every step, and ``--budget-s`` cuts each step's timeout to the time left, so a
+run stopped from outside (the device call's limit) still returns what the earlier steps found.
 
     python tests/gpu/smoke.py --out DIR        # writes DIR/gpu_smoke.json
 """
@@ -45,6 +47,7 @@ from typing import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TAIL = 4000  # characters of a step's output kept in the JSON
+MIN_STEP_S = 20.0  # a step given less than this is skipped rather than started
 
 
 def _env(cuda: bool) -> dict[str, str]:
@@ -122,6 +125,9 @@ def _train_check(first_step: int, falling: bool = True) -> Callable[[str], dict]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
+    ap.add_argument("--budget-s", type=float, default=560.0,
+                    help="wall-clock seconds for all steps: each step's timeout is cut to what is left, and a step "
+                         f"that would get under {MIN_STEP_S:g} s is skipped, so the JSON is complete before an outer kill")
     args = ap.parse_args(argv)
     import torch
 
@@ -134,34 +140,59 @@ def main(argv: list[str] | None = None) -> int:
     train = [py, "-m", "oases_ds.cli.train", "nprocs=1", "tensor_parallel_size=1", "model=llama_small", "bf16=true",
              "log_every=5", f"hydra.run.dir={work}/hydra"]
     plan = [
-        ("gpu_tests", 240, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"], None),
         ("nccl_async", 120, [py, "tests/gpu/smoke_nccl.py"], _last_json),
+        ("gpu_tests", 240, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"], None),
         ("train_bf16", 150, train + ["steps=30", f"checkpoint.dir={work}/ck", "checkpoint.every=15",
                                      f"trace={work}/trace.json"], _train_check(0)),
         ("train_bf16_resume", 90, train + ["steps=40", f"checkpoint.dir={work}/ck", "checkpoint.resume=true"],
          _train_check(30, falling=False)),
         ("train_zero1", 90, train + ["steps=10", "zero_stage=1"], _train_check(0)),
+        ("lightning", 90, [py, os.path.join(HERE, "smoke_lightning.py")], _last_json),
         ("host_overhead", 90, [py, "benchmarks/host_overhead.py", "--device", "cuda", "--rounds", "3", "--runs", "10",
                                "--out", os.path.join(args.out, "host_overhead_cuda.json")], None),
-        ("lightning", 90, [py, os.path.join(HERE, "smoke_lightning.py")], _last_json),
     ]
-    for name, timeout_s, cmd, check in plan:
-        steps.append(run_step(name, cmd, timeout_s, env, check) if cuda else skipped(name, no_cuda))
-        print(f"smoke: {name}: {steps[-1]['status']}", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    payload = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "git_commit": _git_commit(), "steps": steps,
-               "failed": [s["step"] for s in steps if s["status"] == "failed"]}
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_smoke.json")
+    run_plan(plan, steps, env, no_cuda if not cuda else None, args.budget_s, path)
+    shutil.rmtree(work, ignore_errors=True)
+    failed = _write(path, steps)
+    print(f"smoke: wrote {path}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+def run_plan(plan: list[tuple], steps: list[dict], env: dict[str, str], skip_reason: str | None, budget_s: float,
+             path: str) -> None:
+    """Run ``plan``'s ``(name, timeout_s, cmd, check)`` steps in order into ``steps`` (all skipped
+    with ``skip_reason`` if given), each under ``min(timeout_s, time left of budget_s)``; a step
+    that would get under ``MIN_STEP_S`` is skipped. The JSON at ``path`` is rewritten after each."""
+    deadline = time.monotonic() + budget_s
+    for name, timeout_s, cmd, check in plan:
+        left = deadline - time.monotonic()
+        if skip_reason is not None:
+            steps.append(skipped(name, skip_reason))
+        elif left < MIN_STEP_S:
+            steps.append(skipped(name, f"the smoke run's budget (--budget-s {budget_s:g}) was spent"))
+        else:
+            steps.append(run_step(name, cmd, min(timeout_s, left), env, check))
+        print(f"smoke: {name}: {steps[-1]['status']}", flush=True)
+        _write(path, steps)  # after every step: a run killed from outside still leaves what it learnt
+
+
+def _write(path: str, steps: list[dict]) -> list[str]:
+    """Write the JSON atomically; return the failed steps' names."""
+    failed = [s["step"] for s in steps if s["status"] == "failed"]
+    payload = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "git_commit": _git_commit(), "steps": steps, "failed": failed}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=1)
     os.replace(path + ".tmp", path)
-    print(f"smoke: wrote {path}; failed: {payload['failed'] or 'none'}")
-    return 1 if payload["failed"] else 0
+    return failed
 
 
 def _git_commit() -> str | None:
+    """HEAD here, or ``OASES_GIT_COMMIT`` where the tree travelled without its ``.git``."""
+    if os.environ.get("OASES_GIT_COMMIT"):
+        return os.environ["OASES_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -52,6 +52,25 @@ def test_a_step_fails_on_its_exit_code_its_check_or_its_timeout():
     assert slow["status"] == "failed" and slow["reason"] == "timed out after 1 s"
 
 
+def test_the_budget_cuts_the_steps_and_the_json_is_written_after_each(tmp_path, monkeypatch):
+    """Step one sleeps past the budget's share: it is cut at the budget, the next is skipped with
+    the reason, and the JSON on disk already held step one when step two began."""
+    path = str(tmp_path / "gpu_smoke.json")
+    seen = "import json, sys; print(json.dumps({'ok': True, 'steps': [s['step'] for s in json.load(open(sys.argv[1]))['steps']]}))"
+    plan = [("first", 60, [sys.executable, "-c", "print('{\"ok\": true}')"], smoke._last_json),
+            ("reads_json", 60, [sys.executable, "-c", seen, path], smoke._last_json),
+            ("slow", 60, [sys.executable, "-c", "import time; time.sleep(60)"], None),
+            ("late", 60, [sys.executable, "-c", "pass"], None)]
+    steps: list[dict] = []
+    monkeypatch.setattr(smoke, "MIN_STEP_S", 1.0)
+    smoke.run_plan(plan, steps, _env(), None, 6.0, path)
+    by = {s["step"]: s for s in steps}
+    assert by["first"]["status"] == "passed" and by["reads_json"]["data"]["steps"] == ["first"]
+    assert by["slow"]["status"] == "failed" and by["slow"]["reason"].startswith("timed out after")
+    assert by["late"]["status"] == "skipped" and "budget" in by["late"]["reason"]
+    assert json.loads((tmp_path / "gpu_smoke.json").read_text())["failed"] == ["slow"]
+
+
 def test_the_nccl_step_script_runs_over_gloo_against_the_reference():
     done = subprocess.run([sys.executable, os.path.join(GPU, "smoke_nccl.py"), "--device", "cpu"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
