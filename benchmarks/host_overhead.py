@@ -79,7 +79,9 @@ def worker(device: str, runs: int, schedules: list[str]) -> dict:
 
 def measure_in_process(src: str, device: str, runs: int, schedules: list[str]) -> dict:
     """One worker run in a fresh process on the tree ``src``."""
-    env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1")
+    # src first, so its oases_ds wins; the rest kept (a site dir on PYTHONPATH holds the dependencies)
+    path = os.pathsep.join(p for p in [src, os.environ.get("PYTHONPATH", "")] if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", device, "--runs", str(runs),
            "--schedules", *schedules]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=src)

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=560.0,
                     help="wall-clock seconds for all steps: each step's timeout is cut to what is left, and a step "
                          f"that would get under {MIN_STEP_S:g} s is skipped, so the JSON is complete before an outer kill")
+    ap.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps (a rerun after a fix)")
     args = ap.parse_args(argv)
     import torch
 
@@ -151,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         ("host_overhead", 90, [py, "benchmarks/host_overhead.py", "--device", "cuda", "--rounds", "3", "--runs", "10",
                                "--out", os.path.join(args.out, "host_overhead_cuda.json")], None),
     ]
+    if args.only:
+        unknown = set(args.only) - {name for name, *_ in plan}
+        if unknown:
+            ap.error(f"--only: no step named {sorted(unknown)}; the steps are {[name for name, *_ in plan]}")
+        plan = [step for step in plan if step[0] in args.only]
     path = os.path.join(args.out, "gpu_smoke.json")
     run_plan(plan, steps, env, no_cuda if not cuda else None, args.budget_s, path)
     shutil.rmtree(work, ignore_errors=True)

@@ -24,6 +24,7 @@ class TinyGPT(OasesLightningModule):
     def __init__(self) -> None:
         super().__init__(ModelConfig(family="gpt", vocab_size=64, hidden_size=64, num_heads=4, num_layers=2, seq_len=32))
         self.losses: list[float] = []
+        self.step_devices: set[str] = set()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -32,6 +33,8 @@ class TinyGPT(OasesLightningModule):
         loss = self.train_batch(batch)
         if loss is not None:
             self.losses.append(float(loss))
+        # read here: after fit, Lightning's teardown moves the module back to the CPU
+        self.step_devices.add(str(next(self.model.parameters()).device))
         return loss
 
     def train_dataloader(self):
@@ -45,9 +48,11 @@ def main(accelerator: str) -> dict:
     trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy="oases", precision="bf16-mixed", max_steps=5,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module)
-    device = str(next(module.model.parameters()).device)
-    return {"losses": module.losses, "device": device, "global_step": trainer.global_step,
-            "ok": len(module.losses) == 5 and all(math.isfinite(x) for x in module.losses) and device.startswith("cuda" if accelerator == "gpu" else accelerator)}
+    devices = sorted(module.step_devices)
+    want = "cuda" if accelerator == "gpu" else accelerator
+    return {"losses": module.losses, "step_devices": devices, "global_step": trainer.global_step,
+            "ok": len(module.losses) == 5 and all(math.isfinite(x) for x in module.losses)
+            and len(devices) == 1 and devices[0].startswith(want)}
 
 
 if __name__ == "__main__":

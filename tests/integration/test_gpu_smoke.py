@@ -87,7 +87,7 @@ def test_the_lightning_step_script_trains_five_steps_on_cpu():
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["ok"] and result["global_step"] == 5 and result["device"] == "cpu"
+    assert result["ok"] and result["global_step"] == 5 and result["step_devices"] == ["cpu"]
 
 
 @pytest.mark.distributed
