@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure", action="store_true", help="measure here (EMULATED link) instead of simulating")
     parser.add_argument("--quick", action="store_true", help="with --measure: h128 dims, checks the path")
     parser.add_argument("--gbps", type=float, default=1.0, help="with --measure: the emulated link")
+    parser.add_argument("--repeats", type=int, default=5, help="with --measure: timed steps per variant")
     args = parser.parse_args(argv)
     if args.measure:
         return measured(args)
@@ -154,7 +155,7 @@ def measured(args: argparse.Namespace) -> None:
 
     out = args.out or MEASURED_OUT
     model = e2e.QUICK_MODEL if args.quick else e2e.FULL_MODEL
-    result = measure(model, gbps=args.gbps, cache_dir=None if args.quick else ".oases/profiles")
+    result = measure(model, gbps=args.gbps, repeats=args.repeats, cache_dir=None if args.quick else ".oases/profiles")
     write_json_atomic(out, result, indent=2)
     mib = 2**20
     print(f"{result['what']}; {result['table_source']}; {result['wall_s']:.0f} s")
@@ -162,11 +163,14 @@ def measured(args: argparse.Namespace) -> None:
         if "infeasible" in r:
             print(f"{r['limit']:22} {r['limit_bytes'] / mib:9.1f} MiB: {r['infeasible']}")
             continue
-        gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
-        print(f"{r['limit']:22} {r['limit_bytes'] / mib:9.1f} MiB  stored {r['stored_blocks']}/{r['blocks']}  planned "
-              f"{r['planned_ms']:.0f} ms  oases {r['oases_ms']:.0f}  none {r['none_ms']:.0f}  /none "
-              f"{r['planned_over_none']:.3f}  gap closed {gap}  peak {r['measured_peak_bytes'] / mib:.1f} MiB, "
-              f"bound {r['bound_error']:+.1%}, replay {r['replay_error']:+.1%}")
+        def share(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        print(f"{r['limit']:26} {r['limit_bytes'] / mib:7.1f} MiB  stored {r['stored_blocks']}/{r['blocks']}  planned "
+              f"{r['planned_ms']:.0f} ms  oases {r['oases_ms']:.0f}  none {r['none_ms']:.0f}  all-store "
+              f"{r['all_store_ms']:.0f}  /none {r['planned_over_none']:.3f}  gap closed vs none "
+              f"{share(r['gap_closed'])}, vs all-store {share(r['gap_closed_vs_all_store'])}  peak "
+              f"{r['measured_peak_bytes'] / mib:.1f} MiB, bound {r['bound_error']:+.1%}, replay {r['replay_error']:+.1%}")
     print(f"wrote {out}")
 
 

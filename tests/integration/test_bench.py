@@ -574,7 +574,12 @@ def test_the_recompute_policies_benchmark_runs_its_path_on_tiny_dims(tmp_path):
     planned = [row for row in result["rows"] if "variant" in row]
     assert planned, result["rows"]
     stored = [row["stored_blocks"] for row in planned]
+    assert [row["limit_bytes"] for row in result["rows"]] == sorted((row["limit_bytes"] for row in result["rows"]),
+                                                                    reverse=True)
     assert stored == sorted(stored, reverse=True)  # rows go from the highest limit down
+    # at the planner's own bound of the all-recompute plan that plan fits, so some plan is found
+    assert any(row["limit"] == "recompute-everything-bound" for row in planned), result["rows"]
+    assert len(result["step_ms"]["all-store"][0]) == 1 and all(row["all_store_ms"] > 0 for row in planned)
     for row in planned:
         assert row["measured_peak_bytes"] <= row["limit_bytes"] * 1.10
         assert abs(row["replay_error"]) <= 0.10, row
