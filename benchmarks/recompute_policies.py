@@ -19,6 +19,7 @@ peaks of the all-store and all-recompute plans and their midpoint; steps interle
     python benchmarks/recompute_policies.py --layers 8 --out /tmp/r.json
     python benchmarks/recompute_policies.py --measure       # h1024 measured (~15 min), results/recompute_policies_measured.json
     python benchmarks/recompute_policies.py --measure --quick --out /tmp/q.json   # h128: the path only, numbers mean nothing
+    python benchmarks/recompute_policies.py --measure --devices 1 --size h2048 --micro-batch 8 --out gpu.json  # one GPU
 """
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ from oases_ds.utils.io import write_json_atomic  # noqa: E402
 CONFIGS = os.path.join(ROOT, "oases_ds", "configs")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_analytic.json")
 MEASURED_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_measured.json")
+
+
+def _measured_sizes() -> dict[str, dict]:
+    from oases_ds.bench.e2e import FULL_MODEL
+
+    # h2048: for a GPU, where h1024 steps are short enough for host overhead to matter
+    return {"h1024": FULL_MODEL, "h2048": dict(FULL_MODEL, hidden_size=2048, num_heads=16, ffn_size=5632,
+                                               num_layers=8, seq_len=1024)}
+
+
+MEASURED_SIZES = _measured_sizes()
 
 
 def _yaml(group: str, name: str) -> dict:
@@ -117,7 +129,8 @@ def run(layers: int, devices: int, micro_batch: int, min_degree: int, cluster_na
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="the TMP group: 8 when simulating; with --measure 2 (1: one GPU, policies only)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--min-degree", type=int, default=4)
     parser.add_argument("--cluster", default="pcie_3090")
@@ -126,9 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="with --measure: h128 dims, checks the path")
     parser.add_argument("--gbps", type=float, default=1.0, help="with --measure: the emulated link")
     parser.add_argument("--repeats", type=int, default=5, help="with --measure: timed steps per variant")
+    parser.add_argument("--size", choices=sorted(MEASURED_SIZES), default="h1024", help="with --measure: the model")
     args = parser.parse_args(argv)
     if args.measure:
+        args.devices = args.devices or 2
         return measured(args)
+    args.devices = args.devices or 8
     args.out = args.out or DEFAULT_OUT
     result = run(args.layers, args.devices, args.micro_batch, args.min_degree, args.cluster)
     write_json_atomic(args.out, result, indent=2)
@@ -154,8 +170,9 @@ def measured(args: argparse.Namespace) -> None:
     from oases_ds.bench.policies import measure
 
     out = args.out or MEASURED_OUT
-    model = e2e.QUICK_MODEL if args.quick else e2e.FULL_MODEL
-    result = measure(model, gbps=args.gbps, repeats=args.repeats, cache_dir=None if args.quick else ".oases/profiles")
+    model = e2e.QUICK_MODEL if args.quick else MEASURED_SIZES[args.size]
+    result = measure(model, micro_batch=args.micro_batch, gbps=args.gbps, repeats=args.repeats, devices=args.devices,
+                     cache_dir=None if args.quick else ".oases/profiles")
     write_json_atomic(out, result, indent=2)
     mib = 2**20
     print(f"{result['what']}; {result['table_source']}; {result['wall_s']:.0f} s")
@@ -170,7 +187,11 @@ def measured(args: argparse.Namespace) -> None:
               f"{r['planned_ms']:.0f} ms  oases {r['oases_ms']:.0f}  none {r['none_ms']:.0f}  all-store "
               f"{r['all_store_ms']:.0f}  /none {r['planned_over_none']:.3f}  gap closed vs none "
               f"{share(r['gap_closed'])}, vs all-store {share(r['gap_closed_vs_all_store'])}  peak "
-              f"{r['measured_peak_bytes'] / mib:.1f} MiB, bound {r['bound_error']:+.1%}, replay {r['replay_error']:+.1%}")
+              f"{r['measured_peak_bytes'] / mib:.1f} MiB, bound {r['bound_error']:+.1%}, replay {r['replay_error']:+.1%}"
+              + (f"; allocator {r['allocator_peak_bytes'] / mib:.1f} MiB, bound {r['allocator_bound_error']:+.1%}, "
+                 f"replay {r['allocator_replay_error']:+.1%}" if "allocator_peak_bytes" in r else ""))
+    print("spread (max - min) / median of each variant's steps: "
+          + ", ".join(f"{k} {v:.0%}" for k, v in result["spread"].items()))
     print(f"wrote {out}")
 
 
