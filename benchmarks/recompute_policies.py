@@ -17,7 +17,8 @@ peaks of the all-store and all-recompute plans and their midpoint; steps interle
 
     python benchmarks/recompute_policies.py                 # 48 layers, writes benchmarks/results/recompute_policies_analytic.json
     python benchmarks/recompute_policies.py --layers 8 --out /tmp/r.json
-    python benchmarks/recompute_policies.py --measure       # h1024 measured (~15 min), results/recompute_policies_measured.json
+    python benchmarks/recompute_policies.py --measure       # h1024 measured (~6 min), results/recompute_policies_measured.json
+    python benchmarks/recompute_policies.py --report-only   # the dated report from the stored JSONs (measured + analytic)
     python benchmarks/recompute_policies.py --measure --quick --out /tmp/q.json   # h128: the path only, numbers mean nothing
     python benchmarks/recompute_policies.py --measure --devices 1 --size h2048 --micro-batch 8 --out gpu.json  # one GPU
 """
@@ -26,7 +27,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
+import re
+import statistics
 import sys
 
 import yaml
@@ -44,11 +48,13 @@ from oases_ds.planner.planning import PlanRequest, load_table, make_plan  # noqa
 from oases_ds.planner.profile import ProfileSpec  # noqa: E402
 from oases_ds.planner.replay import replay_plan  # noqa: E402
 from oases_ds.schedule.generators import ScheduleSpec  # noqa: E402
-from oases_ds.utils.io import write_json_atomic  # noqa: E402
+from oases_ds.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "oases_ds", "configs")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_analytic.json")
 MEASURED_OUT = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_measured.json")
+ANALYTIC_OUTS = [DEFAULT_OUT, os.path.join(ROOT, "benchmarks", "results", "recompute_policies_analytic-eth_25g.json")]
+MiB = 2**20
 
 
 def _measured_sizes() -> dict[str, dict]:
@@ -126,6 +132,138 @@ def run(layers: int, devices: int, micro_batch: int, min_degree: int, cluster_na
     }
 
 
+def _rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def _share(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _measured_section(result: dict, path: str) -> list[str]:
+    """The measured table, the spread of the steps it rests on and the issue's three targets, every
+    number computed from ``result`` (a ``--measure`` JSON)."""
+    steps = result["step_ms"]  # per rank, per timed step; the slower rank's is the step
+    per_step = {v: [max(ranks) for ranks in zip(*per_rank)] for v, per_rank in steps.items()}
+    median = {v: statistics.median(xs) for v, xs in per_step.items()}
+    model = result["model"]
+    lines = [f"## Measured: {model['family']} h{model['hidden_size']}, {model['num_layers']} layers, "
+             f"seq {model['seq_len']}, micro-batch {result['micro_batch']}",
+             "",
+             f"`{_rel(path)}` ({result['time'][:10]}): {result['what']}; {result['warmup']} warm-up and "
+             f"{result['repeats']} timed steps per variant, the variants interleaved in one launch of "
+             f"{result['wall_s']:.0f} s.  Limits: the measured peaks of uniform all-`store` and all-`oases` "
+             "(TMP at the full group), their midpoint, and the planner's own bound of the all-`oases` plan.",
+             "",
+             "| limit | MiB | stored | planned ms | oases ms | none ms | all-store ms | planned / none | "
+             "planned / all-store | gap closed vs all-store | measured peak MiB | bound error | replay error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "infeasible" in r:
+            lines.append(f"| {r['limit']} | {r['limit_bytes'] / MiB:.1f} | no plan | " + " | ".join(["-"] * 10) + " |")
+            continue
+        lines.append(
+            f"| {r['limit']} | {r['limit_bytes'] / MiB:.1f} | {r['stored_blocks']}/{r['blocks']} | "
+            f"{r['planned_ms']:.0f} | {r['oases_ms']:.0f} | {r['none_ms']:.0f} | {r['all_store_ms']:.0f} | "
+            f"{r['planned_over_none']:.3f} | {r['planned_over_all_store']:.3f} | {_share(r['gap_closed_vs_all_store'])} | "
+            f"{r['measured_peak_bytes'] / MiB:.1f} | {r['bound_error']:+.1%} | {r['replay_error']:+.1%} |")
+    lines += ["", "Plans (degree and policy per block):", ""]
+    lines += [f"- {r['limit']} (`{r['variant']}`): " + "; ".join(r["plan"]) for r in result["rows"] if "plan" in r]
+    lines += ["", "Steps per variant (the slower rank's, ms): median (min-max), spread = (max - min) / median:", ""]
+    lines += [f"- {v}: {median[v]:.0f} ({min(xs):.0f}-{max(xs):.0f}), spread {(max(xs) - min(xs)) / median[v]:.0%}"
+              for v, xs in per_step.items()]
+    lines += ["", "### Against the issue's targets", ""]
+    rows = {r["limit"]: r for r in result["rows"]}
+    gap = abs(median["oases"] - median["none"]) / median["oases"]
+    spread = min((max(per_step[v]) - min(per_step[v])) / median[v] for v in ("oases", "none"))
+    lines.append(f"- `none` (blocking collectives, nothing recomputed) is {median['none'] / median['oases']:.3f}x "
+                 f"uniform `oases` here: the gap between them is {gap:.1%} of a step, "
+                 + (f"inside the smaller of their spreads ({spread:.0%}), so a share of it closed is not a "
+                    "measurement; the gap to uniform all-`store`"
+                    if gap < spread else f"outside their spreads ({spread:.0%}); beside it, the gap to uniform all-`store`")
+                 + f" (every block stored, overlapped; {median['all-store'] / median['oases']:.3f}x `oases`) is the "
+                 "one a plan can close.")
+    if "store-everything" in rows and "planned_ms" in rows["store-everything"]:
+        r = rows["store-everything"]
+        lines.append(f"- store-everything limit: the plan stores {r['stored_blocks']}/{r['blocks']} blocks, "
+                     f"{r['planned_over_none']:.3f}x `none` (target <= 1.03x) and {r['planned_over_all_store']:.3f}x "
+                     "all-`store`.")
+    if "midpoint" in rows and "planned_ms" in rows["midpoint"]:
+        r = rows["midpoint"]
+        lines.append(f"- midpoint: closes {r['gap_closed_vs_all_store']:.2f} of the gap from `oases` to all-`store` "
+                     "(target >= 0.5 of the gap to `none`).")
+    low = rows.get("recompute-everything")
+    if low is not None:
+        if "infeasible" in low:
+            bound = rows.get("recompute-everything-bound", {})
+            lines.append("- recompute-everything limit (the measured all-`oases` peak): no plan, because the planner "
+                         "holds a plan to its memory bound, which lies above the measured peak "
+                         + (f"(for that plan by {bound['bound_error']:+.1%})" if "bound_error" in bound else "")
+                         + "; at that bound it plans "
+                         + (f"{bound['stored_blocks']}/{bound['blocks']} stored blocks, the uniform `oases` plan."
+                            if bound.get("stored_blocks") == 0 else "a plan that stores blocks."))
+        else:
+            lines.append(f"- recompute-everything limit: {low['stored_blocks']}/{low['blocks']} stored.")
+    group = result.get("devices") or int(re.search(r"TMP (\d+)", result["what"]).group(1))
+    uniform_oases = [f"layers 0-{model['num_layers'] - 1}: attn {group}, mlp {group}"]
+    twin = next((r for r in result["rows"] if r.get("plan") == uniform_oases and r["variant"] != "oases"), None)
+    if twin is not None:  # the plan is the uniform oases plan, timed a second time under its own name
+        a, b = median[twin["variant"]], median["oases"]
+        lines.append(f"- `{twin['variant']}` is the uniform `oases` plan timed a second time: {a:.0f} against {b:.0f} "
+                     f"ms, {abs(a - b) / max(a, b):.0%} apart, the repeatability of this run (A/A).")
+    return lines
+
+
+def _analytic_section(result: dict, path: str) -> list[str]:
+    """The simulated table of a plain run's JSON."""
+    lines = [f"## Simulated: {result['model']} ({result['layers']} layers), TMP {result['devices']} on "
+             f"`{result['cluster']}`, micro-batch {result['micro_batch']}",
+             "",
+             f"`{_rel(path)}` ({result['time'][:10]}): {result['what']}; uniform baseline degree "
+             f"{result['baseline_degree']}, planner.min_degree {result['min_degree']}.",
+             "",
+             "| limit | GiB | stored | planned ms | oases ms | none ms | all-store ms | planned / none | "
+             "gap closed vs none | gap closed vs all-store | plan bound GiB | replayed peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    gib = 2**30
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['limit']} | {r['limit_bytes'] / gib:.1f} | {r['stored_blocks']}/{r['blocks']} | {r['planned_ms']:.0f} | "
+            f"{r['oases_ms']:.0f} | {r['none_ms']:.0f} | {r['store_all_ms']:.0f} | {r['planned_over_none']:.3f} | "
+            f"{_share(r['gap_closed'])} | {_share(r['gap_closed_vs_store_all'])} | {r['plan_bound_bytes'] / gib:.1f} | "
+            f"{r['plan_replayed_peak_bytes'] / gib:.1f} |")
+    return lines
+
+
+def report(measured_path: str, analytic_paths: list[str]) -> str:
+    """The Markdown report of the stored JSONs; the fixed text says what was done, never a number."""
+    with open(measured_path) as f:
+        measured = json.load(f)
+    lines = ["# Recompute-aware planning: store, or recompute, per block",
+             "",
+             "With `planner.recompute=auto` the planner chooses each attention and MLP block's policy, `store` "
+             "(activations kept, no recompute) or `oases` (fine-grained recompute), with its TMP degree, for a "
+             "memory limit.  Below: the plan it makes at each limit, timed beside the uniform plans in one "
+             "interleaved launch, with its predicted peak (the planner's bound and the memory replay) against "
+             "the measured one; then the same study simulated with `cost=analytic`.  "
+             "Generated by `python benchmarks/recompute_policies.py --report-only`.",
+             ""]
+    lines += _measured_section(measured, measured_path)
+    for path in analytic_paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                lines += [""] + _analytic_section(json.load(f), path)
+    return "\n".join(lines) + "\n"
+
+
+def write_report(measured_path: str, analytic_paths: list[str], out: str | None = None) -> str:
+    with open(measured_path) as f:
+        date = json.load(f)["time"][:10]
+    out = out or os.path.join(ROOT, "benchmarks", "reports", f"recompute_policies-{date}.md")
+    write_text_atomic(out, report(measured_path, analytic_paths))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
@@ -140,7 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gbps", type=float, default=1.0, help="with --measure: the emulated link")
     parser.add_argument("--repeats", type=int, default=5, help="with --measure: timed steps per variant")
     parser.add_argument("--size", choices=sorted(MEASURED_SIZES), default="h1024", help="with --measure: the model")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write benchmarks/reports/recompute_policies-<date>.md from the stored JSONs")
+    parser.add_argument("--report", default=None, help="with --report-only: where the report goes")
     args = parser.parse_args(argv)
+    if args.report_only:
+        print(f"wrote {write_report(args.out or MEASURED_OUT, ANALYTIC_OUTS, args.report)}")
+        return None
     if args.measure:
         args.devices = args.devices or 2
         return measured(args)

@@ -591,3 +591,28 @@ def test_the_recompute_policies_benchmark_runs_its_path_on_tiny_dims(tmp_path, d
         assert row["measured_peak_bytes"] <= row["limit_bytes"] * 1.10
         assert abs(row["replay_error"]) <= 0.10, row
         assert len(result["step_ms"][row["variant"]][0]) == 1  # one timed step per rank
+
+
+def test_the_recompute_policies_report_is_the_render_of_the_stored_json(tmp_path):
+    """The committed report is what ``--report-only`` renders from the committed JSONs (nothing in it
+    hand-written), and its cells are the JSON's: the midpoint's gap closed and the slower rank's median
+    step, recomputed here from the per-rank steps."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import recompute_policies as bench_policies
+    finally:
+        sys.path.pop(0)
+    measured = os.path.join(ROOT, "benchmarks", "results", "recompute_policies_measured.json")
+    with open(measured) as f:
+        result = json.load(f)
+    committed = os.path.join(ROOT, "benchmarks", "reports", f"recompute_policies-{result['time'][:10]}.md")
+    out = bench_policies.write_report(measured, bench_policies.ANALYTIC_OUTS, str(tmp_path / "r.md"))
+    with open(out) as f, open(committed) as g:
+        text = f.read()
+        assert text == g.read(), "rerun `python benchmarks/recompute_policies.py --report-only`"
+    mid = next(r for r in result["rows"] if r["limit"] == "midpoint")
+    steps = [max(ranks) for ranks in zip(*result["step_ms"][mid["variant"]])]
+    assert statistics.median(steps) == pytest.approx(mid["planned_ms"])
+    row = next(line for line in text.splitlines() if line.startswith("| midpoint |"))
+    assert f"| {mid['gap_closed_vs_all_store']:.2f} |" in row and f"| {mid['planned_ms']:.0f} |" in row
+    assert "| recompute-everything | " in text and "no plan" in text  # the infeasible limit is shown, not dropped
