@@ -88,6 +88,7 @@ class TrainSchema:
     warmup_steps: int = 10
     zero_stage: int = 0
     plan: Optional[str] = None
+    memory_limit: Any = None  # with plan=auto: bytes or a string such as 2GiB (schema.parse_bytes)
     bf16: bool = False
     seed: int = 1234
     log_every: int = 10
@@ -247,6 +248,60 @@ def validate(cfg: dict) -> None:
     preflight(ckpt["dir"], ckpt["resume"], expected)
 
 
+def check_auto_plan(cfg: dict) -> float | None:
+    """The memory limit of ``plan=auto`` (None without it), after every cheap check that can refuse it:
+    profiling starts rank processes and may take minutes, so a run it cannot serve fails first."""
+    limit = schema.parse_bytes("memory_limit", cfg["memory_limit"])
+    if cfg["plan"] != "auto":
+        if limit is not None:
+            raise ValueError(f"memory_limit={cfg['memory_limit']} is read only by plan=auto; add plan=auto to plan "
+                             f"each block's degree and recompute policy for it, or drop memory_limit")
+        return None
+    if limit is None:
+        raise ValueError("plan=auto needs memory_limit, the per-device bytes the plan may use (e.g. memory_limit=20GiB)")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ValueError("plan=auto profiles with ranks of its own, so it cannot run under torchrun or the deepspeed "
+                         "launcher: run `oases-plan planner.recompute=auto memory_limit=... out=plan.json` first and "
+                         "pass plan=plan.json")
+    if cfg["pipeline_stages"] > 1:
+        raise ValueError(f"plan=auto plans one TMP group, not pipeline_stages={cfg['pipeline_stages']}: plan the "
+                         f"stages with `oases-plan pipeline_stages={cfg['pipeline_stages']} ...` and pass plan=FILE")
+    if cfg["schedule"]["name"] != "oases":
+        raise ValueError(f"plan=auto chooses between storing and Oases' recompute per block, which needs "
+                         f"schedule=oases, not schedule={cfg['schedule']['name']}")
+    schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
+    model_config(cfg["model"]).check_tp(cfg["tensor_parallel_size"])
+    Topology(cfg["nprocs"], cfg["tensor_parallel_size"], 1)
+    return limit
+
+
+def auto_plan(cfg: dict, limit: float, out: str) -> str:
+    """``plan=auto``: profile this run's layer under every TMP degree up to ``tensor_parallel_size``
+    (or reuse ``.oases/profiles``), let the planner choose each block's degree and policy (``store``
+    or ``oases``) within ``limit``, print the plan as ``oases-plan`` does and write it to ``out``,
+    which the run then trains with (and a later run can pass as ``plan=``)."""
+    from oases_ds.planner.plan import PlanInfeasibleError
+    from oases_ds.planner.planning import PlanRequest, make_plan, plan_lines
+    from oases_ds.planner.profile import ProfileSpec
+    from oases_ds.parallel.link import link_from_config
+    from oases_ds.schedule.generators import ScheduleSpec
+
+    spec = ProfileSpec(model=model_config(cfg["model"]), devices=cfg["tensor_parallel_size"],
+                       micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
+                       link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"])
+    request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"])
+    print(f"oases-train: plan=auto: planning degrees and recompute policies for memory_limit="
+          f"{limit / 2**20:.1f} MiB per device ({spec.key()}) ...", flush=True)
+    try:
+        result = make_plan(request)
+    except PlanInfeasibleError as err:
+        raise ValueError(f"memory_limit={cfg['memory_limit']}: {err}") from None
+    print("\n".join(plan_lines(result, request)), flush=True)
+    result.plan.to_json(out)
+    print(f"oases-train: plan=auto wrote {out}; training with it", flush=True)
+    return out
+
+
 def train_rank(cfg: dict) -> dict[str, Any]:
     """Everything one rank does; returns rank 0's summary (other ranks: their final loss)."""
 
@@ -335,9 +390,16 @@ def print_summary(summary: dict[str, Any]) -> None:
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
     try:
+        limit = check_auto_plan(cfg)
+        if limit is not None:
+            cfg["plan"] = auto_plan(cfg, limit, os.path.join(HydraConfig.get().runtime.output_dir, "plan.json"))
         validate(cfg)
     except ValueError as err:
         fail(str(err))
+    except LaunchInterrupted as err:
+        stop(err)
+    except LaunchError as err:  # a failed profiling launch: one line, the traceback in Hydra's run dir
+        fail_launch(err, HydraConfig.get().runtime.output_dir)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / deepspeed launcher
         try:
             summary = train_rank(cfg)

@@ -91,6 +91,54 @@ def test_train_with_a_plan_that_stores_blocks(tmp_path):
 
 
 @pytest.mark.distributed
+def test_plan_auto_profiles_plans_within_the_limit_and_trains_with_that_plan(tmp_path):
+    """``plan=auto memory_limit=X``: the layer is profiled here at TMP 1 and 2 (cached in the working
+    directory's ``.oases/profiles``), the planner chooses each block's degree and policy within X,
+    the plan lands in the run dir and the run trains with it (its config names that file).  A limit
+    below what any plan needs is one line, after the (cached) profile, before any training rank."""
+    from oases_ds.planner.plan import Plan
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+
+    def train(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", "plan=auto", *overrides],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    run_dir, stats = tmp_path / "run", tmp_path / "stats.json"
+    proc = train("memory_limit=64MiB", "steps=2", f"hydra.run.dir={run_dir}", f"stats_out={stats}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = Plan.from_json(run_dir / "plan.json")
+    assert plan.devices == 2 and plan.layers == 2 and plan.memory_bytes <= 64 * 2**20
+    assert json.loads(stats.read_text())["config"]["plan"] == str(run_dir / "plan.json")
+    lines = proc.stdout.splitlines()
+    table = lines.index(next(line for line in lines if line.startswith("plan (")))
+    assert lines[table + 1].strip() == plan.as_table().splitlines()[0]  # the plan it printed is the one it trained
+    assert "done: 2 steps" in proc.stdout and len(list((tmp_path / ".oases" / "profiles").iterdir())) == 1
+    tight = train("memory_limit=1KiB", "steps=2", f"hydra.run.dir={tmp_path / 'tight'}")
+    assert tight.returncode == 2, tight.stderr[-3000:]
+    assert tight.stderr.strip().splitlines()[-1].startswith("error: memory_limit=1KiB: no plan fits")
+    assert "oases-train: gpt" not in tight.stdout  # no training rank started
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["memory_limit=2GiB"], "error: memory_limit=2GiB is read only by plan=auto"),
+        (["plan=auto"], "error: plan=auto needs memory_limit"),
+        (["plan=auto", "memory_limit=2GiB", "schedule=megatron"], "error: plan=auto chooses between storing and"),
+        (["plan=auto", "memory_limit=2GiB", "nprocs=4", "pipeline_stages=2"],
+         "error: plan=auto plans one TMP group, not pipeline_stages=2"),
+        (["plan=auto", "memory_limit=lots"], "error: memory_limit='lots' is not a size"),
+    ],
+)
+def test_plan_auto_refuses_what_it_cannot_plan_in_one_line_before_profiling(overrides, message):
+    proc = run(*overrides, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+    assert "planning degrees" not in proc.stdout
+
+
+@pytest.mark.distributed
 def test_a_clean_run_prints_only_its_own_lines(tmp_path):
     # DeepSpeed's WarmupLR warned "Attempting to get learning rate from scheduler before it has
     # started" once per rank at every start; a rank's teardown could print "terminate called
