@@ -120,24 +120,6 @@ def test_plan_auto_profiles_plans_within_the_limit_and_trains_with_that_plan(tmp
     assert "oases-train: gpt" not in tight.stdout  # no training rank started
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["memory_limit=2GiB"], "error: memory_limit=2GiB is read only by plan=auto"),
-        (["plan=auto"], "error: plan=auto needs memory_limit"),
-        (["plan=auto", "memory_limit=2GiB", "schedule=megatron"], "error: plan=auto chooses between storing and"),
-        (["plan=auto", "memory_limit=2GiB", "nprocs=4", "pipeline_stages=2"],
-         "error: plan=auto plans one TMP group, not pipeline_stages=2"),
-        (["plan=auto", "memory_limit=lots"], "error: memory_limit='lots' is not a size"),
-    ],
-)
-def test_plan_auto_refuses_what_it_cannot_plan_in_one_line_before_profiling(overrides, message):
-    proc = run(*overrides, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(message)
-    assert "planning degrees" not in proc.stdout
-
-
 @pytest.mark.distributed
 def test_a_clean_run_prints_only_its_own_lines(tmp_path):
     # DeepSpeed's WarmupLR warned "Attempting to get learning rate from scheduler before it has

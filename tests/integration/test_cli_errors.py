@@ -227,3 +227,27 @@ def test_subprocess_exits_2_with_one_line_and_no_traceback(tmp_path, module, arg
     assert proc.stderr.strip().splitlines()[-1].startswith(start), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["memory_limit=2GiB"], "error: memory_limit=2GiB is read only by plan=auto"),
+        (["plan=auto"], "error: plan=auto needs memory_limit"),
+        (["plan=auto", "memory_limit=2GiB", "schedule=megatron"], "error: plan=auto chooses between storing and"),
+        (["plan=auto", "memory_limit=2GiB", "nprocs=4", "pipeline_stages=2"],
+         "error: plan=auto plans one TMP group, not pipeline_stages=2"),
+        (["plan=auto", "memory_limit=lots"], "error: memory_limit='lots' is not a size"),
+    ],
+)
+def test_plan_auto_refuses_what_it_cannot_plan_in_one_line_before_profiling(capsys, monkeypatch, tmp_path, args,
+                                                                            message):
+    assert refused(capsys, monkeypatch, tmp_path, train, *args).startswith(message)
+    assert "planning degrees" not in capsys.readouterr().out and not (tmp_path / ".oases").exists()
+
+
+def test_plan_auto_under_torchrun_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = refused(capsys, monkeypatch, tmp_path, train, "plan=auto", "memory_limit=2GiB")
+    assert line.startswith("error: plan=auto profiles with ranks of its own, so it cannot run under torchrun")
