@@ -366,3 +366,10 @@ def guarded_engine_run(check_collectives: bool, steps: int = 2) -> dict:
     return {"guard": engine.oases_comm.guard is not None, "losses": losses, "eval_loss": eval_loss,
             "labels": sorted({r.label.split(" sb")[0] for r in recorder.records}),
             "steps": sorted({r.step for r in recorder.records}), "dp_overlap": engine.dp_reducer is not None}
+
+
+def oases_runs(runs: list[tuple]) -> list[dict]:
+    """:func:`oases_run` of each argument tuple in turn, in one launch: the ranks import torch and
+    DeepSpeed once for all of them (a launch costs seconds of imports on a small CPU machine).
+    Each run builds its own engine and groups; none shares state with the one before."""
+    return [oases_run(*args) for args in runs]

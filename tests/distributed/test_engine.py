@@ -80,8 +80,8 @@ def test_each_schedule_runs_through_the_engine(schedule):
 
 def test_bf16_and_adam_train():
     """bf16 cannot match fp32 to 1e-5; check it trains and stays near the fp32 loss."""
-    out = launch(ew.oases_run, 2, ("llama", 2, 3, GLOBAL_BATCH, 1, 1, "oases", True, "adam"), timeout_s=300)[0]
-    fp32 = launch(ew.oases_run, 2, ("llama", 2, 3, GLOBAL_BATCH, 1, 1, "oases", False, "adam"), timeout_s=300)[0]
+    out, fp32 = launch(ew.oases_runs, 2, ([("llama", 2, 3, GLOBAL_BATCH, 1, 1, "oases", bf16, "adam")
+                                           for bf16 in (True, False)],), timeout_s=300)[0]
     for lo, hi in zip(out["losses"], fp32["losses"]):
         assert abs(lo - hi) / hi < 0.02
 
@@ -194,8 +194,12 @@ def test_the_hot_path_never_syncs_and_an_unlabelled_micro_batch_is_refused_befor
 def dp2_gas2():
     """DP 2 x TMP 1 (2 ranks) and DP 2 x TMP 2 (4 ranks), 2 micro-batches of 2 per step,
     ZeRO 0 and 1, clipping 0.05, oases schedule: one launch each, shared by the tests below."""
-    return {(tp, zero): launch(ew.oases_run, 2 * tp, ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero), timeout_s=600)[0]
-            for tp in (1, 2) for zero in (0, 1)}
+    runs = {}
+    for tp in (1, 2):  # one launch per world size, ZeRO 0 then 1 in it
+        outs = launch(ew.oases_runs, 2 * tp, ([("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero) for zero in (0, 1)],),
+                      timeout_s=600)[0]
+        runs.update({(tp, zero): out for zero, out in zip((0, 1), outs)})
+    return runs
 
 
 @pytest.mark.parametrize("tp, zero", [(1, 0), (1, 1), (2, 0), (2, 1)])
@@ -238,10 +242,12 @@ def dp2_routes():
     (``dp_overlap`` off) in fp32, and bf16 at ZeRO-1 and ZeRO 0 with and without the
     overlapped reduction."""
     runs = {}
-    for tp in (1, 2):
-        for zero, bf16, overlap in ((1, False, False), (1, True, True), (1, True, False), (0, True, True), (0, True, False)):
-            args = ("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero, "oases", bf16, "sgd", None, overlap)
-            runs[(tp, zero, bf16, overlap)] = launch(ew.oases_run, 2 * tp, args, timeout_s=600)[0]
+    routes = ((1, False, False), (1, True, True), (1, True, False), (0, True, True), (0, True, False))
+    for tp in (1, 2):  # one launch per world size, the five routes one after another in it
+        args = [("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero, "oases", bf16, "sgd", None, overlap)
+                for zero, bf16, overlap in routes]
+        for route, out in zip(routes, launch(ew.oases_runs, 2 * tp, (args,), timeout_s=600)[0]):
+            runs[(tp, *route)] = out
     return runs
 
 
