@@ -280,10 +280,10 @@ def auto_plan(cfg: dict, limit: float, out: str) -> str:
     (or reuse ``.oases/profiles``), let the planner choose each block's degree and policy (``store``
     or ``oases``) within ``limit``, print the plan as ``oases-plan`` does and write it to ``out``,
     which the run then trains with (and a later run can pass as ``plan=``)."""
+    from oases_ds.parallel.link import link_from_config
     from oases_ds.planner.plan import PlanInfeasibleError
     from oases_ds.planner.planning import PlanRequest, make_plan, plan_lines
     from oases_ds.planner.profile import ProfileSpec
-    from oases_ds.parallel.link import link_from_config
     from oases_ds.schedule.generators import ScheduleSpec
 
     spec = ProfileSpec(model=model_config(cfg["model"]), devices=cfg["tensor_parallel_size"],
