@@ -176,6 +176,12 @@ def hf_parity_worker(path: str, tp: int, out_dir: str) -> dict:
     return results
 
 
+def hf_parity_runs(jobs: list[tuple[str, int, str]]) -> list[dict]:
+    """:func:`hf_parity_worker` of each ``(path, tp, out_dir)`` in turn, in one launch (the ranks
+    import torch and transformers once); each builds its own groups and model."""
+    return [hf_parity_worker(*job) for job in jobs]
+
+
 def initialize_from_transformers_worker(kind: str) -> dict:
     """``oases_ds.initialize(model=<transformers model>)`` at TMP 2: the engine's eval loss
     against ``transformers``' own, and the line an unsupported ``nn.Module`` gets."""

@@ -16,6 +16,8 @@ own bias, the masked-LM transform, and the same odd vocabulary padded at TMP 2 a
 Tolerance: fp32, the same as the reference-model parity tests; the zero-in-exact-
 arithmetic key-bias gradient is measured against a norm floor (``hf_workers.rel_err``).
 """
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,15 +30,33 @@ RUNS = [("llama", 1), ("llama", 2), ("llama_kv1", 2), ("gpt2", 1), ("gpt2", 2), 
         ("qwen2", 1), ("qwen2", 2), ("qwen2_tied", 2), ("mistral", 1), ("mistral", 2)]
 
 
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    """``(kind, tp) -> (per-rank results, source dir, export dir)``; the runs of one TMP degree share
+    one launch (:func:`hf_workers.hf_parity_runs`: imports once), started when a test first asks."""
+    by_tp: dict = {}
+
+    def get(kind: str, tp: int):
+        if tp not in by_tp:
+            root, jobs = tmp_path_factory.mktemp(f"hf_tp{tp}"), {}
+            for name in (k for k, t in RUNS if t == tp):
+                source = root / name / "hf"
+                hf_workers.tiny_hf_model(name).save_pretrained(source)
+                jobs[name] = (str(source), tp, str(root / name / "export"))
+            per_rank = launch(hf_workers.hf_parity_runs, tp, (list(jobs.values()),), timeout_s=600)
+            by_tp[tp] = {name: ([rank[i] for rank in per_rank], Path(job[0]), Path(job[2]))
+                         for i, (name, job) in enumerate(jobs.items())}
+        return by_tp[tp][kind]
+
+    return get
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind,tp", RUNS)
-def test_imported_model_matches_transformers_and_exports_what_it_read(tmp_path, kind, tp):
-    source = tmp_path / "hf"
-    original = hf_workers.tiny_hf_model(kind)
-    original.save_pretrained(source)
-    out = tmp_path / "export"
-    per_rank = launch(hf_workers.hf_parity_worker, tp, (str(source), tp, str(out)), timeout_s=600)
+def test_imported_model_matches_transformers_and_exports_what_it_read(parity, kind, tp):
+    per_rank, source, out = parity(kind, tp)
     for rank, results in enumerate(per_rank):
+        results = dict(results)
         counts = results.pop("layer_params")  # the planner's count is the model's, biases and replicated heads too
         assert counts["held"] == counts["counted"], f"rank {rank}: layer 0 holds {counts}"
         for schedule, r in results.items():
