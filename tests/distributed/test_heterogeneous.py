@@ -51,13 +51,19 @@ def test_heterogeneous_plan_matches_reference(plan, family):
             assert r["loss_err"] <= TOL, f"rank {rank} {variant}: loss rel err {r['loss_err']:.2e}"
 
 
+@pytest.fixture(scope="module")
+def plain_reference():
+    """Plain DeepSpeed on the unsharded GPT, 3 steps of 8: the same run for every plan below."""
+    return launch(ew.reference_run, 1, ("gpt", 3, 8), timeout_s=300)[0]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, attn, mlp, policies", [
     (2, (2, 1), (1, 2), None),
     (4, (4, 2), (2, 4), None),
     (2, (2, 1), (1, 2), (("store", "oases"), ("oases", "store"))),  # a plan storing attn0 and mlp1 (oases-plan recompute=auto)
 ])
-def test_engine_with_a_plan_file_matches_plain_deepspeed(tmp_path, tp, attn, mlp, policies):
+def test_engine_with_a_plan_file_matches_plain_deepspeed(tmp_path, plain_reference, tp, attn, mlp, policies):
     """Also checks DeepSpeed's gradient clipping (active at 0.05) counts each shard of a
     replicated block once -- including the unsharded biases of a block at a middle
     degree (TMP 4, degree 2), which replica 0's two ranks both hold.  A plan with
@@ -67,7 +73,7 @@ def test_engine_with_a_plan_file_matches_plain_deepspeed(tmp_path, tp, attn, mlp
     path = tmp_path / "plan.json"
     given = {} if policies is None else {"attn_policies": policies[0], "mlp_policies": policies[1]}
     Plan(attn, mlp, devices=tp, **given).to_json(path)
-    ref = launch(ew.reference_run, 1, ("gpt", 3, 8), timeout_s=300)[0]
+    ref = plain_reference
     out = launch(ew.oases_run, tp, ("gpt", tp, 3, 8, 1, 0, "oases", False, "sgd", str(path)), timeout_s=300)[0]
     assert tuple(out["stored_blocks"]) == Plan.from_json(path).stored_blocks() == ((0, 3) if policies else ())
     for step in range(3):
