@@ -107,3 +107,9 @@ def run(layout: dict, save_dir: str | None, phase: str, steps: int) -> dict:
         engine.save_checkpoint(save_dir, client_state={"epoch": 3})
     out.update(weights=weights(engine), global_steps=engine.global_steps)
     return out
+
+
+def runs(jobs: list[tuple]) -> list[dict]:
+    """:func:`run` of each argument tuple in turn, in one launch (the ranks import torch and
+    DeepSpeed once); each builds its own engine from its layout."""
+    return [run(*job) for job in jobs]

@@ -59,8 +59,9 @@ def test_a_checkpoint_resumes_under_another_layout_as_an_unbroken_run(saved, tmp
     directory, saving = saved
     if layout.get("plan"):
         layout = dict(layout, plan=_plan(tmp_path))
-    resumed = launch(pw.run, ranks, (layout, directory, "resume", STEPS), timeout_s=600)
-    unbroken = launch(pw.run, ranks, (layout, None, "fresh", 2 * STEPS), timeout_s=600)
+    both = launch(pw.runs, ranks, ([(layout, directory, "resume", STEPS), (layout, None, "fresh", 2 * STEPS)],),
+                  timeout_s=600)
+    resumed, unbroken = [rank[0] for rank in both], [rank[1] for rank in both]
     first = resumed[0]
     assert first["loaded_step"] == STEPS and first["global_steps"] == 2 * STEPS
     assert first["client"] == {"epoch": 3} and first["path"].endswith(os.path.join("global_step3", "portable"))
