@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 
@@ -143,8 +142,9 @@ def _share(value: float | None, fmt: str = ".2f") -> str:
 def _measured_section(result: dict, path: str) -> list[str]:
     """The measured table, the spread of the steps it rests on and the issue's three targets, every
     number computed from ``result`` (a ``--measure`` JSON)."""
-    steps = result["step_ms"]  # per rank, per timed step; the slower rank's is the step
-    per_step = {v: [max(ranks) for ranks in zip(*per_rank)] for v, per_rank in steps.items()}
+    from oases_ds.bench.policies import slower_rank_steps
+
+    per_step = {v: slower_rank_steps(per_rank) for v, per_rank in result["step_ms"].items()}
     median = {v: statistics.median(xs) for v, xs in per_step.items()}
     model = result["model"]
     lines = [f"## Measured: {model['family']} h{model['hidden_size']}, {model['num_layers']} layers, "
@@ -204,8 +204,8 @@ def _measured_section(result: dict, path: str) -> list[str]:
                             if bound.get("stored_blocks") == 0 else "a plan that stores blocks."))
         else:
             lines.append(f"- recompute-everything limit: {low['stored_blocks']}/{low['blocks']} stored.")
-    group = result.get("devices") or int(re.search(r"TMP (\d+)", result["what"]).group(1))
-    uniform_oases = [f"layers 0-{model['num_layers'] - 1}: attn {group}, mlp {group}"]
+    group = len(result["uniform_peaks"])  # one entry per rank of the TMP group
+    uniform_oases = Plan.uniform(group, model["num_layers"], group).as_table().splitlines()
     twin = next((r for r in result["rows"] if r.get("plan") == uniform_oases and r["variant"] != "oases"), None)
     if twin is not None:  # the plan is the uniform oases plan, timed a second time under its own name
         a, b = median[twin["variant"]], median["oases"]

@@ -99,7 +99,13 @@ def rank_worker(model_fields: dict, variants: list[tuple[str, dict, str]], micro
             if rep >= warmup:
                 steps[labels[i]].append((time.perf_counter() - started) * 1e3)
             m.zero_grad(set_to_none=True)
-    return {"rank": ctx.rank, "device": str(ctx.device), "peaks": peaks, "step_ms": steps}
+    hardware = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "this machine's CPUs"
+    return {"rank": ctx.rank, "device": str(ctx.device), "hardware": hardware, "peaks": peaks, "step_ms": steps}
+
+
+def slower_rank_steps(per_rank: list[list[float]]) -> list[float]:
+    """Each timed step's time as the slower rank's (a TMP step ends when its last rank does)."""
+    return [max(ranks) for ranks in zip(*per_rank)]
 
 
 def _peak(rank_results: list[dict], label: str, term: str = "activation_bytes") -> float | None:
@@ -163,26 +169,26 @@ def measure(model_fields: dict, micro_batch: int = 4, gbps: float = 1.0, warmup:
     variants += [(label, fields(plan), "oases") for label, plan in plans.values()]
     timed = launch(rank_worker, devices, (model_fields, variants, micro_batch, gbps, warmup, repeats, timeout_s,
                                           devices), timeout_s=timeout_s)
-    slower = {label: [max(r["step_ms"][label][i] for r in timed) for i in range(repeats)] for label, _, _ in variants}
+    slower = {label: slower_rank_steps([r["step_ms"][label] for r in timed]) for label, _, _ in variants}
     median = {label: statistics.median(steps) for label, steps in slower.items()}
     for row in rows:
         if "variant" not in row:
             continue
         planned, oases, none, store = median[row["variant"]], median["oases"], median["none"], median["all-store"]
+        measured = _peak(timed, row["variant"])
         row.update({"planned_ms": planned, "oases_ms": oases, "none_ms": none, "all_store_ms": store,
                     "planned_over_none": planned / none, "planned_over_all_store": planned / store,
                     "gap_closed": (oases - planned) / (oases - none) if oases > none else None,
                     "gap_closed_vs_all_store": (oases - planned) / (oases - store) if oases > store else None,
-                    "measured_peak_bytes": _peak(timed, row["variant"]),
-                    "bound_error": row["predicted_bound_bytes"] / _peak(timed, row["variant"]) - 1,
-                    "replay_error": row["predicted_replay_bytes"] / _peak(timed, row["variant"]) - 1})
+                    "measured_peak_bytes": measured,
+                    "bound_error": row["predicted_bound_bytes"] / measured - 1,
+                    "replay_error": row["predicted_replay_bytes"] / measured - 1})
         allocator = _peak(timed, row["variant"], "allocator_bytes")
         if allocator is not None:  # CUDA: the caching allocator's peak as well
             row.update({"allocator_peak_bytes": allocator,
                         "allocator_bound_error": row["predicted_bound_bytes"] / allocator - 1,
                         "allocator_replay_error": row["predicted_replay_bytes"] / allocator - 1})
-    device = timed[0]["device"]
-    hardware = torch.cuda.get_device_name(0) if device.startswith("cuda") else "this machine's CPUs"
+    device, hardware = timed[0]["device"], timed[0]["hardware"]
     link = "no TMP communication" if devices == 1 else f"link EMULATED (ring, {gbps:g} Gbit/s)"
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "what": f"measured, TMP {devices}, {hardware}, {link}", "devices": devices, "device": device,

@@ -248,9 +248,10 @@ def validate(cfg: dict) -> None:
     preflight(ckpt["dir"], ckpt["resume"], expected)
 
 
-def check_auto_plan(cfg: dict) -> float | None:
-    """The memory limit of ``plan=auto`` (None without it), after every cheap check that can refuse it:
-    profiling starts rank processes and may take minutes, so a run it cannot serve fails first."""
+def check_auto_plan(cfg: dict) -> tuple[float, ModelConfig] | None:
+    """The memory limit of ``plan=auto`` and the model to plan (None without it), after every cheap
+    check that can refuse it: profiling starts rank processes and may take minutes, so a run it
+    cannot serve fails first."""
     limit = schema.parse_bytes("memory_limit", cfg["memory_limit"])
     if cfg["plan"] != "auto":
         if limit is not None:
@@ -270,12 +271,13 @@ def check_auto_plan(cfg: dict) -> float | None:
         raise ValueError(f"plan=auto chooses between storing and Oases' recompute per block, which needs "
                          f"schedule=oases, not schedule={cfg['schedule']['name']}")
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
-    model_config(cfg["model"]).check_tp(cfg["tensor_parallel_size"])
+    model = model_config(cfg["model"])
+    model.check_tp(cfg["tensor_parallel_size"])
     Topology(cfg["nprocs"], cfg["tensor_parallel_size"], 1)
-    return limit
+    return limit, model
 
 
-def auto_plan(cfg: dict, limit: float, out: str) -> str:
+def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
     """``plan=auto``: profile this run's layer under every TMP degree up to ``tensor_parallel_size``
     (or reuse ``.oases/profiles``), let the planner choose each block's degree and policy (``store``
     or ``oases``) within ``limit``, print the plan as ``oases-plan`` does and write it to ``out``,
@@ -286,7 +288,7 @@ def auto_plan(cfg: dict, limit: float, out: str) -> str:
     from oases_ds.planner.profile import ProfileSpec
     from oases_ds.schedule.generators import ScheduleSpec
 
-    spec = ProfileSpec(model=model_config(cfg["model"]), devices=cfg["tensor_parallel_size"],
+    spec = ProfileSpec(model=model, devices=cfg["tensor_parallel_size"],
                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
                        link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"])
     request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"])
@@ -390,9 +392,10 @@ def print_summary(summary: dict[str, Any]) -> None:
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
     try:
-        limit = check_auto_plan(cfg)
-        if limit is not None:
-            cfg["plan"] = auto_plan(cfg, limit, os.path.join(HydraConfig.get().runtime.output_dir, "plan.json"))
+        auto = check_auto_plan(cfg)
+        if auto is not None:
+            limit, model = auto
+            cfg["plan"] = auto_plan(cfg, model, limit, os.path.join(HydraConfig.get().runtime.output_dir, "plan.json"))
         validate(cfg)
     except ValueError as err:
         fail(str(err))
