@@ -19,6 +19,17 @@ timeout; a failed launch's summary then ends with the first divergence the recor
 When a rank fails because a wait timed out, its peers get a few seconds to time out and
 dump too (:func:`_await_peers`) before they are ended.
 
+Why a fork server on CPU builds of torch: a rank started with ``spawn`` imports torch,
+DeepSpeed and this package afresh (about 2 s of CPU each).  A process that launches
+many times (the planner's profile at every degree, ``plan=auto``, a test suite) pays that
+at every launch.  So ranks fork from multiprocessing's fork server, one clean process per
+launcher that has imported :data:`PRELOAD` (and :func:`preload`'s modules) and never ran a
+tensor operation or a thread: the first launch costs one import, later ones a fork.  What a
+spawned rank inherited, a forked one is given: the launcher's environment (``env`` on top),
+working directory and ``sys.path``.  On a CUDA or ROCm build ranks are spawned as before:
+a CUDA driver initialised by an import must not be forked.  ``OASES_START_METHOD=spawn``
+(or ``forkserver``) overrides the choice.
+
 Why pipes and not report files: a launcher killed with SIGKILL cannot clean up
 after itself, and a rank that outlives it just long enough to clean is a rank
 that outlives it.  Pipes leave nothing on disk to reap.
@@ -33,10 +44,10 @@ Why the ranks die with their launcher, however it ends:
   launcher ends them instead.  SIGINT is blocked while ranks start, so one
   pressed during start-up is neither lost by the launcher nor seen by a rank.
 * SIGKILL of the launcher cannot be caught, so each rank asks Linux to SIGKILL it
-  when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and, as the portable
-  fallback, a watchdog thread SIGKILLs the rank when ``os.getppid()`` stops being
-  the launcher's pid.  PDEATHSIG follows the *thread* that started the rank, so
-  call ``launch`` from a thread that outlives it (any caller blocked in it does).
+  when its parent dies (``prctl(PR_SET_PDEATHSIG)``; the parent is the launcher, or the
+  fork server, which exits when its launcher does), and, as the portable fallback, a
+  watchdog thread SIGKILLs the rank when its *lifeline* ends: a pipe whose only write end
+  the launcher holds, so it reads end-of-file exactly when the launcher is gone.
 """
 from __future__ import annotations
 
@@ -63,7 +74,6 @@ import torch.multiprocessing as mp
 from oases_ds.parallel.flight import DUMP_PREFIX, RUN_DIR_ENV, RUN_ID_ENV, explain, nccl_env, nccl_hint, read_run_dir
 
 _PR_SET_PDEATHSIG = 1
-_WATCHDOG_PERIOD_S = 0.5
 _TERMINATE_GRACE_S = 5.0
 _PEER_TIMEOUT_GRACE_S = 5.0  # after a rank's wait timed out, how long its peers get to time out and dump too
 
@@ -126,28 +136,97 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _die_with_parent(parent_pid: int) -> None:
+PRELOAD: tuple[str, ...] = ("__main__", "torch", "torch.distributed", "deepspeed", "oases_ds.engine", __name__)
+"""What the fork server imports once for every rank it forks (``__main__``: the launching
+script, which each rank would otherwise import again as ``__mp_main__``; this module: its
+import in the fork server arranges :func:`_remove_fork_server_socket_at_exit`)."""
+
+_START_METHOD_ENV = "OASES_START_METHOD"
+_START_METHODS = ("forkserver", "spawn")
+_extra_preload: list[str] = []
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (e.g. the module of the functions a test
+    suite launches), so no rank imports them itself.  Takes effect for a fork server not yet
+    started in this process; importing is best effort (a module that fails to import there
+    is imported by each rank as usual)."""
+    _extra_preload.extend(m for m in modules if m not in _extra_preload)
+
+
+def start_method() -> str:
+    """``forkserver`` on a CPU build of torch, ``spawn`` on a CUDA or ROCm build (module
+    docstring); ``OASES_START_METHOD`` overrides."""
+    chosen = os.environ.get(_START_METHOD_ENV, "").strip()
+    if chosen:
+        if chosen not in _START_METHODS:
+            raise ValueError(f"{_START_METHOD_ENV}={chosen!r} is not a start method; set it to forkserver or spawn, "
+                             "or unset it")
+        return chosen
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    return "spawn" if gpu_build or not sys.platform.startswith("linux") else "forkserver"
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from (:func:`start_method`)."""
+    method = start_method()
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *_extra_preload])))
+    return context
+
+
+def _remove_fork_server_socket_at_exit() -> None:
+    """In a fork server (which imports this module, :data:`PRELOAD`), remove the directory of
+    its socket when it exits; elsewhere nothing.
+
+    Why: the socket lives in a ``pymp-*`` directory that the launcher's process removes at
+    its exit, which a SIGKILL skips; the fork server outlives it by a moment (it exits when
+    its launcher's end of a pipe closes) and so can remove it.  The socket is found from the
+    fork server's own arguments (``multiprocessing.forkserver.main(listener_fd, ...)``,
+    whose frame is below this import); if that changes, the directory is left as before."""
+    import atexit
+    import shutil
+    from multiprocessing import forkserver
+
+    frame = sys._getframe()
+    while frame is not None and frame.f_code is not forkserver.main.__code__:
+        frame = frame.f_back
+    listener_fd = frame.f_locals.get("listener_fd") if frame is not None else None
+    if not isinstance(listener_fd, int):
+        return
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(listener_fd)) as listener:
+        path = listener.getsockname()
+        folder = os.path.dirname(path) if isinstance(path, str) else ""
+        if os.path.basename(folder).startswith("pymp-"):
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_remove_fork_server_socket_at_exit()
+
+
+def _die_with_parent(lifeline: Connection) -> None:
     """Make this rank end when the launcher ends, even by SIGKILL (see the module docstring)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_WATCHDOG_PERIOD_S)
+        with contextlib.suppress(EOFError, OSError):
+            while True:  # the launcher never writes: a read returns only at end-of-file
+                lifeline.recv_bytes()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="oases-parent-watchdog", daemon=True).start()
 
 
 def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], fn, args,
-           report: Connection, parent_pid: int) -> None:
+           report: Connection, lifeline: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher while starting us
-    _die_with_parent(parent_pid)
+    _die_with_parent(lifeline)
+    os.environ.clear()  # the launcher's environment as it is now (a forked rank has the fork server's)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -341,21 +420,25 @@ def flight_env(run_dir: str, env: dict[str, str]) -> str:
 def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, env: dict[str, str],
             threads_per_rank: int | None) -> list[Any]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-    spawn = mp.get_context("spawn")
+    context = _context()
+    env = {**os.environ, **env}
     port = free_port()
-    procs, readers = [], []
+    procs, readers, lifelines = [], [], []
     results: dict[int, tuple[str, Any]] = {}
     with _signals_recorded() as received:
         try:
-            with _sigint_blocked():
+            with _sigint_blocked():  # the fork server, started by the first launch, inherits the mask too
                 for r in range(nprocs):
-                    reader, writer = spawn.Pipe(duplex=False)
-                    p = spawn.Process(target=_child, daemon=False,
-                                      args=(r, nprocs, port, threads, env, fn, args, writer, os.getpid()))
+                    reader, writer = context.Pipe(duplex=False)
+                    lifeline, keep_alive = context.Pipe(duplex=False)
+                    p = context.Process(target=_child, daemon=False,
+                                        args=(r, nprocs, port, threads, env, fn, args, writer, lifeline))
                     readers.append(reader)
+                    lifelines.append(keep_alive)
                     p.start()
                     procs.append(p)
                     writer.close()  # the rank holds the only write end: its death reads as EOF
+                    lifeline.close()  # ... and the only read end of its lifeline: our death reads as EOF there
             deadline = time.monotonic() + timeout_s
             while len(results) < nprocs:
                 if received:
@@ -379,6 +462,6 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
                 time.sleep(0.02)
         finally:
             _end(procs, gently=len(results) == nprocs)
-            for reader in readers:
-                reader.close()
+            for pipe in readers + lifelines:
+                pipe.close()
     return [results[r][1] for r in range(nprocs)]

@@ -206,9 +206,18 @@ def test_after_a_timed_out_wait_the_peers_get_time_to_dump(tmp_path, message, pe
     assert spawned_children() == []
 
 
-def spawned_children() -> list[psutil.Process]:
-    """This process's rank processes (multiprocessing's resource tracker is not one)."""
-    return [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline()) and alive(c.pid)]
+def spawned_children(parent: int | None = None) -> list[psutil.Process]:
+    """The live rank processes of the launcher in process ``parent`` (default: this one): its
+    spawned children, or the children of its fork server (``oases_ds.launcher.start_method``);
+    multiprocessing's resource tracker and the fork server itself are not ranks."""
+    ranks = []
+    for child in psutil.Process(parent).children():
+        command = " ".join(child.cmdline())
+        if "spawn_main" in command:
+            ranks.append(child)
+        elif "forkserver" in command:
+            ranks.extend(child.children())
+    return [c for c in ranks if alive(c.pid)]
 
 
 @pytest.mark.distributed
@@ -268,7 +277,7 @@ def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path):
         deadline = time.monotonic() + 600
         while not lines.get(timeout=max(1.0, deadline - time.monotonic())).startswith("oases-train:"):
             pass  # rank 0's header: both ranks joined the process group and are training
-        ranks = [c.pid for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        ranks = [c.pid for c in spawned_children(proc.pid)]
         assert len(ranks) == 2
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         stderr = proc.stderr.read()
