@@ -86,7 +86,7 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from oases_ds import portable as portable_state
+from oases_ds.checkpoint import portable as portable_state
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_rank_files, check_save_tag, prune, publish, read_latest)
 from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message

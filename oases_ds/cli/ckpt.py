@@ -15,7 +15,7 @@ but before choosing the next run's layout a user wants to know what a checkpoint
 (and whether its rank files are complete) without launching ranks.  ``info`` reads only
 ``oases_meta.json``, the portable index and each file's zip directory, never the tensors.
 
-Why ``convert`` works offline: the portable state (:mod:`oases_ds.portable`) holds every
+Why ``convert`` works offline: the portable state (:mod:`oases_ds.checkpoint.portable`) holds every
 parameter's full fp32 master, so the Hugging Face weights are those masters mapped through
 :func:`oases_ds.hf.hf_state_dict` (rounded to bf16 when the run was bf16: what ``save_hf``
 on that run writes), and a Hugging Face model becomes a checkpoint by writing its tensors
@@ -53,7 +53,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from oases_ds import portable
+from oases_ds.checkpoint import portable
 from oases_ds.checkpoint import (META_FILE, STAGING_SUFFIX, CheckpointError, CheckpointMeta, check_complete,
                                  check_rank_files, check_save_tag, publish, read_latest, saved_tags)
 from oases_ds.cli.common import fail

@@ -65,7 +65,7 @@ class CheckpointSchema:
     every: int = 0
     keep: int = 0  # newest checkpoints kept in dir; 0 keeps all
     resume: bool = False  # from dir's latest; another layout (TMP degree, plan, stages, DP, ZeRO) needs its portable state
-    portable: bool = True  # also save every parameter's full value and optimizer state (oases_ds.portable)
+    portable: bool = True  # also save every parameter's full value and optimizer state (oases_ds.checkpoint.portable)
 
 
 @dataclass

@@ -19,8 +19,8 @@ import engine_workers as ew
 from oases_ds.checkpoint import (LATEST, META_FILE, CheckpointError, CheckpointMeta, check_tag, preflight, prune,
                                  publish, read_latest, saved_tags)
 from oases_ds.launcher import launch
-from oases_ds.portable import PORTABLE_DIR
-from oases_ds.portable import files as portable_files
+from oases_ds.checkpoint.portable import PORTABLE_DIR
+from oases_ds.checkpoint.portable import files as portable_files
 from oases_ds.models.config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -143,7 +143,7 @@ def test_convert_to_hf_writes_the_portable_masters(saved: str, tmp_path) -> None
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from oases_ds import portable
+    from oases_ds.checkpoint import portable
     from oases_ds.hf import hf_state_dict
     from oases_ds.models.config import ModelConfig
 

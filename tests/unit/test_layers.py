@@ -20,8 +20,9 @@ Layers, low to high (a module may import from its own layer and any lower one)::
               is read by the engine, initialize() and the CLIs, never by the planner --
               so it sits between runtime and planner
     planner   oases_ds/planner/*
-    engine    engine.py, checkpoint.py, portable.py (layout-free checkpoint state), __init__.py
-              (initialize() builds the engine),
+    engine    engine.py, checkpoint/* (meta, tags, safe loading, the layout-free portable state: the
+              engine saves and loads through it), portable.py (the old name of checkpoint/portable),
+              __init__.py (initialize() builds the engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
     bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
               oases-bench and oases-plan mode=accuracy; it never imports a CLI)
@@ -46,9 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "data": "runtime", "planner": "planner", "bench": "bench", "cli": "cli"}
+               "data": "runtime", "planner": "planner", "checkpoint": "engine", "bench": "bench", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "hf": "models", "config": "config", "engine": "engine",
-             "checkpoint": "engine", "portable": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
+             "portable": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
 def module_name(path: Path, root: Path) -> str:
