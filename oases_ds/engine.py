@@ -523,7 +523,8 @@ class OasesEngine(DeepSpeedEngine):
         dist.barrier()
         if dist.get_rank() == 0 and error is None:
             try:
-                replace(self.checkpoint_meta(), portable=self.oases.portable_checkpoint).write(staged, self.global_steps)
+                replace(self.checkpoint_meta(), portable=self.oases.portable_checkpoint,
+                        global_steps=self.global_steps).write(staged)
                 publish(save_dir, tag, staged, save_latest)
                 prune(save_dir, keep)
             except OSError as err:

@@ -54,6 +54,9 @@ class CheckpointMeta:
         portable: the checkpoint also holds its state layout-free (:mod:`oases_ds.checkpoint.portable`),
             so a run with another layout (any fact in :data:`LAYOUT_FACTS`) can load it.
             Not a fact a run must match; ``False`` in checkpoints saved before it existed.
+        global_steps: the step it was saved at (0 in a run's own meta, which describes a
+            layout, not a save; 0 where a meta file has none).  Not a fact a run must match:
+            :meth:`differences` never compares it, since a resume continues from another step.
 
     A checkpoint no run saved (``oases-ckpt convert --from-hf``, :meth:`portable_only`) has
     no layout: ``tensor_parallel_size`` 0, no block degrees, ZeRO 0 over DP 0, and no rank
@@ -69,6 +72,7 @@ class CheckpointMeta:
     data_parallel_size: int
     pipeline_layers: tuple[int, ...] = ()
     portable: bool = False
+    global_steps: int = 0
 
     @classmethod
     def build(cls, model: ModelConfig, tensor_parallel_size: int, block_degrees: Sequence[int] | None, bf16: bool,
@@ -96,8 +100,10 @@ class CheckpointMeta:
         try:
             with open(path) as f:
                 raw = json.load(f)
-            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in ("pipeline_layers", "portable")}
+            defaulted = ("pipeline_layers", "portable", "global_steps")  # absent from some meta files
+            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in defaulted}
             fields["portable"] = bool(raw.get("portable", False))  # saved before portable state existed: none
+            fields["global_steps"] = int(raw.get("global_steps", 0))  # not written: step 0
             fields["block_degrees"] = tuple(fields["block_degrees"])
             # saved before a ModelConfig field existed: that run had the field's default
             fields["model"] = {**_MODEL_DEFAULTS, **fields["model"]}
@@ -110,10 +116,9 @@ class CheckpointMeta:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"checkpoint {tag_dir} has an unreadable {META_FILE}: {err}") from None
 
-    def write(self, tag_dir: str, global_steps: int) -> None:
+    def write(self, tag_dir: str) -> None:
         """Atomically, into a staged checkpoint; ``saved_at`` orders tags for pruning."""
-        write_json_atomic(os.path.join(tag_dir, META_FILE),
-                          {"format": META_FORMAT, **asdict(self), "global_steps": global_steps, "saved_at": time.time()})
+        write_json_atomic(os.path.join(tag_dir, META_FILE), {"format": META_FORMAT, **asdict(self), "saved_at": time.time()})
 
     def differences(self, run: CheckpointMeta, optimizer_states: bool = True) -> list[tuple[str, Any, Any]]:
         """``(name, saved, this run)`` for every fact that differs; names as the user sets them."""

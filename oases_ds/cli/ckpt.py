@@ -54,7 +54,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from oases_ds.checkpoint import portable
-from oases_ds.checkpoint import (META_FILE, STAGING_SUFFIX, CheckpointError, CheckpointMeta, check_complete,
+from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, check_complete,
                                  check_rank_files, check_save_tag, publish, read_latest, saved_tags)
 from oases_ds.cli.common import fail
 
@@ -127,7 +127,7 @@ def describe(directory: str, tag: str | None = None) -> dict[str, Any]:
     files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name, _ in meta.rank_files()}
     model = meta.model
     return {
-        "directory": directory, "tag": tag, "global_steps": _saved_steps(tag_dir),
+        "directory": directory, "tag": tag, "global_steps": meta.global_steps,
         "model": model, "precision": meta.precision, "tensor_parallel_size": meta.tensor_parallel_size,
         "block_degrees": list(meta.block_degrees), "pipeline_layers": list(meta.pipeline_layers),
         "zero_stage": meta.zero_stage, "data_parallel_size": meta.data_parallel_size,
@@ -181,11 +181,10 @@ def to_hf(directory: str, out: str, tag: str | None = None) -> str:
     tag_dir = os.path.join(directory, tag)
     meta = CheckpointMeta.read(tag_dir)
     if not meta.portable:
-        steps = _saved_steps(tag_dir)
         raise CheckpointError(f"checkpoint {tag_dir} holds no portable state (saved with oases.portable_checkpoint=false "
                               f"or by an older oases_ds), so it cannot be converted offline; export it from a run resumed "
                               f"at its own layout: oases-train ... checkpoint.dir={directory} checkpoint.resume=true "
-                              f"steps={steps} export_hf={out}")
+                              f"steps={meta.global_steps} export_hf={out}")
     check_rank_files(directory, tag, meta, portable=True)
     cfg = ModelConfig(**meta.model)
     try:
@@ -197,13 +196,6 @@ def to_hf(directory: str, out: str, tag: str | None = None) -> str:
     full = {name: portable.read_full(tag_dir, name, index)["master"].to(dtype) for name in index}
     write_hf(cfg, full, out, config)
     return tag
-
-
-def _saved_steps(tag_dir: str) -> int:
-    """The step a checkpoint was saved at: in its meta file, but not a fact a run must match
-    (so not a :class:`CheckpointMeta` field)."""
-    with open(os.path.join(tag_dir, META_FILE)) as f:
-        return int(json.load(f).get("global_steps", 0))
 
 
 def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = False) -> str:
@@ -234,7 +226,7 @@ def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = Fa
     try:
         portable.write_masters(staged, ((name, value.to(round_to).float())
                                         for name, value in checkpoint.full_values(cfg, shapes)))
-        CheckpointMeta.portable_only(cfg, bf16).write(staged, global_steps=0)
+        CheckpointMeta.portable_only(cfg, bf16).write(staged)
         publish(directory, tag, staged)
     except ValueError as err:  # a tensor missing from the safetensors files
         raise CheckpointError(f"--from-hf {source}: {err}") from None
