@@ -8,9 +8,14 @@ starts, and ``oases-ckpt`` only parses its arguments and calls it.
     tags        tags, ``latest``, crash-safe publication, pruning
     safe_load   SafeCheckpointEngine (no code from a pickle), rank-file checks, preflight
     portable    the layout-free state: one full tensor per parameter, resharded on load
+    info        what a checkpoint holds, read without its tensors         (oases-ckpt info)
+    convert     to and from a Hugging Face model, offline                 (oases-ckpt convert)
+    reshard     rewritten for another layout by that layout's ranks       (oases-ckpt reshard)
 
 Each module's docstring says why it works the way it does.  The names code has always
-imported from ``oases_ds.checkpoint`` are re-exported here.
+imported from ``oases_ds.checkpoint`` are re-exported here; ``info``, ``convert`` and
+``reshard`` are imported by name (``from oases_ds.checkpoint.convert import to_hf``), so that
+the engine, which imports this package, does not load the launcher and the planner with it.
 """
 from __future__ import annotations
 

@@ -140,3 +140,25 @@ def prune(directory: str, keep: int) -> list[str]:
     for tag in removed:
         shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)
     return removed
+
+
+def resolve_tag(directory: str, tag: str | None) -> str:
+    """The completed tag to read from ``directory``: ``tag``, or the one ``latest`` names; one
+    line otherwise, naming oases-ckpt's ``--tag`` (its only caller: a run reads ``latest``)."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is not a directory; give the checkpoint.dir a run saved into")
+    if tag is not None:
+        return check_complete(directory, tag, source="--tag")
+    latest = read_latest(directory)
+    if latest is None:
+        tags = saved_tags(directory)
+        raise CheckpointError(f"{directory} has no `latest` file" + (
+            f"; give one of its saved tags with --tag ({', '.join(tags)})" if tags
+            else ", and no saved checkpoint: give the checkpoint.dir a run saved into"))
+    return latest
+
+
+def check_new_directory(path: str) -> None:
+    """An output of a conversion is a new or empty directory: never written over what is there."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"{path} exists and is not an empty directory; give a new or empty directory to write into")
