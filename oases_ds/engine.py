@@ -121,9 +121,9 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
     if not oases.plan:
         return spec
     try:
-        stored = Plan.from_json(oases.plan).stored_blocks()
-    except (OSError, ValueError) as err:
-        raise OasesConfigError(f"{prefix}plan={oases.plan}: {err}") from None
+        stored = Plan.read(f"{prefix}plan", oases.plan).stored_blocks()
+    except ValueError as err:  # names the setting already
+        raise OasesConfigError(str(err)) from None
     if stored and not (spec.name == "oases" and spec.fine_grained_recompute):
         raise OasesConfigError(f"{prefix}plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
                                f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
