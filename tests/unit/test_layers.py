@@ -21,13 +21,14 @@ Layers, low to high (a module may import from its own layer and any lower one)::
               so it sits between runtime and planner
     planner   oases_ds/planner/*
     engine    engine.py, checkpoint/* (meta, tags, safe loading, the layout-free portable state: the
-              engine saves and loads through it), portable.py (the old name of checkpoint/portable),
-              __init__.py (initialize() builds the engine),
+              engine saves and loads through it; and what oases-ckpt runs: info, convert, reshard),
+              portable.py (the old name of checkpoint/portable), __init__.py (initialize() builds the
+              engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
     bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
               oases-bench and oases-plan mode=accuracy; it never imports a CLI)
-    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report: argument
-              handling and dispatch only)
+    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report, oases-ckpt,
+              oases-data: argument handling and dispatch only, tests/unit/test_cli_modules.py)
 
 Every import counts: module level, inside functions (still a dependency, just a
 later one) and under ``if TYPE_CHECKING`` (a type the module cannot be described
