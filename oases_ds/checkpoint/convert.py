@@ -80,7 +80,7 @@ def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = Fa
     os.makedirs(staged)
     try:
         portable_state.write_masters(staged, ((name, value.to(round_to).float())
-                                        for name, value in checkpoint.full_values(cfg, shapes)))
+                                              for name, value in checkpoint.full_values(cfg, shapes)))
         CheckpointMeta.portable_only(cfg, bf16).write(staged)
         publish(directory, tag, staged)
     except ValueError as err:  # a tensor missing from the safetensors files
