@@ -45,9 +45,13 @@ def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) ->
     of ``oases.plan``; with pipeline stages, only this rank's stage's layers."""
     stage = oases.stages(model.num_layers)[ctx.pp_rank]
     try:
-        if not oases.plan:
+        plan = Plan.read("oases.plan", oases.plan) if oases.plan else None
+    except ValueError as err:  # names oases.plan already
+        raise OasesConfigError(str(err)) from None
+    try:
+        if plan is None:
             return OperatorModel(model, group=ctx.tp_group, seed=oases.seed, stage=stage)
-        return OperatorModel.for_plan(model, ctx, Plan.from_json(oases.plan), seed=oases.seed, stage=stage)
+        return OperatorModel.for_plan(model, ctx, plan, seed=oases.seed, stage=stage)
     except ValueError as err:
         raise OasesConfigError(f"oases.plan={oases.plan}: {err}" if oases.plan else f"model: {err}") from None
 
@@ -63,8 +67,8 @@ def with_planned_stages(oases: OasesConfig, prefix: str = "oases.") -> OasesConf
     if not oases.plan:
         return oases
     try:
-        plan = Plan.from_json(oases.plan)
-    except (OSError, ValueError):
+        plan = Plan.read(f"{prefix}plan", oases.plan)
+    except ValueError:
         return oases  # build_model / the CLI report an unreadable plan in one line
     if plan.stages != oases.pipeline_stages:
         raise OasesConfigError(f"{prefix}plan={oases.plan} was planned for {plan.stages} pipeline stages; this run has "

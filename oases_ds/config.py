@@ -81,7 +81,7 @@ class OasesConfig(BaseModel):
         flight_records: collectives each rank remembers for a hang's diagnosis
             (:mod:`oases_ds.parallel.flight`); 0 keeps none.
         portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
-            optimizer state of every parameter (:mod:`oases_ds.portable`), so that a run
+            optimizer state of every parameter (:mod:`oases_ds.checkpoint.portable`), so that a run
             with another TMP degree, plan, pipeline split, DP size or ZeRO stage can resume
             from it.  Costs a second copy of the fp32 state on disk and a gather per
             parameter at save; ``false`` keeps DeepSpeed's files only.

@@ -86,7 +86,7 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from oases_ds import portable as portable_state
+from oases_ds.checkpoint import portable as portable_state
 from oases_ds.checkpoint import (STAGING_SUFFIX, CheckpointError, CheckpointMeta, SafeCheckpointEngine, check_complete,
                                  check_rank_files, check_save_tag, prune, publish, read_latest)
 from oases_ds.config import Collective, OasesConfig, OasesConfigError, activation_all_reduce, slow_link_message
@@ -121,9 +121,9 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
     if not oases.plan:
         return spec
     try:
-        stored = Plan.from_json(oases.plan).stored_blocks()
-    except (OSError, ValueError) as err:
-        raise OasesConfigError(f"{prefix}plan={oases.plan}: {err}") from None
+        stored = Plan.read(f"{prefix}plan", oases.plan).stored_blocks()
+    except ValueError as err:  # names the setting already
+        raise OasesConfigError(str(err)) from None
     if stored and not (spec.name == "oases" and spec.fine_grained_recompute):
         raise OasesConfigError(f"{prefix}plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
                                f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
@@ -523,7 +523,8 @@ class OasesEngine(DeepSpeedEngine):
         dist.barrier()
         if dist.get_rank() == 0 and error is None:
             try:
-                replace(self.checkpoint_meta(), portable=self.oases.portable_checkpoint).write(staged, self.global_steps)
+                replace(self.checkpoint_meta(), portable=self.oases.portable_checkpoint,
+                        global_steps=self.global_steps).write(staged)
                 publish(save_dir, tag, staged, save_latest)
                 prune(save_dir, keep)
             except OSError as err:

@@ -16,8 +16,9 @@ the launch fails.  With ``run_dir`` the ranks keep their flight records there
 (``OASES_RUN_DIR``; :mod:`oases_ds.parallel.flight`: a ring file written as collectives are
 issued, a JSON dump on a failed wait) and torch's NCCL flight recorder dumps there on a
 timeout; a failed launch's summary then ends with the first divergence the records show.
-When a rank fails because a wait timed out, its peers get a few seconds to time out and
-dump too (:func:`_await_peers`) before they are ended.
+When a rank fails because its wait failed -- known from the dump it left there, not from
+its error's words -- its peers get a few seconds to fail and dump too (:func:`_await_peers`)
+before they are ended.
 
 Why a fork server on CPU builds of torch: a rank started with ``spawn`` imports torch,
 DeepSpeed and this package afresh (about 2 s of CPU each).  A process that launches
@@ -55,7 +56,6 @@ import contextlib
 import ctypes
 import os
 import pickle
-import re
 import secrets
 import signal
 import socket
@@ -75,7 +75,7 @@ from oases_ds.parallel.flight import DUMP_PREFIX, RUN_DIR_ENV, RUN_ID_ENV, expla
 
 _PR_SET_PDEATHSIG = 1
 _TERMINATE_GRACE_S = 5.0
-_PEER_TIMEOUT_GRACE_S = 5.0  # after a rank's wait timed out, how long its peers get to time out and dump too
+_PEER_TIMEOUT_GRACE_S = 5.0  # after a rank's wait failed (it left its dump), how long its peers get to dump too
 
 
 class LaunchError(RuntimeError):
@@ -320,10 +320,19 @@ def _end(procs: list, gently: bool) -> None:
             p.join()
 
 
-def _timed_out(err: LaunchError) -> bool:
-    """Whether a rank failed because a collective's wait ran out of time (gloo's "Timed out
-    waiting", NCCL's watchdog "timeout")."""
-    return bool(err.exc_message) and bool(re.search(r"timed out|timeout", err.exc_message, re.IGNORECASE))
+def _wait_failed(err: LaunchError, run_dir: str | None) -> bool:
+    """Whether the rank ``err`` names failed in a collective's wait (the process-group timeout,
+    a peer's reset connection): it left its flight dump, ``<run_dir>/collectives-rank<r>.json``.
+
+    Why the dump and not the error's text: a rank writes the dump exactly when a wait fails
+    (:meth:`~oases_ds.parallel.flight.FlightRecorder.failed`), before it reports, so it is on
+    disk when the report is read; the text is gloo's or NCCL's, changes with their versions,
+    and a rank's own error may say "timeout" too.  Guard mode's verdict
+    (``CollectiveMismatchError``) also leaves a dump but already names the divergence.  Without
+    a run directory no rank dumps: nothing says the wait failed, and nothing would be lost by
+    ending the peers at once (there are no records to wait for)."""
+    return (bool(run_dir) and err.rank is not None and err.exc_type != "CollectiveMismatchError"
+            and os.path.exists(os.path.join(run_dir, f"{DUMP_PREFIX}{err.rank}.json")))
 
 
 def _await_peers(procs: list, readers: list[Connection], done: set[int], grace_s: float) -> None:
@@ -377,7 +386,7 @@ def launch(
     if run_dir:
         run_id = flight_env(run_dir, env)
     try:
-        return _launch(fn, nprocs, args, timeout_s, env, threads_per_rank)
+        return _launch(fn, nprocs, args, timeout_s, env, threads_per_rank, run_dir)
     except LaunchInterrupted:
         raise
     except LaunchError as err:
@@ -394,12 +403,10 @@ def launch(
 def _failed_in_communication(err: LaunchError, run_dir: str) -> bool:
     """Whether the flight records can explain ``err``: the launch timed out (ranks hung), the
     rank died without a report (gloo aborts a rank that receives too much), or its failed
-    wait left a dump.  Not for an error of the rank's own (its peers then wait on it, which
-    the records would misname as the cause) nor one guard mode named already."""
-    if err.rank is None or err.exc_type is None:
-        return True
-    return err.exc_type != "CollectiveMismatchError" and os.path.exists(
-        os.path.join(run_dir, f"{DUMP_PREFIX}{err.rank}.json"))
+    wait left a dump (:func:`_wait_failed`).  Not for an error of the rank's own (its peers
+    then wait on it, which the records would misname as the cause) nor one guard mode named
+    already."""
+    return err.rank is None or err.exc_type is None or _wait_failed(err, run_dir)
 
 
 def flight_env(run_dir: str, env: dict[str, str]) -> str:
@@ -418,7 +425,7 @@ def flight_env(run_dir: str, env: dict[str, str]) -> str:
 
 
 def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, env: dict[str, str],
-            threads_per_rank: int | None) -> list[Any]:
+            threads_per_rank: int | None, run_dir: str | None) -> list[Any]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
     context = _context()
     env = {**os.environ, **env}
@@ -450,7 +457,7 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
                         try:
                             results[r] = _receive(r, readers[r], procs[r])
                         except LaunchError as err:
-                            if _timed_out(err):  # its peers are likely timing out too: let them dump first
+                            if _wait_failed(err, run_dir):  # its peers' waits are likely failing too: let them dump
                                 _await_peers(procs, readers, set(results) | {r}, _PEER_TIMEOUT_GRACE_S)
                             raise
                     elif not procs[r].is_alive() and not readers[r].poll():

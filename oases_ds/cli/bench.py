@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -99,11 +98,6 @@ def main(dcfg: DictConfig) -> None:
     except LaunchError as err:  # one line; the rank's traceback in Hydra's run dir
         fail_launch(err, HydraConfig.get().runtime.output_dir)
     print_record(record)
-
-
-def compose_config(overrides: list[str]) -> dict[str, Any]:
-    """The config Hydra would build for ``overrides`` (one point, no sweep), as a plain dict."""
-    return schema.compose_config("bench", overrides)
 
 
 def precheck(args: list[str]) -> None:

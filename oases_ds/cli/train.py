@@ -48,7 +48,7 @@ from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
 from oases_ds.planner.plan import Plan
-from oases_ds.utils.io import read_input, write_json_atomic
+from oases_ds.utils.io import write_json_atomic
 from oases_ds.utils.metrics import MetricsLog, check_csv, check_tensorboard
 
 
@@ -65,7 +65,7 @@ class CheckpointSchema:
     every: int = 0
     keep: int = 0  # newest checkpoints kept in dir; 0 keeps all
     resume: bool = False  # from dir's latest; another layout (TMP degree, plan, stages, DP, ZeRO) needs its portable state
-    portable: bool = True  # also save every parameter's full value and optimizer state (oases_ds.portable)
+    portable: bool = True  # also save every parameter's full value and optimizer state (oases_ds.checkpoint.portable)
 
 
 @dataclass
@@ -208,7 +208,7 @@ def validate(cfg: dict) -> None:
     stages = oases.stages(model.num_layers)
     replicas = 1
     if oases.plan:
-        plan = read_input("plan", oases.plan, Plan.from_json, "give the JSON file oases-plan wrote")
+        plan = Plan.read("plan", oases.plan)
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
             raise ValueError(f"plan={oases.plan} is for {plan.layers} layers on {plan.devices} devices; this run has "
                              f"model.num_layers={model.num_layers}, tensor_parallel_size={oases.tensor_parallel_size}")

@@ -14,7 +14,7 @@ from typing import Sequence
 from oases_ds.planner.costs import check_degree
 from oases_ds.planner.jsonio import load_dataclass
 from oases_ds.schedule.generators import RECOMPUTE_POLICIES
-from oases_ds.utils.io import write_json_atomic
+from oases_ds.utils.io import read_json_input, write_json_atomic
 
 
 class PlanInfeasibleError(ValueError):
@@ -186,3 +186,10 @@ class Plan:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> Plan:
         return load_dataclass(path, cls)
+
+    @classmethod
+    def read(cls, key: str, path: str) -> Plan:
+        """The plan file a user named with the setting ``key`` (``plan``, ``oases.plan``); a file
+        that cannot be read or parsed is a ``ValueError`` of one line naming the setting
+        (:func:`~oases_ds.utils.io.read_json_input`)."""
+        return read_json_input(key, path, cls.from_json, "give the JSON file oases-plan wrote")

@@ -30,7 +30,7 @@ from oases_ds.planner.policies import RECOMPUTE_CHOICES, with_store_costs
 from oases_ds.planner.profile import PROFILE_DTYPE_BYTES, ProfileSpec, cache_path, profile
 from oases_ds.planner.replay import can_replay, rank_by_replay
 from oases_ds.planner.stages import PipelineSpec, StagePlan, even_split, p2p_ms, plan_split, plan_stages
-from oases_ds.utils.io import read_input
+from oases_ds.utils.io import read_json_input
 
 COSTS: tuple[str, ...] = ("profile", "analytic")
 """Where the cost table comes from: measured on this machine, or computed for the cluster."""
@@ -186,7 +186,8 @@ def load_table(request: PlanRequest) -> LoadedTable:
 
 def _load_oases_table(request: PlanRequest) -> LoadedTable:
     if request.table_path:
-        table = read_input("table", request.table_path, CostTable.from_json, "give a cost-table JSON written by oases-plan")
+        table = read_json_input("table", request.table_path, CostTable.from_json,
+                                "give a cost-table JSON written by oases-plan")
         if request.layers is not None:
             table = dataclasses.replace(table, layers=request.layers)
         return LoadedTable(table, f"from {request.table_path}")

@@ -135,12 +135,16 @@ def replace_marked_section(path: PathLike, begin: str, end: str, body: str, *, a
     write_text_atomic(path, text)
 
 
-def read_input(key: str, path: str, read: Callable[[str], T], hint: str) -> T:
-    """``read(path)`` for the setting ``key``, its failure as the one line a user needs: a file
-    that cannot be opened is ``key=path: <reason>; <hint>``, a malformed one ``key=<read's
-    message>`` (the readers, e.g. ``Plan.from_json``, start their message with the path)."""
+def read_json_input(key: str, path: str, loader: Callable[[str], T], hint: str) -> T:
+    """``loader(path)`` for the setting ``key``, its failure as the one line a user needs: a file
+    that cannot be opened is ``key=path: <reason>; <hint>``, a malformed one ``key=<loader's
+    message>`` (the loaders, e.g. ``Plan.from_json``, start their message with the path).
+
+    Why one function: a plan or a cost table is a JSON file a user names, in a CLI setting or
+    in a DeepSpeed config, and read by the CLI's checks, the planner and every rank; each of
+    those reads fails with the same line, naming the setting, whichever reads it first."""
     try:
-        return read(path)
+        return loader(path)
     except OSError as err:
         raise ValueError(f"{key}={path}: {err.strerror or err}; {hint}") from None
     except ValueError as err:

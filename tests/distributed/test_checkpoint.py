@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ import torch
 import engine_workers as ew
 from oases_ds.checkpoint import (LATEST, META_FILE, CheckpointError, CheckpointMeta, check_tag, preflight, prune,
                                  publish, read_latest, saved_tags)
+from oases_ds.checkpoint.portable import PORTABLE_DIR
+from oases_ds.checkpoint.portable import files as portable_files
 from oases_ds.launcher import launch
-from oases_ds.portable import PORTABLE_DIR
-from oases_ds.portable import files as portable_files
 from oases_ds.models.config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +40,7 @@ def fake_checkpoint(directory, tag: str, payload: str, saved_at: float = 0.0, la
     os.makedirs(path)
     with open(os.path.join(path, "mp_rank_00_model_states.pt"), "w") as f:
         f.write(payload)
-    meta().write(path, global_steps=0)
+    meta().write(path)
     if saved_at:
         data = json.load(open(os.path.join(path, META_FILE)))
         json.dump(dict(data, saved_at=saved_at), open(os.path.join(path, META_FILE), "w"))
@@ -86,9 +87,10 @@ def test_latest_must_name_a_completed_tag_inside_the_directory(tmp_path):
 
 # -- meta ----------------------------------------------------------------------------
 def test_meta_mismatch_is_one_line_naming_both_values(tmp_path):
-    saved = meta(tensor_parallel_size=2)
-    saved.write(str(tmp_path), global_steps=4)
+    saved = replace(meta(tensor_parallel_size=2), global_steps=4)
+    saved.write(str(tmp_path))
     assert CheckpointMeta.read(str(tmp_path)) == saved
+    assert saved.differences(meta(tensor_parallel_size=2)) == []  # the step is no fact a run must match
     with pytest.raises(CheckpointError) as err:
         saved.refuse_mismatch("runs/ckpt/global_step4", meta(tensor_parallel_size=1))
     assert str(err.value) == ("checkpoint runs/ckpt/global_step4 was saved with tensor_parallel_size=2, "
@@ -111,13 +113,15 @@ def test_meta_mismatch_is_one_line_naming_both_values(tmp_path):
 def test_a_meta_saved_before_a_model_field_existed_reads_as_its_default(tmp_path):
     """A field added to ModelConfig later (e.g. qkv_bias) is absent from older checkpoints: the
     run that saved one had its default, so resuming it is no mismatch."""
-    saved = meta()
-    saved.write(str(tmp_path), global_steps=4)
+    saved = replace(meta(), global_steps=4)
+    saved.write(str(tmp_path))
     data = json.load(open(tmp_path / META_FILE))
     for name in ("qkv_bias", "sliding_window", "full_attention_layers", "hf_architecture"):
         del data["model"][name]
+    del data["global_steps"]  # a meta file without the step: step 0
     json.dump(data, open(tmp_path / META_FILE, "w"))
     assert CheckpointMeta.read(str(tmp_path)).differences(saved) == []
+    assert CheckpointMeta.read(str(tmp_path)).global_steps == 0
 
 
 # -- crash-safe publication ----------------------------------------------------------
@@ -236,7 +240,7 @@ def complete_checkpoint(directory, saved: CheckpointMeta, files: list[str], tag:
     os.makedirs(tag_dir)
     for name in files:
         torch.save({"name": name, "weight": torch.zeros(16)}, os.path.join(tag_dir, name))
-    saved.write(tag_dir, global_steps=2)
+    replace(saved, global_steps=2).write(tag_dir)
     (Path(directory) / LATEST).write_text(tag)
     return tag_dir
 

@@ -17,7 +17,7 @@ import pytest
 from oases_ds.bench import measure, report
 from oases_ds.bench import spec as bench_spec
 from oases_ds.bench.provenance import REPO_ROOT
-from oases_ds.cli import bench, bench_report  # the entry points, run as a user would
+from oases_ds.cli import bench, bench_report, schema  # the entry points, run as a user would
 from oases_ds.cli.common import PLAN_PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +25,11 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bench_lines.jsonl")
 ALL_PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs", "experiment")) if f.endswith(".yaml"))
 PRESETS = [p for p in ALL_PRESETS if p not in PLAN_PRESETS]  # oases-bench's; the planner's are run below
 SMOKE = ["model=gpt_tiny", "repeats=1", "warmup=0", "timeout_s=120"]
+
+
+def compose(overrides: list[str]) -> dict:
+    """The config ``oases-bench`` composes for ``overrides`` (importing ``cli.bench`` registered its schema)."""
+    return schema.compose_config("bench", overrides)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -41,7 +46,7 @@ def phase_bytes(variant: dict, phase: str) -> int:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_study_preset_runs_one_step(tmp_path, preset):
     out = tmp_path / "lines.jsonl"
-    cfg = bench.compose_config([f"experiment={preset}", *SMOKE, f"out={out}"])
+    cfg = compose([f"experiment={preset}", *SMOKE, f"out={out}"])
     record = measure.run_measurement(cfg)
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["variants"].keys() == record["variants"].keys()
@@ -69,7 +74,7 @@ def test_a_run_without_out_leaves_the_committed_results_alone(tmp_path, monkeypa
     before = open(committed, "rb").read()
     monkeypatch.chdir(tmp_path)
     measure.default_out.cache_clear()
-    cfg = bench.compose_config(["experiment=batch_split", "micro_batches=[2]", *SMOKE])
+    cfg = compose(["experiment=batch_split", "micro_batches=[2]", *SMOKE])
     assert cfg["out"] == ""
     record = measure.run_measurement(cfg)
     bench.print_record(record)
@@ -106,7 +111,7 @@ def test_overlap_script_tiny_run_writes_under_runs(tmp_path):
 @pytest.mark.distributed
 def test_weak_scaling_at_dp2_runs_four_ranks(tmp_path):
     out = tmp_path / "lines.jsonl"
-    record = measure.run_measurement(bench.compose_config(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
+    record = measure.run_measurement(compose(["experiment=weak_scaling", "data_parallel_size=2", *SMOKE, f"out={out}"]))
     assert record["data_parallel_size"] == 2 and len(record["peak_rss_bytes_per_rank"]) == 4
     assert all(phase_bytes(v, "grad_sync") > 0 for v in record["variants"].values())
 
@@ -117,7 +122,7 @@ def test_weak_scaling_with_pipeline_stages_runs_pp2_tmp2(tmp_path):
     counts its tokens over every micro-batch, and the stage messages were sent (rank 0 is a
     first-stage rank) on the emulated link the record names."""
     out = tmp_path / "lines.jsonl"
-    record = measure.run_measurement(bench.compose_config(
+    record = measure.run_measurement(compose(
         ["experiment=weak_scaling_stages", "pipeline_stages=2", "pipeline_micro_batches=2", "model.num_layers=2",
          *SMOKE, f"out={out}"]))
     assert record["pipeline_stages"] == 2 and record["pipeline_schedule"] == "1f1b"
@@ -135,7 +140,7 @@ def test_weak_scaling_with_pipeline_stages_runs_pp2_tmp2(tmp_path):
     ({"pipeline_micro_batches": 2, "memory_probe": True}, "memory_probe measures one micro-batch without stages"),
 ])
 def test_pipeline_bench_settings_are_refused_in_one_line(override, message):
-    cfg = bench.compose_config(["experiment=weak_scaling_stages"])
+    cfg = compose(["experiment=weak_scaling_stages"])
     for key, value in override.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -161,18 +166,18 @@ def test_bad_config_fails_in_one_line_before_launching(args, message):
 
 
 def test_scaled_emulation_ratio_follows_the_stated_formula():
-    cfg = bench.compose_config(["cluster=pcie_3090"])
+    cfg = compose(["cluster=pcie_3090"])
     ref = cfg["emulation"]["reference"]
     # 2 bytes * (4 - 1) * 71e12 * 0.4 / (8 * 4096 * 12e9 B/s)
     assert measure.target_ratio(cfg["cluster"], ref) == pytest.approx(2 * 3 * 71e12 * 0.4 / (8 * 4096 * 12e9))
-    nvlink = bench.compose_config(["cluster=nvlink_pair_3090"])["cluster"]
+    nvlink = compose(["cluster=nvlink_pair_3090"])["cluster"]
     assert bench_spec.reference_tp(nvlink, ref) == 2
 
 
 def test_the_library_reads_the_presets_as_hydra_composes_them():
     """``benchmarks/validate_link.py`` builds its config without Hydra (bench.yaml's own values plus a
     model preset); it must equal what ``oases-bench`` composes, types included."""
-    composed = bench.compose_config(["model=llama_small"])
+    composed = compose(["model=llama_small"])
     defaults = bench_spec.bench_defaults()
     assert {"schedules", "micro_batch", "emulation", "seed", "timeout_s"} <= defaults.keys()
     assert "defaults" not in defaults and "hydra" not in defaults

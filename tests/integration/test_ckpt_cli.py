@@ -143,7 +143,7 @@ def test_convert_to_hf_writes_the_portable_masters(saved: str, tmp_path) -> None
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from oases_ds import portable
+    from oases_ds.checkpoint import portable
     from oases_ds.hf import hf_state_dict
     from oases_ds.models.config import ModelConfig
 
@@ -167,13 +167,14 @@ def test_convert_round_trips_a_hugging_face_model(tiny_llama_dirs, tmp_path) -> 
     import torch
     from safetensors.torch import load_file
 
+    from oases_ds.checkpoint.info import describe
     from oases_ds.cli import ckpt as cli
 
     original = load_file(os.path.join(tiny_llama_dirs[0], "model.safetensors"))
     for flags, dtype in (([], torch.float32), (["--bf16"], torch.bfloat16)):
         name = "bf16" if flags else "fp32"
         cli.main(["convert", "--from-hf", tiny_llama_dirs[0], str(tmp_path / f"ckpt_{name}"), *flags])
-        info = cli.describe(str(tmp_path / f"ckpt_{name}"))
+        info = describe(str(tmp_path / f"ckpt_{name}"))
         assert (info["tag"], info["global_steps"], info["tensor_parallel_size"], info["files"]) == ("hf", 0, 0, {})
         assert info["portable"]["optimizer_state"] == [] and info["precision"] == name
         cli.main(["convert", str(tmp_path / f"ckpt_{name}"), "--to-hf", str(tmp_path / f"hf_{name}")])

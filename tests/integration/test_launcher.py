@@ -26,6 +26,7 @@ import pytest
 
 from oases_ds.cli.common import fail_launch
 from oases_ds.launcher import LaunchError, launch
+from oases_ds.parallel.flight import RUN_DIR_ENV, RUN_ID_ENV, FlightRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -75,11 +76,15 @@ def exit_without_report(code: int) -> None:
     os._exit(code)
 
 
-def fail_then_peer_dumps(marker_dir: str, message: str, peer_delay_s: float) -> None:
-    """Rank 0 fails with ``message`` at once; rank 1, ``peer_delay_s`` after rank 0's failure,
+def fail_then_peer_dumps(marker_dir: str, message: str, peer_delay_s: float, dump: bool) -> None:
+    """Rank 0 fails with ``message`` at once, after writing its flight dump when ``dump`` (as
+    a rank whose collective wait failed does); rank 1, ``peer_delay_s`` after rank 0's failure,
     writes its "dump" (a marker file) and fails too: a hang timing out on both ranks."""
     failing = os.path.join(marker_dir, "rank0-failing")
     if os.environ["RANK"] == "0":
+        if dump:
+            recorder = FlightRecorder(0, 0, os.environ[RUN_DIR_ENV], run_id=os.environ[RUN_ID_ENV])
+            recorder.failed(None, RuntimeError(message))
         open(failing, "w").close()
         raise RuntimeError(message)
     while not os.path.exists(failing):
@@ -191,16 +196,20 @@ def test_a_rank_that_died_without_reporting_fails_the_launch():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("message, peer_dumps", [
-    ("Timed out waiting 5000ms for recv operation to complete", True),  # gloo's timeout: the peer gets time to dump
-    ("bad shape", False),  # a rank's own error: its peers are ended at once
+@pytest.mark.parametrize("message, dumped, peer_dumps", [
+    ("Timed out waiting 5000ms for recv operation to complete", True, True),  # its wait failed: the peer gets time
+    ("bad shape", False, False),  # a rank's own error: its peers are ended at once
+    ("Timed out waiting 5000ms for recv operation to complete", False, False),  # words alone, no dump: ended at once
 ])
-def test_after_a_timed_out_wait_the_peers_get_time_to_dump(tmp_path, message, peer_dumps):
+def test_after_a_failed_wait_the_peers_get_time_to_dump(tmp_path, message, dumped, peer_dumps):
     """A hang times out on every rank, each within about the time between their waits, and
     each writes its flight-record dump before reporting: ending the peers as soon as the
-    first rank reports loses their dumps (a CI run lost rank 1's that way)."""
+    first rank reports loses their dumps (a CI run lost rank 1's that way).  The launcher
+    knows a wait failed from the dump the rank left in the run directory, not from the
+    error's words."""
     with pytest.raises(LaunchError) as caught:
-        launch(fail_then_peer_dumps, 2, (str(tmp_path), message, 1.5), timeout_s=120)
+        launch(fail_then_peer_dumps, 2, (str(tmp_path), message, 1.5, dumped), timeout_s=120,
+               run_dir=str(tmp_path / "run"))
     assert caught.value.rank == 0 and caught.value.exc_message == message
     assert (tmp_path / "rank1-dump").exists() == peer_dumps
     assert spawned_children() == []

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from oases_ds.config import OasesConfigError, parse_oases_section
-from oases_ds.launcher import LaunchError, _failed_in_communication, flight_env
+from oases_ds.launcher import LaunchError, _failed_in_communication, _wait_failed, flight_env
 from oases_ds.parallel.flight import (DUMP_PREFIX, RUN_DIR_ENV, RUN_ID_ENV, FlightRecorder, Record, RingFile, conflict,
                                       explain, group_key, link_key, members, nccl_env, read_run_dir, unmet_wait)
 from oases_ds.parallel.guard import CHECK_ENV, batch_signature, check_collectives_from_env, decode, encode
@@ -196,3 +196,22 @@ def test_the_records_explain_a_hang_or_an_abort_not_a_ranks_own_error(tmp_path):
                                         str(tmp_path))
     err = LaunchError("rank 1: RuntimeError: timed out", rank=1).with_divergence("collectives diverged in group ...")
     assert err.summary == "rank 1: RuntimeError: timed out | collectives diverged in group ..." and err.rank == 1
+
+
+def test_a_failed_wait_is_known_from_the_ranks_dump_not_from_its_words(tmp_path):
+    """What gives the peers their grace period (:func:`oases_ds.launcher._await_peers`): the
+    failing rank's own dump in the run directory, whatever its error says."""
+    timed_out = LaunchError("rank 1: RuntimeError: Timed out waiting 5000ms", rank=1, exc_type="RuntimeError",
+                            exc_message="Timed out waiting 5000ms for recv operation to complete")
+    assert not _wait_failed(timed_out, None)  # no run directory: no rank dumps
+    assert not _wait_failed(timed_out, str(tmp_path))  # the words alone
+    (tmp_path / f"{DUMP_PREFIX}1.json").write_text("{}")
+    assert _wait_failed(timed_out, str(tmp_path))
+    reset = LaunchError("rank 1: RuntimeError: Connection reset by peer", rank=1, exc_type="RuntimeError",
+                        exc_message="Connection reset by peer")
+    assert _wait_failed(reset, str(tmp_path))  # any failed wait, not only a timeout
+    assert not _wait_failed(LaunchError("rank 0: RuntimeError: Timed out", rank=0, exc_type="RuntimeError"),
+                            str(tmp_path))  # another rank's dump says nothing of rank 0
+    assert not _wait_failed(LaunchError("rank 1: ...", rank=1, exc_type="CollectiveMismatchError"), str(tmp_path))
+    assert _wait_failed(LaunchError("rank 1 exited with code -6 without reporting a result", rank=1),
+                        str(tmp_path))  # it dumped, then died before its report: its wait failed all the same

@@ -15,7 +15,8 @@ import stat
 import pytest
 
 from oases_ds.utils import io as atomic_io
-from oases_ds.utils.io import replace_marked_section, write_bytes_atomic, write_json_atomic, write_text_atomic
+from oases_ds.utils.io import (read_json_input, replace_marked_section, write_bytes_atomic, write_json_atomic,
+                               write_text_atomic)
 
 
 def test_json_round_trips_with_the_callers_layout(tmp_path) -> None:
@@ -120,3 +121,21 @@ def test_a_failed_write_names_the_target_not_the_hidden_temporary(tmp_path) -> N
         write_text_atomic("/proc/plan.json", "{}")
     assert str(exc.value) == "[Errno 2] No such file or directory: '/proc/plan.json'"
     assert exc.value.filename == "/proc/plan.json" and exc.value.filename2 is None
+
+
+def test_read_json_input_fails_in_one_line_naming_the_setting(tmp_path) -> None:
+    """A plan or cost-table file a user named: unreadable is ``key=path: reason; hint``, malformed
+    is ``key=`` and the loader's line (which starts with the path); what loads is returned."""
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 1), (2, 2), devices=2).to_json(path)
+    assert read_json_input("plan", str(path), Plan.from_json, "give the JSON file oases-plan wrote") == Plan.from_json(path)
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(ValueError) as err:
+        read_json_input("oases.plan", missing, Plan.from_json, "give the JSON file oases-plan wrote")
+    assert str(err.value) == f"oases.plan={missing}: No such file or directory; give the JSON file oases-plan wrote"
+    path.write_text('{"attn_degrees": [2,')
+    with pytest.raises(ValueError, match=rf"^plan={path}: not valid JSON \(") as err:
+        Plan.read("plan", str(path))
+    assert "\n" not in str(err.value)

@@ -20,13 +20,15 @@ Layers, low to high (a module may import from its own layer and any lower one)::
               is read by the engine, initialize() and the CLIs, never by the planner --
               so it sits between runtime and planner
     planner   oases_ds/planner/*
-    engine    engine.py, checkpoint.py, portable.py (layout-free checkpoint state), __init__.py
-              (initialize() builds the engine),
+    engine    engine.py, checkpoint/* (meta, tags, safe loading, the layout-free portable state: the
+              engine saves and loads through it; and what oases-ckpt runs: info, convert, reshard),
+              portable.py (the old name of checkpoint/portable), __init__.py (initialize() builds the
+              engine),
               _deepspeed_compat.py (DeepSpeed patches applied by initialize())
     bench     oases_ds/bench/* (measurement, calibration, records, reports: the library behind
               oases-bench and oases-plan mode=accuracy; it never imports a CLI)
-    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report: argument
-              handling and dispatch only)
+    cli       oases_ds/cli/* (oases-train, oases-plan, oases-bench and its report, oases-ckpt,
+              oases-data: argument handling and dispatch only, tests/unit/test_cli_modules.py)
 
 Every import counts: module level, inside functions (still a dependency, just a
 later one) and under ``if TYPE_CHECKING`` (a type the module cannot be described
@@ -46,9 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent / PACKAGE
 
 LAYERS = ("utils", "parallel", "models", "schedule", "runtime", "config", "planner", "engine", "bench", "cli")
 SUBPACKAGES = {"utils": "utils", "parallel": "parallel", "models": "models", "schedule": "schedule", "runtime": "runtime",
-               "data": "runtime", "planner": "planner", "bench": "bench", "cli": "cli"}
+               "data": "runtime", "planner": "planner", "checkpoint": "engine", "bench": "bench", "cli": "cli"}
 TOP_LEVEL = {"launcher": "parallel", "hf": "models", "config": "config", "engine": "engine",
-             "checkpoint": "engine", "portable": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
+             "portable": "engine", "__init__": "engine", "_deepspeed_compat": "engine"}
 
 
 def module_name(path: Path, root: Path) -> str:

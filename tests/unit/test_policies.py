@@ -137,3 +137,7 @@ def test_the_engine_stores_the_plans_blocks_or_refuses_a_schedule_that_cannot(tm
     with pytest.raises(OasesConfigError, match=r"^oases.plan=.*plan.json stores 2 blocks' activations \(policy store\), "
                                                r"which only schedule=oases with fine_grained_recompute=true runs"):
         planned_schedule(megatron)
+    path.write_text("{")  # cut short after the config was checked: one line, the setting and the path once
+    with pytest.raises(OasesConfigError, match=rf"^oases.plan={path}: not valid JSON \(") as err:
+        planned_schedule(oases)
+    assert str(err.value).count(str(path)) == 1

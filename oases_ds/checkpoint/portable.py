@@ -1,0 +1,332 @@
+"""Portable checkpoint state: one full (unsharded) tensor per parameter, so that a
+checkpoint saved under one layout resumes under any other.
+
+DeepSpeed's rank files hold what each rank owns, in that rank's layout: a TMP shard
+(``mp_rank_XX``: pipeline stage x TMP rank), and with ZeRO-1 a flat partition over the
+DP ranks of every parameter the stage holds.  Another TMP degree, another per-block
+plan, another pipeline split, another DP size under ZeRO-1, or ZeRO switched on or off,
+and those files no longer describe any rank.  Every parameter, however, has one full
+value (:mod:`oases_ds.models.sharding`), and Adam's moments are elementwise, so they
+shard exactly like the weights.  Next to DeepSpeed's files a checkpoint therefore holds
+``<tag>/portable/``:
+
+* ``<parameter name>.pt``: ``{"master": ..., "<state key>": ...}``, the full fp32 value
+  (the master copy under bf16, of which the bf16 weight is the rounding) and each
+  elementwise optimizer state (``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``).
+* ``common.pt``: the optimizer's hyper-parameters per group and its scalar state (Adam's
+  ``step``), the LR scheduler, the engine's step counters (the step is also the data
+  position: ``oases-train`` reads batch ``step`` of the corpus), the client state.
+* ``index.json``: every parameter's file, shape and state keys: what a loader checks
+  before any rank starts.
+
+Saving is collective: each parameter is gathered over its DP partition (ZeRO-1) and its
+TMP group, and written by TMP rank 0 of DP rank 0 of its pipeline stage, into the staged
+directory that :func:`oases_ds.checkpoint.publish` makes visible at once.  Loading is
+local: each rank maps each file it needs (``mmap``: only the pages of its slice are
+read), narrows the full value to its shard with
+:meth:`~oases_ds.models.sharding.Sharding.shard_of`, and writes it into the parameter,
+the master copy and the optimizer state, whichever of DeepSpeed's optimizers holds them.
+Files are read with ``weights_only=True``: tensors and plain containers only.
+
+A portable state may also be written offline, with no run (:func:`write_masters`, for
+``oases-ckpt convert --from-hf``): the masters only, at step 0, no optimizer state and no
+scheduler in ``common.pt``; a run that loads it starts its optimizer and scheduler afresh.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oases_ds.utils.io import write_json_atomic
+
+PORTABLE_DIR = "portable"
+INDEX_FILE = "index.json"
+COMMON_FILE = "common.pt"
+PORTABLE_FORMAT = 1
+
+
+class PortableStateError(ValueError):
+    """The portable state cannot be written or read; one line."""
+
+
+def _elementwise(value: Any) -> bool:
+    """Optimizer state with one entry per parameter element (it shards like the weight):
+    ``exp_avg`` / ``exp_avg_sq`` / ``momentum_buffer``; ``step`` is a scalar."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+class _OptimizerAccess:
+    """One parameter's master value and elementwise optimizer state, full over DP and
+    this rank's TMP shard, whichever of DeepSpeed's optimizers holds them.
+
+    Three kinds, found by probing DeepSpeed 0.19.8 in each mode (fp32/bf16 x ZeRO 0/1):
+
+    * a torch optimizer over the parameters themselves (fp32, ZeRO 0);
+    * ``FP16_UnfusedOptimizer`` (bf16, ZeRO 0): fp32 copies in ``fp32_groups``, the torch
+      optimizer over those;
+    * parameters linked to flat fp32 partitions (``_hp_mapping``: ZeRO-1 in fp32 or bf16,
+      ``BF16_Optimizer``), read and written through DeepSpeed's public fragment API
+      (``safe_get_full_*`` all-reduce over the DP group; ``safe_set_full_*`` write this
+      rank's fragment).
+    """
+
+    def __init__(self, optimizer: Any, params: list[nn.Parameter]) -> None:
+        self.wrapper = optimizer
+        self.partitioned = bool(params) and hasattr(params[0], "_hp_mapping")
+        self.inner: torch.optim.Optimizer = getattr(optimizer, "optimizer", optimizer)
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise PortableStateError(f"portable checkpoints need a torch optimizer inside DeepSpeed's, got "
+                                     f"{type(self.inner).__name__}; set oases.portable_checkpoint=false")
+        if self.partitioned and not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+            raise PortableStateError(f"{type(optimizer).__name__} links parameters to partitions in a way portable "
+                                     "checkpoints do not know; set oases.portable_checkpoint=false")
+        self.masters: dict[int, torch.Tensor] = {}
+        if hasattr(optimizer, "fp16_groups") and hasattr(optimizer, "fp32_groups"):
+            self.masters = {id(lp): hp for lp_group, hp_group in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                            for lp, hp in zip(lp_group, hp_group)}
+        self.order = [q for group in self.inner.param_groups for q in group["params"]]
+
+    # -- reading -------------------------------------------------------------------
+    def _holder(self, param: nn.Parameter) -> torch.Tensor:
+        """The tensor the torch optimizer keys ``param``'s state by (not partitioned)."""
+        return self.masters.get(id(param), param)
+
+    def state_keys(self) -> list[str]:
+        """Elementwise state keys, the same on every rank (all step together); none before the first step."""
+        first = next(iter(self.inner.state.values()), {})
+        return sorted(k for k, v in first.items() if _elementwise(v))
+
+    def scalars(self) -> dict[str, Any]:
+        """Scalar state (Adam's ``step``): one value for every parameter, since all are updated each step."""
+        first = next(iter(self.inner.state.values()), {})
+        return {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in first.items() if not _elementwise(v)}
+
+    def hyper(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
+
+    def master(self, param: nn.Parameter) -> torch.Tensor:
+        """fp32 value of ``param``'s TMP shard, full over DP (collective over DP when partitioned)."""
+        if self.partitioned:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            return safe_get_full_fp32_param(param)
+        return self._holder(param).detach().float()
+
+    def state(self, param: nn.Parameter, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        if self.partitioned:
+            from deepspeed.utils import safe_get_full_optimizer_state
+
+            self.wrapper._lazy_init_hp_params_optimizer_state()  # linked by DeepSpeed's first step; idempotent
+            return {k: safe_get_full_optimizer_state(param, k) for k in keys}
+        held = self.inner.state[self._holder(param)]
+        return {k: held[k].detach() for k in keys}
+
+    # -- writing -------------------------------------------------------------------
+    @torch.no_grad()
+    def set_masters(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Each parameter, and its master copy, from its shard's fp32 value."""
+        if self.partitioned:
+            from deepspeed.utils import safe_set_full_fp32_param
+        for param, value in values.items():
+            if self.partitioned:
+                safe_set_full_fp32_param(param, value)
+            elif id(param) in self.masters:
+                self.masters[id(param)].copy_(value)
+            param.copy_(value.to(param.dtype))
+
+    @torch.no_grad()
+    def set_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]], scalars: dict[str, Any],
+                  hyper: list[dict[str, Any]]) -> None:
+        """The optimizer's state from each parameter's shard of it, its scalars and its
+        hyper-parameters, through the torch optimizer's ``load_state_dict`` (which puts
+        ``step`` where that optimizer keeps it)."""
+        if len(hyper) != len(self.inner.param_groups):
+            raise PortableStateError(f"the checkpoint's optimizer has {len(hyper)} parameter groups, this run's has "
+                                     f"{len(self.inner.param_groups)}; build the optimizer with the same groups")
+        keys = sorted({k for s in states.values() for k in s})
+        index = {id(q): i for i, q in enumerate(self.order)}
+
+        def own(scalars: dict[str, Any]) -> dict[str, Any]:  # torch steps ``step`` in place: one tensor per entry
+            return {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+
+        if self.partitioned:  # state for each flat partition, filled below through its fragments
+            entries = {i: {**own(scalars), **{k: torch.zeros_like(q) for k in keys}} for i, q in enumerate(self.order)}
+        else:
+            entries = {index[id(self._holder(p))]: {**own(scalars), **{k: v.to(self._holder(p).device) for k, v in s.items()}}
+                       for p, s in states.items()}
+        groups = [{**saved, "params": [index[id(q)] for q in group["params"]]}
+                  for saved, group in zip(hyper, self.inner.param_groups)]
+        self.inner.load_state_dict({"state": entries, "param_groups": groups})
+        if self.partitioned:
+            from deepspeed.utils import safe_set_full_optimizer_state
+
+            self.wrapper._hp_optimizer_states_linked = False  # link the fragments to the new state tensors
+            self.wrapper._lazy_init_hp_params_optimizer_state()
+            for param, state in states.items():
+                for k, value in state.items():
+                    safe_set_full_optimizer_state(param, value, k)
+
+
+def _params(engine: Any) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def save(engine: Any, tag_dir: str, client_state: dict | None = None) -> None:
+    """Write ``tag_dir/portable/`` (module docstring).  Collective: every rank calls it,
+    in the same parameter order within its stage."""
+    ctx, sharding = engine.parallel_context, engine.module.sharding
+    named = _params(engine)
+    access = _OptimizerAccess(engine.optimizer, [p for _, p in named])
+    keys = access.state_keys()
+    writer = ctx.tp_rank == 0 and ctx.dp_rank == 0
+    directory = os.path.join(tag_dir, PORTABLE_DIR)
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+    written: dict[str, dict[str, Any]] = {}
+    error = None
+    for name, param in named:  # every rank takes part in every gather, even after its own write failed
+        values = {"master": access.master(param), **access.state(param, keys)}
+        full = {k: sharding.gather_full(name, param, v).cpu() for k, v in values.items()}
+        if writer and error is None:
+            file = f"{name}.pt"
+            try:
+                torch.save(full, os.path.join(directory, file))
+            except OSError as err:
+                error = f"rank {dist.get_rank()} could not write {os.path.join(directory, file)}: {err.strerror or err}"
+            written[name] = {"file": file, "shape": list(full["master"].shape), "state": keys}
+    everyone: list[tuple[dict, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (written, error))
+    first = next((e for _, e in everyone if e), None)  # type: ignore[misc]
+    if first:
+        raise PortableStateError(first)
+    if dist.get_rank() != 0:
+        return
+    scheduler = engine.lr_scheduler
+    params = {name: entry for part, _ in everyone for name, entry in part.items()}  # type: ignore[misc]
+    _finish(directory, {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                        "skipped_steps": engine.skipped_steps,
+                        "optimizer": {"class": type(access.inner).__name__, "hyper": access.hyper(),
+                                      "scalars": access.scalars()},
+                        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "client_state": dict(client_state or {})}, params)
+
+
+def _finish(directory: str, common: dict[str, Any], params: dict[str, dict[str, Any]]) -> None:
+    """``common.pt``, then ``index.json`` (what a loader checks first) last, atomically."""
+    torch.save({"format": PORTABLE_FORMAT, **common}, os.path.join(directory, COMMON_FILE))
+    write_json_atomic(os.path.join(directory, INDEX_FILE), {"format": PORTABLE_FORMAT, "params": params})
+
+
+def write_masters(tag_dir: str, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write ``tag_dir/portable/`` holding only each parameter's full fp32 value, at step 0:
+    no optimizer state (a run that loads it starts its optimizer afresh, with its own
+    hyper-parameters) and no scheduler.  One process, no engine: what ``oases-ckpt
+    convert --from-hf`` writes into a staged checkpoint; ``values`` is read one at a time."""
+    directory = os.path.join(tag_dir, PORTABLE_DIR)
+    os.makedirs(directory, exist_ok=True)
+    params: dict[str, dict[str, Any]] = {}
+    for name, value in values:
+        file = f"{name}.pt"
+        torch.save({"master": value.detach().to(torch.float32).contiguous()}, os.path.join(directory, file))
+        params[name] = {"file": file, "shape": list(value.shape), "state": []}
+    _finish(directory, {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "optimizer": {},
+                        "lr_scheduler": None, "client_state": {}}, params)
+
+
+def read_index(tag_dir: str) -> dict[str, dict[str, Any]]:
+    """Parameter name -> ``{"file", "shape", "state"}``; one line when unreadable."""
+    path = os.path.join(tag_dir, PORTABLE_DIR, INDEX_FILE)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.get("format") != PORTABLE_FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}, this oases_ds reads format {PORTABLE_FORMAT}")
+        return dict(raw["params"])
+    except FileNotFoundError:
+        raise PortableStateError(f"checkpoint {tag_dir} has no {PORTABLE_DIR}/{INDEX_FILE}: its portable state was not "
+                                 "saved or not completed") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PortableStateError(f"checkpoint {tag_dir} has an unreadable {PORTABLE_DIR}/{INDEX_FILE}: {err}") from None
+
+
+def files(tag_dir: str) -> list[tuple[str, str]]:
+    """``(path relative to tag_dir, what it holds)`` of every portable file the index names."""
+    out = [(f"{PORTABLE_DIR}/{COMMON_FILE}", "optimizer hyper-parameters, LR scheduler and step of the portable state")]
+    out += [(f"{PORTABLE_DIR}/{entry['file']}", f"full value and optimizer state of parameter {name}")
+            for name, entry in read_index(tag_dir).items()]
+    return out
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise PortableStateError(f"portable checkpoint file {path} is missing") from None
+    except (OSError, RuntimeError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PortableStateError(f"cannot read portable checkpoint file {path}: {reason}") from None
+
+
+def read_full(tag_dir: str, name: str, index: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+    """The full tensors saved for parameter ``name`` (memory-mapped: read on access);
+    ``index``: :func:`read_index` of ``tag_dir``, when reading many (read once)."""
+    index = read_index(tag_dir) if index is None else index
+    if name not in index:
+        raise PortableStateError(f"checkpoint {tag_dir} has no portable state for parameter {name}")
+    return _read(os.path.join(tag_dir, PORTABLE_DIR, index[name]["file"]))
+
+
+def read_common(tag_dir: str) -> dict[str, Any]:
+    return _read(os.path.join(tag_dir, PORTABLE_DIR, COMMON_FILE))
+
+
+@torch.no_grad()
+def load(engine: Any, tag_dir: str, optimizer_states: bool = True, lr_scheduler_states: bool = True,
+         module_only: bool = False) -> dict:
+    """Set this rank's parameters, master copies and (``optimizer_states``) optimizer state
+    from ``tag_dir/portable/``, then (``lr_scheduler_states``) the scheduler and, unless
+    ``module_only``, the step counters, as DeepSpeed's load does; returns the client state.
+    No collective: every rank reads only the files of the parameters it holds."""
+    sharding = engine.module.sharding
+    index = read_index(tag_dir)
+    named = _params(engine)
+    missing = [name for name, _ in named if name not in index]
+    if missing:
+        raise PortableStateError(f"checkpoint {tag_dir} has no portable state for {len(missing)} parameter(s) of this "
+                                 f"model, e.g. {missing[0]}; is it a checkpoint of the same model?")
+    access = _OptimizerAccess(engine.optimizer, [p for _, p in named])
+    common = read_common(tag_dir)
+    masters, states = {}, {}
+    for name, param in named:
+        full = _read(os.path.join(tag_dir, PORTABLE_DIR, index[name]["file"]))
+        shape = tuple(full["master"].shape)
+        if shape != sharding.full_shape(name, param):
+            raise PortableStateError(f"checkpoint {tag_dir} holds parameter {name} with shape {list(shape)}, this model's is "
+                                     f"{list(sharding.full_shape(name, param))}")
+        masters[param] = sharding.shard_of(name, param, full["master"]).to(param.device, torch.float32)
+        if optimizer_states:
+            states[param] = {k: sharding.shard_of(name, param, full[k]).to(param.device)
+                             for k in index[name]["state"]}
+    saved_class, this_class = common["optimizer"].get("class"), type(access.inner).__name__
+    if optimizer_states and any(states.values()) and saved_class not in (None, this_class):  # None: saved before it was kept
+        raise PortableStateError(f"checkpoint {tag_dir} holds the state of an optimizer {saved_class}, this run has "
+                                 f"{this_class}; configure the same optimizer, or load with load_optimizer_states=False")
+    access.set_masters(masters)
+    if optimizer_states and any(states.values()):  # none (``write_masters``): the optimizer starts afresh
+        if not common.get("optimizer"):
+            raise PortableStateError(f"checkpoint {tag_dir} holds optimizer state but its {PORTABLE_DIR}/{COMMON_FILE} "
+                                     "has no optimizer hyper-parameters; copy the whole checkpoint again")
+        access.set_state(states, common["optimizer"]["scalars"], common["optimizer"]["hyper"])
+    if module_only:
+        return dict(common["client_state"])
+    if lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
+    engine.global_steps = common["global_steps"]
+    engine.global_samples = common["global_samples"]
+    engine.skipped_steps = common["skipped_steps"]
+    return dict(common["client_state"])
