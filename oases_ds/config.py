@@ -32,7 +32,7 @@ class OasesConfigError(ValueError):
 
 
 # strict: no coercion between JSON types (an int is still accepted where a float is asked for).
-_STRICT = ConfigDict(extra="forbid", strict=True)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # a nan or infinite size or time is a typo
 
 
 class LinkConfig(BaseModel):

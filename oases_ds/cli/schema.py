@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -297,7 +298,7 @@ def check_ranges(cfg: dict, at_least: dict[str, float], positive: Sequence[str] 
         return node
 
     for key, low in at_least.items():
-        if value(key) < low:
+        if not low <= value(key) < math.inf:  # nan fails both comparisons
             raise ValueError(f"{key} must be >= {low:g}, got {value(key)}")
     for key in positive:
         if not 0 < value(key) < float("inf"):
@@ -318,6 +319,6 @@ def parse_bytes(field: str, value: Any) -> float | None:
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"{field}={value!r} is not a size; use bytes or e.g. 2GiB, 300MB")
         number, unit = float(match.group(1)), match.group(2).lower()
-    if number <= 0:
-        raise ValueError(f"{field} must be > 0, got {value!r}")
+    if not 0 < number < math.inf:  # nan and 1e400 (infinity) are typos, not sizes
+        raise ValueError(f"{field} must be a finite size > 0, got {value!r}")
     return number * _UNITS[unit]

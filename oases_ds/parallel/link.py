@@ -17,6 +17,7 @@ the same link model: a stage boundary that crosses the slow link pays for it.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -67,12 +68,12 @@ class LinkModel:
     veth link measured (fifo: 1x and 2x, fair: 2x and 2x)."""
 
     def __post_init__(self) -> None:
-        if self.bandwidth_gbps <= 0:
-            raise ValueError(f"link.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if not 0 < self.bandwidth_gbps < math.inf:  # nan fails both comparisons
+            raise ValueError(f"link.bandwidth_gbps must be a finite number > 0, got {self.bandwidth_gbps}")
         if self.sharing not in SHARING:
             raise ValueError(f"link.sharing must be one of {', '.join(SHARING)}, got {self.sharing!r}")
-        if self.latency_us < 0:
-            raise ValueError(f"link.latency_us must be >= 0, got {self.latency_us}")
+        if not 0 <= self.latency_us < math.inf:
+            raise ValueError(f"link.latency_us must be a finite number >= 0, got {self.latency_us}")
 
     def wire_bytes(self, kind: str, nbytes: int, ranks: int) -> float:
         if ranks <= 1:

@@ -128,7 +128,7 @@ def test_executor_reports_sub_batch_error_before_running():
 
 
 def test_link_model_validates():
-    with pytest.raises(ValueError, match="link.bandwidth_gbps must be > 0"):
+    with pytest.raises(ValueError, match="link.bandwidth_gbps must be a finite number > 0"):
         LinkModel(bandwidth_gbps=0)
 
 
@@ -265,3 +265,37 @@ def test_comm_op_accepts_the_four_region_patterns(forward, backward):
     x = torch.arange(4.0)
     assert torch.equal(op.apply(x), x)  # a group of one: every collective is an identity
 
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "nan", "1e400", "1e400GiB"])
+def test_a_size_that_is_nan_or_infinite_is_one_line_naming_the_field(bad):
+    """``memory_limit=nan`` ended in a Hydra ``IndexError`` traceback and ``memory_limit=1e400``
+    was read as infinity (no limit) and trained; both are typos, refused by name."""
+    from oases_ds.cli.schema import parse_bytes
+
+    with pytest.raises(ValueError, match=r"^memory_limit( must be a finite size > 0|=.* is not a size)"):
+        parse_bytes("memory_limit", bad)
+    assert parse_bytes("memory_limit", "2GiB") == 2 * 2**30
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("nan")), ("timeout_s", float("inf")), ("steps", float("nan")),
+                                        ("warmup_steps", float("inf"))])
+def test_range_checks_refuse_nan_and_infinity(key, value):
+    """``nan < 1`` is False, so a bare lower-bound check let nan through."""
+    from oases_ds.cli.schema import check_ranges
+
+    cfg = {"lr": 0.1, "timeout_s": 10.0, "steps": 3, "warmup_steps": 0, key: value}
+    with pytest.raises(ValueError, match=rf"^{key} must be "):
+        check_ranges(cfg, {"steps": 1, "warmup_steps": 0}, positive=("lr", "timeout_s"))
+
+
+@pytest.mark.parametrize("field, value", [("bandwidth_gbps", float("nan")), ("bandwidth_gbps", float("inf")),
+                                          ("latency_us", float("nan")), ("latency_us", float("inf"))])
+def test_a_link_of_nan_or_infinite_speed_is_refused_by_name(field, value):
+    from oases_ds.config import parse_oases_section
+
+    kwargs = {"bandwidth_gbps": 1.0, field: value}
+    with pytest.raises(ValueError, match=rf"link.{field}"):
+        LinkModel(**kwargs)
+    with pytest.raises(ValueError, match=rf"^oases.link.{field}: Input should be a finite number"):
+        parse_oases_section({"enabled": True, "link": kwargs})
