@@ -299,11 +299,41 @@ def _bert_fields(g: Callable[..., Any], overrides: dict[str, Any]) -> dict[str, 
     )
 
 
+class HFExtraMissing(ImportError, ValueError):
+    """``transformers`` or ``safetensors`` is not installed: one line naming the extra.  A
+    ``ValueError`` too, so every caller that turns bad input into one line does so here."""
+
+
+def require_hf(module: str = "transformers") -> Any:
+    """Import ``module`` of the ``[hf]`` extra, or raise :class:`HFExtraMissing` saying how
+    to install it (a bare ``ModuleNotFoundError`` traceback names neither the extra nor the fix)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise HFExtraMissing(f"Hugging Face import and export need {module.split('.')[0]}, which is not installed; "
+                             "install the [hf] extra: pip install 'oases-ds[hf]'") from None
+
+
+_GPT2_END = 50256  # GPT2Config's bos/eos default: GPT-2's <|endoftext|>; set here so a smaller vocab warns nowhere
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")
+
+
 def hf_config(cfg: ModelConfig) -> Any:
     """The ``transformers`` config that describes ``cfg`` (for :func:`save_hf`): of its
-    ``hf_architecture``, or the family's own class."""
-    import transformers  # the [hf] extra; only these functions need it
+    ``hf_architecture``, or the family's own class.  A special token id the config class
+    defaults to outside this vocabulary (GPT-2's 50256 for a 256-token model) is left unset:
+    ``transformers`` warns about such a config on load, and no token of this model has it."""
+    config = _hf_config(cfg, require_hf())
+    for field in _TOKEN_ID_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not 0 <= value < cfg.vocab_size:
+            setattr(config, field, None)
+    return config
 
+
+def _hf_config(cfg: ModelConfig, transformers: Any) -> Any:
     name = cfg.hf_architecture or _OWN.get(cfg.family, "")
     if name not in ARCHITECTURES or ARCHITECTURES[name].family != cfg.family:
         raise ValueError(f"save_hf: model.hf_architecture={cfg.hf_architecture!r} is not a class of family "
@@ -317,6 +347,7 @@ def hf_config(cfg: ModelConfig) -> Any:
             attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.eps,
             activation_function="gelu_new" if cfg.mlp_act == "gelu_tanh" else "gelu",
             tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
+            **{k: (_GPT2_END if cfg.vocab_size > _GPT2_END else None) for k in ("bos_token_id", "eos_token_id")},
         )
     if cfg.family == "bert":
         return transformers.BertConfig(
@@ -418,7 +449,7 @@ class _SafetensorsDir:
     """Open handles on every shard file of a checkpoint directory, for one load."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open  # the [hf] extra
+        safe_open = require_hf("safetensors").safe_open
 
         self.handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(path)]
         self.where = {k: h for h in self.handles for k in h.keys()}
@@ -613,7 +644,7 @@ def write_hf(cfg: ModelConfig, full: dict[str, torch.Tensor], path: Union[str, o
     Written into a temporary sibling and renamed into place (:func:`_publish`), so a
     reader never sees a half-written model.  The one writer of :func:`save_hf` (a running
     model, gathered) and of ``oases-ckpt convert --to-hf`` (a checkpoint's portable state)."""
-    from safetensors.torch import save_file  # the [hf] extra
+    save_file = require_hf("safetensors.torch").save_file
 
     config = hf_config(cfg) if config is None else config
     final = Path(path)

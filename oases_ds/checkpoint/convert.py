@@ -27,7 +27,6 @@ from oases_ds.checkpoint.safe_load import check_rank_files
 from oases_ds.checkpoint.tags import STAGING_SUFFIX, check_new_directory, check_save_tag, publish, resolve_tag
 from oases_ds.hf import HFCheckpoint, hf_config, write_hf
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
 
 
 def to_hf(directory: str, out: str, tag: str | None = None) -> str:
@@ -70,9 +69,7 @@ def from_hf(source: str, directory: str, tag: str | None = None, bf16: bool = Fa
         cfg = checkpoint.config()
     except ValueError as err:
         raise CheckpointError(f"--from-hf {source}: {err}") from None
-    with torch.device("meta"):  # names and full shapes only: no memory for the weights
-        model = OperatorModel(cfg)
-    shapes = {name: tuple(model.sharding.full_shape(name, p)) for name, p in model.named_parameters() if p.requires_grad}
+    shapes = portable_state.model_shapes(cfg)
     round_to = torch.bfloat16 if bf16 else torch.float32
     os.makedirs(directory, exist_ok=True)
     staged = os.path.join(directory, f"{tag}{STAGING_SUFFIX}")

@@ -45,7 +45,7 @@ def _portable_summary(tag_dir: str) -> dict[str, Any]:
     directory = os.path.join(tag_dir, portable_state.PORTABLE_DIR)
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     return {"parameters": len(index), "bytes": size,
-            "optimizer_state": sorted({k for entry in index.values() for k in entry["state"]})}
+            "optimizer_state": sorted({k for entry in index.values() for k in entry.state})}
 
 
 def info_text(info: dict[str, Any]) -> str:

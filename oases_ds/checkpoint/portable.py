@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -238,51 +240,194 @@ def write_masters(tag_dir: str, values: Iterable[tuple[str, torch.Tensor]]) -> N
                         "lr_scheduler": None, "client_state": {}}, params)
 
 
-def read_index(tag_dir: str) -> dict[str, dict[str, Any]]:
-    """Parameter name -> ``{"file", "shape", "state"}``; one line when unreadable."""
+@dataclass(frozen=True)
+class IndexEntry:
+    """One parameter's line of ``index.json``: its file (a plain name inside ``portable/``),
+    its full shape and the optimizer state keys its file holds beside ``master``."""
+
+    file: str
+    shape: tuple[int, ...]
+    state: tuple[str, ...]
+
+
+def _plain_file_name(name: Any) -> bool:
+    """A file name that can only mean a file directly inside ``portable/``: no separator, no
+    ``.``/``..``, not absolute, no NUL.  The index is data from the checkpoint, not a path."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not os.path.isabs(name)
+            and not any(c in name for c in ("/", "\\", "\0")) and not (os.altsep and os.altsep in name))
+
+
+def _index_entry(where: str, name: str, raw: Any) -> IndexEntry:
+    """``raw`` as an :class:`IndexEntry`, or one line naming the parameter and what is wrong."""
+    if not isinstance(raw, dict) or set(raw) != {"file", "shape", "state"}:
+        raise PortableStateError(f"{where}: the entry of parameter {name!r} is {raw!r}, not an object with exactly "
+                                 "file, shape and state; the index was edited or damaged: copy the whole checkpoint again")
+    file, shape, state = raw["file"], raw["shape"], raw["state"]
+    if not _plain_file_name(file):
+        raise PortableStateError(f"{where}: parameter {name!r} names file {file!r}, which is not a plain file name inside "
+                                 f"{PORTABLE_DIR}/; refusing to read outside the checkpoint")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise PortableStateError(f"{where}: parameter {name!r} has shape {shape!r}, not a list of sizes")
+    if not isinstance(state, list) or not all(isinstance(k, str) and k and k != "master" for k in state):
+        raise PortableStateError(f"{where}: parameter {name!r} has state {state!r}, not a list of optimizer state keys")
+    return IndexEntry(file, tuple(shape), tuple(state))
+
+
+def read_index(tag_dir: str) -> dict[str, IndexEntry]:
+    """Parameter name -> :class:`IndexEntry`, every entry checked (a plain file name, a
+    shape, state keys); one line naming the parameter and the entry otherwise."""
     path = os.path.join(tag_dir, PORTABLE_DIR, INDEX_FILE)
+    where = f"checkpoint {tag_dir} {PORTABLE_DIR}/{INDEX_FILE}"
     try:
         with open(path) as f:
             raw = json.load(f)
-        if raw.get("format") != PORTABLE_FORMAT:
-            raise ValueError(f"format {raw.get('format')!r}, this oases_ds reads format {PORTABLE_FORMAT}")
-        return dict(raw["params"])
     except FileNotFoundError:
         raise PortableStateError(f"checkpoint {tag_dir} has no {PORTABLE_DIR}/{INDEX_FILE}: its portable state was not "
                                  "saved or not completed") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise PortableStateError(f"checkpoint {tag_dir} has an unreadable {PORTABLE_DIR}/{INDEX_FILE}: {err}") from None
+    if not isinstance(raw, dict) or raw.get("format") != PORTABLE_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else None
+        raise PortableStateError(f"{where} has format {found!r}, this oases_ds reads format {PORTABLE_FORMAT}")
+    if not isinstance(raw.get("params"), dict):
+        raise PortableStateError(f"{where} has no object of parameters (params); copy the whole checkpoint again")
+    entries = {name: _index_entry(where, name, entry) for name, entry in raw["params"].items()}
+    files_seen: dict[str, str] = {}
+    for name, entry in entries.items():
+        if entry.file in (COMMON_FILE, INDEX_FILE) or files_seen.setdefault(entry.file, name) != name:
+            raise PortableStateError(f"{where}: parameter {name!r} names file {entry.file!r}, which holds "
+                                     f"{files_seen.get(entry.file, 'the common state')}")
+    return entries
 
 
 def files(tag_dir: str) -> list[tuple[str, str]]:
-    """``(path relative to tag_dir, what it holds)`` of every portable file the index names."""
+    """``(path relative to tag_dir, what it holds)`` of every portable file the index names,
+    each checked to stay inside ``portable/``: a plain name (:func:`read_index`) that is no
+    link out of it either."""
+    directory = os.path.realpath(os.path.join(tag_dir, PORTABLE_DIR))
+    for name, entry in (index := read_index(tag_dir)).items():
+        if os.path.dirname(os.path.realpath(os.path.join(directory, entry.file))) != directory:
+            raise PortableStateError(f"portable checkpoint file {os.path.join(tag_dir, PORTABLE_DIR, entry.file)} of "
+                                     f"parameter {name} is a link out of {PORTABLE_DIR}/; refusing to read outside the "
+                                     "checkpoint")
     out = [(f"{PORTABLE_DIR}/{COMMON_FILE}", "optimizer hyper-parameters, LR scheduler and step of the portable state")]
-    out += [(f"{PORTABLE_DIR}/{entry['file']}", f"full value and optimizer state of parameter {name}")
-            for name, entry in read_index(tag_dir).items()]
+    out += [(f"{PORTABLE_DIR}/{entry.file}", f"full value and optimizer state of parameter {name}")
+            for name, entry in index.items()]
     return out
 
 
-def _read(path: str) -> dict[str, Any]:
+def model_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Every trained parameter's full shape for the :class:`~oases_ds.models.config.ModelConfig`
+    ``model``, from a model built on the meta device (no memory for the weights)."""
+    from oases_ds.models.operator_model import OperatorModel
+
+    with torch.device("meta"):
+        built = OperatorModel(model)
+    return {name: tuple(built.sharding.full_shape(name, p)) for name, p in built.named_parameters() if p.requires_grad}
+
+
+def _read(path: str) -> Any:
+    """A portable file, memory-mapped (nothing is read until a tensor's pages are touched),
+    tensors and plain containers only."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise PortableStateError(f"portable checkpoint file {path} is missing") from None
-    except (OSError, RuntimeError, ValueError) as err:
+    except pickle.UnpicklingError:  # never pass on torch's advice to load it with weights_only=False
+        raise PortableStateError(f"portable checkpoint file {path} holds objects other than tensors; refused (loading it "
+                                 "could run code): use checkpoints saved by oases_ds") from None
+    except (OSError, RuntimeError, ValueError, EOFError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PortableStateError(f"cannot read portable checkpoint file {path}: {reason}") from None
 
 
-def read_full(tag_dir: str, name: str, index: dict[str, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
-    """The full tensors saved for parameter ``name`` (memory-mapped: read on access);
-    ``index``: :func:`read_index` of ``tag_dir``, when reading many (read once)."""
+def _parameter_problem(held: Any, entry: IndexEntry, full_shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with a parameter file's contents against its index entry and the
+    model's full shape, as the end of "portable checkpoint file <path> ...", or None.
+    Looks only at keys, dtypes and shapes: the data stays unread."""
+    if not isinstance(held, dict):
+        return f"holds a {type(held).__name__}, not the tensors of one parameter"
+    if full_shape is not None and entry.shape != tuple(full_shape):
+        return f"is listed in {INDEX_FILE} with shape {list(entry.shape)}, but this model's is {list(full_shape)}"
+    for key in ("master", *entry.state):
+        value = held.get(key)
+        if not torch.is_tensor(value):
+            return f"lacks {key}" if value is None else f"holds {key} as a {type(value).__name__}, not a tensor"
+        if not value.is_floating_point():
+            return f"holds {key} as {str(value.dtype).replace('torch.', '')}, not floating point"
+        if tuple(value.shape) != entry.shape:
+            return f"holds {key} with shape {list(value.shape)}, but {INDEX_FILE} says {list(entry.shape)}"
+    return None
+
+
+_COMMON_TYPES = {"global_steps": int, "global_samples": int, "skipped_steps": int, "optimizer": dict,
+                 "client_state": dict}
+
+
+def _common_problem(held: Any) -> str | None:
+    """What is wrong with ``common.pt``'s contents (module docstring), or None."""
+    if not isinstance(held, dict):
+        return f"holds a {type(held).__name__}, not the common state"
+    for key, kind in _COMMON_TYPES.items():
+        if not isinstance(held.get(key), kind):
+            return f"lacks {key}" if key not in held else f"holds {key} as a {type(held[key]).__name__}"
+    if held.get("lr_scheduler") is not None and not isinstance(held["lr_scheduler"], dict):
+        return f"holds lr_scheduler as a {type(held['lr_scheduler']).__name__}"
+    return None
+
+
+def check(tag_dir: str, shapes: dict[str, tuple[int, ...]] | None) -> None:
+    """Check the whole portable state of ``tag_dir`` before anything loads it.  Its files
+    stay inside ``portable/`` (:func:`files`); ``shapes`` (:func:`model_shapes`; None: not
+    compared) are exactly the index's parameters and shapes; every file unpickles under
+    ``weights_only`` and holds, for each parameter, ``master`` and each state key the index
+    names, floating point, of the index's shape; ``common.pt`` holds the common state.
+    Files are memory-mapped and only their pickles read, not their data (seconds for a 7B
+    model's files: ``benchmarks/portable_preflight.py``).  Raises :class:`PortableStateError`,
+    one line naming the file or parameter."""
+    files(tag_dir)
+    index = read_index(tag_dir)
+    if shapes is not None:
+        missing = [name for name in shapes if name not in index]
+        extra = [name for name in index if name not in shapes]
+        if missing or extra:
+            which = f"no portable state for parameter {missing[0]}" if missing else f"parameter {extra[0]}, not in this model"
+            raise PortableStateError(f"checkpoint {tag_dir} holds {which} ({len(missing)} missing, {len(extra)} extra); "
+                                     "is it a checkpoint of the same model?")
+    for name, entry in index.items():
+        path = os.path.join(tag_dir, PORTABLE_DIR, entry.file)
+        problem = _parameter_problem(_read(path), entry, None if shapes is None else shapes[name])
+        if problem:
+            raise PortableStateError(f"portable checkpoint file {path} of parameter {name} {problem}; refused: copy the "
+                                     "whole checkpoint again")
+    path = os.path.join(tag_dir, PORTABLE_DIR, COMMON_FILE)
+    problem = _common_problem(_read(path))
+    if problem:
+        raise PortableStateError(f"portable checkpoint file {path} {problem}; refused: copy the whole checkpoint again")
+
+
+def read_full(tag_dir: str, name: str, index: dict[str, IndexEntry] | None = None) -> dict[str, torch.Tensor]:
+    """The full tensors saved for parameter ``name`` (memory-mapped: read on access), checked
+    against its index entry; ``index``: :func:`read_index` of ``tag_dir``, when reading many
+    (read once)."""
     index = read_index(tag_dir) if index is None else index
     if name not in index:
         raise PortableStateError(f"checkpoint {tag_dir} has no portable state for parameter {name}")
-    return _read(os.path.join(tag_dir, PORTABLE_DIR, index[name]["file"]))
+    path = os.path.join(tag_dir, PORTABLE_DIR, index[name].file)
+    held = _read(path)
+    problem = _parameter_problem(held, index[name], None)
+    if problem:
+        raise PortableStateError(f"portable checkpoint file {path} of parameter {name} {problem}; refused")
+    return held
 
 
 def read_common(tag_dir: str) -> dict[str, Any]:
-    return _read(os.path.join(tag_dir, PORTABLE_DIR, COMMON_FILE))
+    path = os.path.join(tag_dir, PORTABLE_DIR, COMMON_FILE)
+    held = _read(path)
+    problem = _common_problem(held)
+    if problem:
+        raise PortableStateError(f"portable checkpoint file {path} {problem}; refused")
+    return held
 
 
 @torch.no_grad()
@@ -303,15 +448,14 @@ def load(engine: Any, tag_dir: str, optimizer_states: bool = True, lr_scheduler_
     common = read_common(tag_dir)
     masters, states = {}, {}
     for name, param in named:
-        full = _read(os.path.join(tag_dir, PORTABLE_DIR, index[name]["file"]))
-        shape = tuple(full["master"].shape)
-        if shape != sharding.full_shape(name, param):
+        full = read_full(tag_dir, name, index)
+        shape = index[name].shape
+        if shape != tuple(sharding.full_shape(name, param)):
             raise PortableStateError(f"checkpoint {tag_dir} holds parameter {name} with shape {list(shape)}, this model's is "
                                      f"{list(sharding.full_shape(name, param))}")
         masters[param] = sharding.shard_of(name, param, full["master"]).to(param.device, torch.float32)
         if optimizer_states:
-            states[param] = {k: sharding.shard_of(name, param, full[k]).to(param.device)
-                             for k in index[name]["state"]}
+            states[param] = {k: sharding.shard_of(name, param, full[k]).to(param.device) for k in index[name].state}
     saved_class, this_class = common["optimizer"].get("class"), type(access.inner).__name__
     if optimizer_states and any(states.values()) and saved_class not in (None, this_class):  # None: saved before it was kept
         raise PortableStateError(f"checkpoint {tag_dir} holds the state of an optimizer {saved_class}, this run has "

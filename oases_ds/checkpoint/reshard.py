@@ -93,6 +93,10 @@ def reshard(directory: str, out: str, tag: str | None = None, tensor_parallel_si
     """Write ``out/<tag>``: the checkpoint ``directory/<tag>`` under another layout (module
     docstring).  Unset settings keep the saved ones.  Returns (tag, saved layout, written
     layout, step)."""
+    for option, value in (("--tensor-parallel-size", tensor_parallel_size), ("--data-parallel-size", data_parallel_size),
+                          ("--pipeline-stages", pipeline_stages)):
+        if value is not None and value < 1:  # 0 must not read as "keep the saved value"
+            raise CheckpointError(f"{option} must be >= 1, got {value}; leave it out to keep the saved value")
     tag = resolve_tag(directory, tag)
     tag_dir = os.path.join(directory, tag)
     meta = CheckpointMeta.read(tag_dir)
@@ -100,6 +104,8 @@ def reshard(directory: str, out: str, tag: str | None = None, tensor_parallel_si
         raise CheckpointError(f"{tag_dir} was written by oases-ckpt convert and has no layout to reshard from; resume "
                               "it under any layout with oases-train checkpoint.resume=true")
     check_rank_files(directory, tag, meta)
+    if meta.portable:  # the target layout's ranks read it: every tensor checked before they start
+        check_rank_files(directory, tag, meta, portable=True)
     check_new_directory(out)
     ds_config = _saved_ds_config(tag_dir, meta)
     with tempfile.TemporaryDirectory(prefix=".oases-reshard-", dir=os.path.dirname(os.path.abspath(out))) as work:
@@ -108,15 +114,13 @@ def reshard(directory: str, out: str, tag: str | None = None, tensor_parallel_si
             saved_plan = os.path.join(work, "saved_plan.json")
             Plan(meta.block_degrees[0::2], meta.block_degrees[1::2], devices=meta.tensor_parallel_size).to_json(saved_plan)
         saved = Layout(meta.tensor_parallel_size, meta.data_parallel_size, meta.pipeline_layers, meta.zero_stage, saved_plan)
-        tp = tensor_parallel_size or saved.tensor_parallel_size
-        stages = pipeline_stages or len(saved.pipeline_layers)
+        tp = tensor_parallel_size if tensor_parallel_size is not None else saved.tensor_parallel_size
+        stages = pipeline_stages if pipeline_stages is not None else len(saved.pipeline_layers)
         layers = saved.pipeline_layers if stages == len(saved.pipeline_layers) else tuple(
             stage_layer_counts(int(meta.model["num_layers"]), stages))
-        target = Layout(tp, data_parallel_size or saved.data_parallel_size, layers,
+        target = Layout(tp, saved.data_parallel_size if data_parallel_size is None else data_parallel_size, layers,
                         saved.zero_stage if zero_stage is None else zero_stage,
                         plan or (saved_plan if tp == saved.tensor_parallel_size else None))
-        if target.world < 1 or min(target.tensor_parallel_size, target.data_parallel_size) < 1:
-            raise CheckpointError("--tensor-parallel-size, --data-parallel-size and --pipeline-stages must be >= 1")
 
         def run(layout: Layout, source: str, into: str) -> int:
             config = {**ds_config, "zero_optimization": {**ds_config.get("zero_optimization", {}),

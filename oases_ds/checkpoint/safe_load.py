@@ -35,6 +35,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from oases_ds.checkpoint import portable as portable_state
 from oases_ds.checkpoint.meta import CheckpointError, CheckpointMeta
 from oases_ds.checkpoint.tags import LATEST, read_latest
+from oases_ds.models.config import ModelConfig
 
 SAFE_GLOBALS: tuple[type, ...] = (LossScaler, ZeroStageEnum, fragment_address)
 """Beyond tensors and plain containers, what DeepSpeed 0.19.8 pickles into fp32/bf16
@@ -71,8 +72,9 @@ def check_rank_files(directory: str, tag: str, saved: CheckpointMeta, optimizer_
     """Every file ``saved``'s layout needs (``portable``: every file of its portable state) is
     in ``directory/tag``, a non-empty file, readable, and a complete torch file
     (``torch.save`` writes a zip archive; its directory is at the end, so a file cut short by
-    a crash or an interrupted copy has none).  Reads only each file's zip directory, not the
-    tensors."""
+    a crash or an interrupted copy has none).  For the portable state, also every tensor's
+    keys, dtype and shape (:func:`oases_ds.checkpoint.portable.check`), against the model
+    ``saved`` names.  Reads each file's zip directory and pickle, never the tensors' data."""
     tag_dir = os.path.join(directory, tag)
     if portable:
         try:
@@ -87,6 +89,11 @@ def check_rank_files(directory: str, tag: str, saved: CheckpointMeta, optimizer_
         if problem:
             raise CheckpointError(f"checkpoint file {path} {problem}: it holds the {holds}; copy the whole checkpoint "
                                   f"{tag_dir} again, or write an older tag into {os.path.join(directory, LATEST)}")
+    if portable:  # every tensor's keys, dtype and shape against the index and the saved model, no data read
+        try:
+            portable_state.check(tag_dir, portable_state.model_shapes(ModelConfig(**saved.model)))
+        except portable_state.PortableStateError as err:
+            raise CheckpointError(str(err)) from None
 
 
 def _rank_file_problem(path: str) -> str | None:
