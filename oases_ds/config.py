@@ -78,6 +78,9 @@ class OasesConfig(BaseModel):
             collective before issuing it, waits are bounded, and a divergence fails in seconds
             with one line naming the first differing collective (``OASES_CHECK_COLLECTIVES=1``
             turns it on too).  Off by default: it costs a small synchronous exchange per collective.
+        check_batch: at each step, every rank of a TMP group holds the same batch (one
+            8-byte all-gather of a hash of it), or the step stops with one line naming the
+            step and the ranks; off for loaders that guarantee it (a batch broadcast in the group).
         flight_records: collectives each rank remembers for a hang's diagnosis
             (:mod:`oases_ds.parallel.flight`); 0 keeps none.
         portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
@@ -104,6 +107,7 @@ class OasesConfig(BaseModel):
     pipeline_schedule: Literal[PIPELINES] = "1f1b"  # the registered orders
     pipeline_layers: list[int] | None = None
     check_collectives: bool = False
+    check_batch: bool = True
     flight_records: int = Field(default=DEFAULT_RECORDS, ge=0)
     portable_checkpoint: bool = True
 

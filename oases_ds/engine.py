@@ -70,6 +70,7 @@ What the engine refuses instead of doing silently wrong:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import shutil
@@ -93,7 +94,7 @@ from oases_ds.config import Collective, OasesConfig, OasesConfigError, activatio
 from oases_ds.models.operator_model import OperatorModel, check_labelled_tokens
 from oases_ds.parallel.collectives import group_size
 from oases_ds.parallel.comm import Communicator
-from oases_ds.parallel.guard import check_collectives_from_env
+from oases_ds.parallel.guard import batch_signature, check_collectives_from_env
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.planner.plan import Plan
 from oases_ds.runtime.dp_overlap import DPGradReducer
@@ -130,6 +131,10 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
                                f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
                                f"use that schedule or a plan without store policies")
     return replace(spec, stored_blocks=stored)
+
+
+class BatchMismatchError(ValueError):
+    """Ranks of one TMP group were handed different batches (:meth:`OasesEngine._check_tmp_batch`)."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -315,6 +320,8 @@ class OasesEngine(DeepSpeedEngine):
         self.oases_comm.stats.reset()
         self.oases_comm.step = self.global_steps + 1  # the step the flight records name (1-based)
         check_labelled_tokens(micro_batches)  # once per step, on the labels as delivered (see its docstring)
+        if self.oases.check_batch:
+            self._check_tmp_batch(micro_batches)
         clock = clock_for(self.device)
         start = clock.mark()
         # non_blocking: a blocking host-to-device copy waits for the device's queue
@@ -357,6 +364,32 @@ class OasesEngine(DeepSpeedEngine):
                 "resume from a checkpoint saved before it"
             )
         return loss
+
+    def _check_tmp_batch(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Every rank of this TMP group was handed the same step (``oases.check_batch``).
+
+        Why: TMP ranks compute one model on one batch; a loader seeded or sharded by the
+        global rank instead of the DP rank hands them different samples, and the collectives
+        then add partial results of different batches: training goes on, on garbage, with no
+        error.  Megatron avoids it by broadcasting each batch in the TP group; here each rank
+        hashes what it was given (keys, shapes, dtypes, bytes; on the host, before the batch
+        moves) and one all-gather of 8 bytes per rank compares the hashes.  Its read-back is
+        a host sync at the step's start, while the device is idle (the previous step ended on
+        its loss).  Counted as ``metrics``, not as the schedule's TMP traffic."""
+        group = self.module.group
+        if group_size(group) == 1:
+            return
+        digest = hashlib.blake2b(" | ".join(batch_signature(mb) for mb in micro_batches).encode(), digest_size=7)
+        mine = torch.tensor([int.from_bytes(digest.digest(), "big")], dtype=torch.int64, device=self.device)
+        held = self.oases_comm.all_gather(mine, group, 0, "metrics", label="batch check").wait().tolist()
+        if len(set(held)) > 1:
+            ranks = dist.get_process_group_ranks(group)
+            other = [r for r, h in zip(ranks, held) if h != held[0]]
+            raise BatchMismatchError(
+                f"the ranks of TMP group {ranks} were handed different batches at optimizer step {self.global_steps + 1} "
+                f"(1-based): rank {other[0]} holds another batch than rank {ranks[0]}; every rank of a TMP group must get "
+                "the samples of its DP rank: seed or shard the data loader by engine.parallel_context.dp_rank, not the "
+                "global rank (oases.check_batch=false turns this check off)")
 
     # -- DeepSpeed's own loop, refused (see the module docstring) --------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

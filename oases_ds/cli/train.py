@@ -96,6 +96,7 @@ class TrainSchema:
     metrics: MetricsSchema = field(default_factory=MetricsSchema)
     timeout_s: float = 600.0
     check_collectives: bool = False
+    check_batch: bool = True
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     trace: Optional[str] = None
     stats_out: Optional[str] = None
@@ -161,6 +162,7 @@ def ds_config(cfg: dict) -> dict:
             "seed": cfg["seed"],
             "process_group_timeout_s": cfg["timeout_s"],
             "check_collectives": cfg["check_collectives"],
+            "check_batch": cfg["check_batch"],
             "portable_checkpoint": cfg["checkpoint"].get("portable", True),
             **({"link": link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),

@@ -28,6 +28,32 @@ def test_the_deepspeed_script_trains_under_torchrun():
 
 
 @pytest.mark.distributed
+def test_the_deepspeed_script_with_one_sampler_per_process_stops_at_its_first_step(tmp_path):
+    """The common mistake: the sampler seeded by the global rank, so the two TMP ranks get
+    different samples.  ``oases.check_batch`` (on by default) stops it with one line, before
+    any update; the unchanged script above trains, and so does this one with the check off."""
+    script = open(os.path.join(ROOT, "examples", "deepspeed_train.py")).read()
+    right = "manual_seed(ctx.dp_rank)"
+    assert script.count(right) == 1
+    wrong = tmp_path / "deepspeed_train.py"
+    wrong.write_text(script.replace(right, "manual_seed(torch.distributed.get_rank())"))
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = _run([torchrun, "--nproc_per_node", "2", str(wrong)])
+    assert done.returncode != 0 and "step 5" not in done.stdout, done.stdout[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "were handed different batches" in line]
+    assert lines and all(line.endswith("BatchMismatchError: the ranks of TMP group [0, 1] were handed different batches "
+                                       "at optimizer step 1 (1-based): rank 1 holds another batch than rank 0; every "
+                                       "rank of a TMP group must get the samples of its DP rank: seed or shard the data "
+                                       "loader by engine.parallel_context.dp_rank, not the global rank "
+                                       "(oases.check_batch=false turns this check off)") for line in lines), done.stderr[-3000:]
+    off = '"sub_batches": 2}'
+    assert script.count(off) == 1
+    wrong.write_text(wrong.read_text().replace(off, '"sub_batches": 2, "check_batch": False}'))
+    done = _run([torchrun, "--nproc_per_node", "2", str(wrong)])  # the switch off: it trains on, as it did before
+    assert done.returncode == 0 and len(re.findall(r"^step \d+: loss", done.stdout, re.M)) == 4, done.stderr[-3000:]
+
+
+@pytest.mark.distributed
 def test_the_lightning_script_trains():
     done = _run([sys.executable, "examples/lightning_train.py"])
     assert done.returncode == 0, done.stderr[-3000:]
