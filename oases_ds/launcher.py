@@ -176,6 +176,27 @@ def _context() -> Any:
     return context
 
 
+def start_fork_server_early() -> None:
+    """Start the fork server now, in a background thread, if this process will launch ranks
+    from one (:func:`start_method`); ``launch`` then finds it running, or waits for it.
+
+    Why: the fork server imports torch, DeepSpeed and oases_ds (seconds) before it forks
+    anything.  Started by the first ``launch``, those seconds come after everything a CLI
+    does first (compose and check the config, plan); started here, they overlap it, on the
+    host's other core.  Best effort: on any error ``launch`` starts it as before."""
+    if start_method() != "forkserver":
+        return
+
+    def start() -> None:
+        from multiprocessing import forkserver
+
+        with contextlib.suppress(Exception), _sigint_blocked():  # the fork server inherits this thread's mask
+            _context()
+            forkserver.ensure_running()
+
+    threading.Thread(target=start, name="oases-fork-server", daemon=True).start()
+
+
 def _remove_fork_server_socket_at_exit() -> None:
     """In a fork server (which imports this module, :data:`PRELOAD`), remove the directory of
     its socket when it exits; elsewhere nothing.

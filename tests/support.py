@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import random
 import subprocess
@@ -94,9 +95,26 @@ def block_ops():
 
 
 def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """``oases-plan overrides`` from the repository root, through its ``entry()`` in this
+    process (output captured; the same code a user's command runs, without a second
+    interpreter importing torch).  An exception other than ``SystemExit`` (a traceback a user
+    would see) fails the test.  ``timeout``: kept for the callers; the launches it makes have
+    their own (``timeout_s``)."""
+    from oases_ds.cli import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    code, argv, cwd = 0, sys.argv, os.getcwd()
+    try:
+        os.chdir(ROOT)
+        sys.argv = ["oases-plan", *overrides]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            plan.entry()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["oases-plan", *overrides], code, out.getvalue(), err.getvalue())
 
 
 HOST_SYNCS = ("item", "__int__", "__float__", "__bool__", "tolist")
@@ -131,3 +149,23 @@ def forbid_host_sync() -> Iterator[None]:
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, method)
+
+
+def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:
+    """Run the CLI ``module.entry()`` on ``args`` in this process, from ``tmp_path`` (Hydra's
+    outputs land there); assert exit 2 and exactly one ``error:`` line; return it.  A traceback
+    would surface as an exception other than ``SystemExit(2)``; in-process saves the second
+    interpreter's torch and DeepSpeed imports (seconds per case)."""
+    import pytest
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [module.__name__, *args])
+    capsys.readouterr()  # what the test printed before is not the command's
+    with pytest.raises(SystemExit) as exc:
+        module.entry()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+

@@ -42,7 +42,7 @@ from oases_ds.config import (OasesConfigError, activation_all_reduce, check_deep
                              slow_link_message)
 from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
-from oases_ds.launcher import LaunchError, LaunchInterrupted, end_rank, launch
+from oases_ds.launcher import LaunchError, LaunchInterrupted, end_rank, launch, start_fork_server_early
 from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
@@ -393,6 +393,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not under_torchrun:
+        start_fork_server_early()  # its imports overlap the checks below
     try:
         auto = check_auto_plan(cfg)
         if auto is not None:
@@ -405,7 +408,7 @@ def main(dcfg: DictConfig) -> None:
         stop(err)
     except LaunchError as err:  # a failed profiling launch: one line, the traceback in Hydra's run dir
         fail_launch(err, HydraConfig.get().runtime.output_dir)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / deepspeed launcher
+    if under_torchrun:  # torchrun / deepspeed launcher
         try:
             summary = train_rank(cfg)
             if int(os.environ["RANK"]) == 0:

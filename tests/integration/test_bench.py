@@ -18,7 +18,9 @@ from oases_ds.bench import measure, report
 from oases_ds.bench import spec as bench_spec
 from oases_ds.bench.provenance import REPO_ROOT
 from oases_ds.cli import bench, bench_report, schema  # the entry points, run as a user would
+from oases_ds.cli import plan as plan_cli
 from oases_ds.cli.common import PLAN_PRESETS
+from support import refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bench_lines.jsonl")
@@ -30,12 +32,6 @@ SMOKE = ["model=gpt_tiny", "repeats=1", "warmup=0", "timeout_s=120"]
 def compose(overrides: list[str]) -> dict:
     """The config ``oases-bench`` composes for ``overrides`` (importing ``cli.bench`` registered its schema)."""
     return schema.compose_config("bench", overrides)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "oases_ds.cli.bench", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 def phase_bytes(variant: dict, phase: str) -> int:
@@ -159,10 +155,8 @@ def test_pipeline_bench_settings_are_refused_in_one_line(override, message):
         (["emulation.mode=loud"], "error: emulation.mode='loud' unknown"),
     ],
 )
-def test_bad_config_fails_in_one_line_before_launching(args, message):
-    proc = cli(*args)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+def test_bad_config_fails_in_one_line_before_launching(args, message, capsys, monkeypatch, tmp_path):
+    assert refused(capsys, monkeypatch, tmp_path, bench, *args).startswith(message)
 
 
 def test_scaled_emulation_ratio_follows_the_stated_formula():
@@ -522,10 +516,14 @@ def test_link_probe_fit_recovers_bandwidth_and_latency():
 
 @pytest.mark.parametrize("args,message", [(["--mtu", "100"], "--mtu must be between"),
                                           (["--mtu", "9000", "--burst-bytes", "4000"], "--burst-bytes must be >= one frame")])
-def test_validate_link_rejects_bad_shaping_in_one_line(args, message):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "validate_link.py"), *args],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_validate_link_rejects_bad_shaping_in_one_line(args, message, monkeypatch):
+    """Its ``main`` in this process: it exits with the one line (``sys.exit(text)``) before any shaping."""
+    vl = _load_validate_link()
+    monkeypatch.setattr(sys, "argv", ["validate_link.py", *args])
+    with pytest.raises(SystemExit) as exc:
+        vl.main()
+    line = str(exc.value.code)
+    assert message in line and len(line.splitlines()) == 1 and line.startswith("error: ")
 
 
 @pytest.mark.distributed
@@ -552,16 +550,13 @@ def test_every_planner_preset_runs_and_reports(tmp_path, preset):
 
 
 @pytest.mark.parametrize("args", [["experiment=cost_model"], ["--multirun", "experiment=e2e,cost_model"]])
-def test_oases_bench_points_planner_presets_to_oases_plan(args):
-    proc = cli(*args)
-    assert proc.returncode == 2 and "run `oases-plan experiment=cost_model`" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_oases_bench_points_planner_presets_to_oases_plan(args, capsys, monkeypatch, tmp_path):
+    assert "run `oases-plan experiment=cost_model`" in refused(capsys, monkeypatch, tmp_path, bench, *args)
 
 
-def test_oases_plan_points_bench_presets_to_oases_bench(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.plan", "experiment=e2e", f"out={tmp_path / 'p.json'}"],
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "run `oases-bench --multirun experiment=e2e`" in proc.stderr
+def test_oases_plan_points_bench_presets_to_oases_bench(tmp_path, capsys, monkeypatch):
+    line = refused(capsys, monkeypatch, tmp_path, plan_cli, "experiment=e2e", f"out={tmp_path / 'p.json'}")
+    assert "run `oases-bench --multirun experiment=e2e`" in line
     assert not (tmp_path / "p.json").exists() and not (tmp_path / ".oases").exists()  # refused before profiling
 
 

@@ -1,10 +1,15 @@
-"""``oases-ckpt info`` on checkpoints ``oases-train`` saved, as a user runs both (subprocesses)."""
+"""``oases-ckpt`` on checkpoints ``oases-train`` saved, as a user runs both: ``oases-train`` as
+a subprocess, ``oases-ckpt`` through its ``main`` in this process (once as a subprocess too)."""
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from oases_ds.cli import ckpt as ckpt_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,8 +19,18 @@ def env() -> dict[str, str]:
 
 
 def ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oases_ds.cli.ckpt", *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    """``oases-ckpt args`` in this process (its ``main``, output captured): the same code a
+    user's command runs, without a second interpreter importing torch and DeepSpeed.  An
+    exception other than ``SystemExit`` (a traceback a user would see) fails the test here.
+    ``test_info_reports_what_the_run_saved`` runs it once as a real subprocess too."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            ckpt_cli.main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return subprocess.CompletedProcess(["oases-ckpt", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +48,11 @@ def saved(tmp_path_factory) -> str:
 def test_info_reports_what_the_run_saved(saved: str) -> None:
     latest = open(os.path.join(saved, "latest")).read().strip()
     meta = json.load(open(os.path.join(saved, latest, "oases_meta.json")))
-    proc = ckpt("info", saved, "--json")
+    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.ckpt", "info", saved, "--json"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)  # once as a user runs it
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
+    assert json.loads(ckpt("info", saved, "--json").stdout) == info
     assert info["tag"] == latest and info["global_steps"] == 2 == meta["global_steps"]
     for key in ("tensor_parallel_size", "block_degrees", "pipeline_layers", "zero_stage", "data_parallel_size",
                 "precision", "model"):

@@ -19,22 +19,9 @@ import pytest
 from oases_ds.cli import bench, plan, train
 from oases_ds.data import DataConfig, check_data
 from oases_ds.planner.plan import Plan
-from support import random_table
+from support import random_table, refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:
-    """Run ``module.entry()`` on ``args``; assert exit 2 and exactly one ``error:`` line; return it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [module.__name__, *args])
-    with pytest.raises(SystemExit) as exc:
-        module.entry()
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 @pytest.fixture
