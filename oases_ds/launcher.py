@@ -241,11 +241,43 @@ def _die_with_parent(lifeline: Connection) -> None:
     threading.Thread(target=watch, name="oases-parent-watchdog", daemon=True).start()
 
 
+class _LauncherFd:
+    """One of the launcher's file descriptors as it is at launch, sent to a rank.
+
+    Why: a forked rank inherits the fork server's standard output and error, which are the
+    launcher's as they were when the fork server started; a launcher whose stdout was
+    redirected since (pytest's per-test capture, a wrapper that tees a second run's output)
+    would lose its ranks' prints into the old target.  Pickled as a ``DupFd``, it travels
+    with the rank's arguments (over the fork server's socket, or inherited under spawn)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return (_LauncherFd._received, (DupFd(self.fd),))
+
+    @staticmethod
+    def _received(dup: Any) -> "_LauncherFd":
+        return _LauncherFd(dup.detach())
+
+
+def _use_launcher_stdio(stdio: tuple[_LauncherFd, _LauncherFd]) -> None:
+    """Point this rank's fds 1 and 2 at the launcher's (:class:`_LauncherFd`)."""
+    for stream, target, held in ((sys.stdout, 1, stdio[0]), (sys.stderr, 2, stdio[1])):
+        with contextlib.suppress(Exception):
+            stream.flush()
+        os.dup2(held.fd, target)
+        os.close(held.fd)
+
+
 def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], fn, args,
-           report: Connection, lifeline: Connection) -> None:
+           report: Connection, lifeline: Connection, stdio: tuple[_LauncherFd, _LauncherFd]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the launcher while starting us
+    _use_launcher_stdio(stdio)
     _die_with_parent(lifeline)
     os.environ.clear()  # the launcher's environment as it is now (a forked rank has the fork server's)
     os.environ.update(env)
@@ -451,6 +483,9 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
     context = _context()
     env = {**os.environ, **env}
     port = free_port()
+    for stream in (sys.stdout, sys.stderr):  # what this process printed comes before its ranks' lines
+        with contextlib.suppress(Exception):
+            stream.flush()
     procs, readers, lifelines = [], [], []
     results: dict[int, tuple[str, Any]] = {}
     with _signals_recorded() as received:
@@ -460,7 +495,8 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
                     reader, writer = context.Pipe(duplex=False)
                     lifeline, keep_alive = context.Pipe(duplex=False)
                     p = context.Process(target=_child, daemon=False,
-                                        args=(r, nprocs, port, threads, env, fn, args, writer, lifeline))
+                                        args=(r, nprocs, port, threads, env, fn, args, writer, lifeline,
+                                              (_LauncherFd(1), _LauncherFd(2))))
                     readers.append(reader)
                     lifelines.append(keep_alive)
                     p.start()

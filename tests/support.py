@@ -153,7 +153,8 @@ def forbid_host_sync() -> Iterator[None]:
 
 def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:
     """Run the CLI ``module.entry()`` on ``args`` in this process, from ``tmp_path`` (Hydra's
-    outputs land there); assert exit 2 and exactly one ``error:`` line; return it.  A traceback
+    outputs land there); assert exit 2 and exactly one ``error:`` line; return it.
+    ``capsys``: pytest's ``capsys`` or ``capfd``.  A traceback
     would surface as an exception other than ``SystemExit(2)``; in-process saves the second
     interpreter's torch and DeepSpeed imports (seconds per case)."""
     import pytest
@@ -168,4 +169,28 @@ def refused(capsys, monkeypatch, tmp_path, module, *args: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def train_cli(capfd, *overrides: str, cwd: "str | os.PathLike[str]" = ROOT) -> subprocess.CompletedProcess:
+    """``oases-train overrides`` from ``cwd`` through its ``entry()`` in this process, as a
+    CompletedProcess: the code a user's command runs, without a second interpreter importing
+    torch and DeepSpeed and starting its own fork server (seconds per run).  Output is read
+    at the fd level (``capfd``): the ranks write to this process's fds 1 and 2, which the
+    launcher hands them.  What only a real process shows (exit status through the shell,
+    prints at interpreter teardown) stays in the tests that run one."""
+    from oases_ds.cli import train
+
+    capfd.readouterr()
+    code, argv, here = 0, sys.argv, os.getcwd()
+    try:
+        os.chdir(cwd)
+        sys.argv = ["oases-train", *overrides]
+        train.entry()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["oases-train", *overrides], code, out, err)
 

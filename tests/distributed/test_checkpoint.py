@@ -23,6 +23,7 @@ from oases_ds.checkpoint.portable import PORTABLE_DIR
 from oases_ds.checkpoint.portable import files as portable_files
 from oases_ds.launcher import launch
 from oases_ds.models.config import ModelConfig
+from support import train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -378,9 +379,15 @@ def test_engine_loads_every_mode_safely_and_refuses_bad_checkpoints(tmp_path):
 
 # -- oases-train ---------------------------------------------------------------------
 def train(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``oases-train model=gpt_tiny overrides`` as a real process (the module's saved run)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", *overrides], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_here(capfd, cwd, *overrides: str) -> subprocess.CompletedProcess:
+    """The same through its entry point in this process (``support.train_cli``), from ``cwd``."""
+    return train_cli(capfd, "model=gpt_tiny", *overrides, cwd=cwd)
 
 
 def last_line(proc: subprocess.CompletedProcess) -> str:
@@ -407,20 +414,21 @@ def test_train_keeps_the_newest_checkpoint_only(saved):
     ("bf16=true", "precision=fp32", "precision=bf16"),
     ("model.num_layers=3", "model.num_layers=2", "model.num_layers=3"),
 ])
-def test_train_refuses_a_mismatched_resume_before_launching(saved, override, saved_with, has):
-    proc = train("steps=3", f"checkpoint.dir={saved}", "checkpoint.resume=true", override, timeout=120)
+def test_train_refuses_a_mismatched_resume_before_launching(saved, override, saved_with, has, capfd, tmp_path):
+    proc = train_here(capfd, tmp_path, "steps=3", f"checkpoint.dir={saved}", "checkpoint.resume=true", override)
     assert proc.returncode == 2
     assert last_line(proc) == f"error: checkpoint {saved / 'global_step2'} was saved with {saved_with}, this run has {has}"
     assert "oases-train:" not in proc.stdout  # no rank started
 
 
 @pytest.mark.distributed
-def test_train_resumes_under_another_tensor_parallel_size(saved, tmp_path):
+def test_train_resumes_under_another_tensor_parallel_size(saved, tmp_path, capfd):
     """Saved at TMP 2, resumed at TMP 1 (through the portable state): it goes on from step 2
     and saves a checkpoint of the new layout."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)  # the fixture's directory stays as saved
-    proc = train("steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "tensor_parallel_size=1", "nprocs=1")
+    proc = train_here(capfd, tmp_path, "steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true",
+                      "tensor_parallel_size=1", "nprocs=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TMP 1 x DP 1" in proc.stdout and "from step 2" in proc.stdout and "step     3/3" in proc.stdout
     assert CheckpointMeta.read(str(ckpt / "global_step3")).tensor_parallel_size == 1
@@ -435,14 +443,14 @@ def test_train_saves_exactly_the_files_its_layout_lists(saved):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("damage, problem", [("remove", "is missing"), ("empty", "is empty")])
-def test_train_names_a_missing_or_empty_rank_file_before_launching(saved, tmp_path, damage, problem):
+def test_train_names_a_missing_or_empty_rank_file_before_launching(saved, tmp_path, damage, problem, capfd):
     """Was ``error: rank 0: AssertionError: checkpoint count 1 is different from saved mp_world_size 2``
     (missing) and ``error: rank 1: EOFError`` (empty), after both ranks had started."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     path = ckpt / "global_step2" / "mp_rank_01_model_states.pt"
     path.unlink() if damage == "remove" else path.write_bytes(b"")
-    proc = train("steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "timeout_s=120", timeout=120)
+    proc = train_here(capfd, tmp_path, "steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "timeout_s=120")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last_line(proc) == (f"error: checkpoint file {path} {problem}: it holds the model states of model-parallel "
                                f"rank 1 of 2; copy the whole checkpoint {ckpt / 'global_step2'} again, or write an "
@@ -451,12 +459,12 @@ def test_train_names_a_missing_or_empty_rank_file_before_launching(saved, tmp_pa
 
 
 @pytest.mark.distributed
-def test_train_resume_runs_no_code_from_a_checkpoint(saved, tmp_path):
+def test_train_resume_runs_no_code_from_a_checkpoint(saved, tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     evil, marker = ckpt / "global_step2" / "mp_rank_01_model_states.pt", tmp_path / "payload_ran"
     ew.plant_payload(str(evil), str(marker))  # rank 1's shard only: rank 0 must fail too, not wait
-    proc = train("steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "timeout_s=120", timeout=300)
+    proc = train_here(capfd, tmp_path, "steps=3", f"checkpoint.dir={ckpt}", "checkpoint.resume=true", "timeout_s=120")
     assert proc.returncode == 1  # found inside the ranks: the launcher's exit code for a failed rank
     assert not marker.exists()
     assert last_line(proc).startswith("error: rank ")
@@ -468,10 +476,10 @@ def test_train_resume_runs_no_code_from_a_checkpoint(saved, tmp_path):
     ("checkpoint.dir={afile}/ckpt", "error: checkpoint.dir={afile}/ckpt cannot hold checkpoints: {afile} is a file"),
     ("checkpoint.dir={empty}", "error: checkpoint.resume=true but checkpoint.dir={empty} holds no checkpoint"),
 ])
-def test_train_checks_the_checkpoint_dir_before_launching(tmp_path, setting, message):
+def test_train_checks_the_checkpoint_dir_before_launching(tmp_path, setting, message, capfd):
     (tmp_path / "afile").write_text("x")
     os.makedirs(tmp_path / "empty")
     names = {"afile": tmp_path / "afile", "empty": tmp_path / "empty"}
-    proc = train(setting.format(**names), "checkpoint.resume=true" if "empty" in setting else "steps=1", timeout=120)
+    proc = train_here(capfd, tmp_path, setting.format(**names), "checkpoint.resume=true" if "empty" in setting else "steps=1")
     assert proc.returncode == 2
     assert last_line(proc).startswith(message.format(**names))

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from oases_ds.cli import ckpt as ckpt_cli
+from support import train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,10 +99,10 @@ def test_bad_directories_and_damaged_files_are_one_line(saved: str, tmp_path) ->
 
 
 # -- the portable state: info and offline conversion to and from Hugging Face ----------
-def train(stats: str, *args: str) -> dict:
-    """One ``oases-train`` run; its summary, from its ``stats_out`` file ``stats``."""
-    proc = subprocess.run([sys.executable, "-m", "oases_ds.cli.train", *args, f"stats_out={stats}"], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=300)
+def train(capfd, stats: str, *args: str) -> dict:
+    """One ``oases-train`` run (``support.train_cli``, from ``stats``' directory); its summary,
+    from its ``stats_out`` file ``stats``."""
+    proc = train_cli(capfd, *args, f"stats_out={stats}", cwd=os.path.dirname(stats))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.load(open(stats))["summary"]
 
@@ -201,7 +202,7 @@ def test_convert_round_trips_a_hugging_face_model(tiny_llama_dirs, tmp_path) -> 
 
 
 @pytest.mark.distributed
-def test_a_run_resumed_from_a_converted_hf_model_starts_from_its_weights(tiny_llama_dirs, tmp_path) -> None:
+def test_a_run_resumed_from_a_converted_hf_model_starts_from_its_weights(tiny_llama_dirs, tmp_path, capfd) -> None:
     """The converted checkpoint (tag ``hf``, no layout) resumes at TMP 2; the run's model
     directory holds other weights (seed 1), so only the portable load can give it seed 0's
     loss: that of a fresh run from seed 0."""
@@ -210,9 +211,9 @@ def test_a_run_resumed_from_a_converted_hf_model_starts_from_its_weights(tiny_ll
     proc = ckpt("convert", "--from-hf", a, out)
     assert proc.returncode == 0, proc.stderr
     common = ["steps=1", "tensor_parallel_size=2", "nprocs=2", "model=hf"]
-    resumed = train(str(tmp_path / "resumed.json"), *common, f"model.path={b}", f"checkpoint.dir={out}",
+    resumed = train(capfd, str(tmp_path / "resumed.json"), *common, f"model.path={b}", f"checkpoint.dir={out}",
                     "checkpoint.resume=true")
-    fresh = train(str(tmp_path / "fresh.json"), *common, f"model.path={a}")
+    fresh = train(capfd, str(tmp_path / "fresh.json"), *common, f"model.path={a}")
     assert resumed["steps_run"] == fresh["steps_run"] == 1
     assert abs(resumed["first_loss"] - fresh["first_loss"]) <= 1e-6 * abs(fresh["first_loss"])
 
@@ -243,7 +244,7 @@ def test_convert_errors_are_one_line(saved: str, tiny_llama_dirs, tmp_path, caps
 
 # -- reshard: a checkpoint of another layout, written by that layout's ranks -----------------
 @pytest.mark.distributed
-def test_reshard_gives_an_old_checkpoint_another_layout_that_resumes_as_its_own(tmp_path) -> None:
+def test_reshard_gives_an_old_checkpoint_another_layout_that_resumes_as_its_own(tmp_path, capfd) -> None:
     """A TMP 2 checkpoint saved without portable state (``checkpoint.portable=false``, as before
     it existed) resharded to TMP 1 x DP 2 with ZeRO 1: the output holds exactly that layout's rank
     files and a portable state, and a run at that layout resumes from it (DeepSpeed's own files)
@@ -251,7 +252,7 @@ def test_reshard_gives_an_old_checkpoint_another_layout_that_resumes_as_its_own(
     resumed from the original at its own layout.  The global batch stays 8 (micro_batch 4 on each
     of the 2 DP ranks), so both read the same samples."""
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    train(str(tmp_path / "s0.json"), "model=gpt_tiny", "steps=2", f"checkpoint.dir={old}", "checkpoint.portable=false")
+    train(capfd, str(tmp_path / "s0.json"), "model=gpt_tiny", "steps=2", f"checkpoint.dir={old}", "checkpoint.portable=false")
     proc = ckpt("reshard", old, new, "--tensor-parallel-size", "1", "--data-parallel-size", "2", "--zero-stage", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == (f"wrote {new}/global_step2 (step 2, TMP 1 x DP 2, ZeRO 1) from {old}/global_step2 "
@@ -263,9 +264,9 @@ def test_reshard_gives_an_old_checkpoint_another_layout_that_resumes_as_its_own(
     assert info["portable"] is not None and info["portable"]["optimizer_state"] == ["exp_avg", "exp_avg_sq"]
     assert json.loads(ckpt("info", old, "--json").stdout)["portable"] is None  # the source is left as it was
 
-    resumed = train(str(tmp_path / "s1.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={new}",
+    resumed = train(capfd, str(tmp_path / "s1.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={new}",
                     "checkpoint.resume=true", "tensor_parallel_size=1", "zero_stage=1", "micro_batch=4")
-    at_own = train(str(tmp_path / "s2.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={old}",
+    at_own = train(capfd, str(tmp_path / "s2.json"), "model=gpt_tiny", "steps=3", f"checkpoint.dir={old}",
                    "checkpoint.resume=true")
     assert resumed["steps_run"] == at_own["steps_run"] == 1
     assert resumed["first_loss"] == pytest.approx(at_own["first_loss"], rel=1e-5)

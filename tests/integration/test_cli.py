@@ -1,5 +1,7 @@
-"""oases-train as a user runs it (a subprocess, its own rank processes); refusals, which start
-no rank, through its ``entry()`` in this process (``support.refused``)."""
+"""oases-train as a user runs it: its ``entry()`` with the user's arguments, in this process
+(``support.train_cli``: its own rank processes, their output read at the fd level; refusals,
+which start no rank: ``support.refused``), and as a real subprocess where only one shows the
+behaviour (a clean run's output, teardown included)."""
 import json
 import os
 import subprocess
@@ -8,7 +10,7 @@ import sys
 import pytest
 
 from oases_ds.cli import train
-from support import refused
+from support import refused, train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,12 +23,13 @@ def run(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["oases"])
-def test_train_loss_falls_on_embedded_text(tmp_path, schedule):
+def test_train_loss_falls_on_embedded_text(tmp_path, schedule, capfd):
     """25 steps of the default schedule.  The other schedules compute the same gradients
     (``distributed/test_parity.py``, against the unsharded reference) and each trains from
     this CLI in ``test_examples.py``'s sweep, so one schedule shows the loss falls."""
     out = tmp_path / "stats.json"
-    proc = run(f"schedule={schedule}", "steps=25", "log_every=5", "model.num_layers=2", f"stats_out={out}")
+    proc = train_cli(capfd, f"schedule={schedule}", "steps=25", "log_every=5", "model.num_layers=2", f"stats_out={out}",
+                     cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 25 steps" in proc.stdout and f"schedule {schedule}" in proc.stdout
     summary = json.loads(out.read_text())["summary"]
@@ -34,12 +37,13 @@ def test_train_loss_falls_on_embedded_text(tmp_path, schedule):
 
 
 @pytest.mark.distributed
-def test_checkpoint_resume_from_the_cli(tmp_path):
+def test_checkpoint_resume_from_the_cli(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
     common = ["model=gpt_tiny", "log_every=1", f"checkpoint.dir={ckpt}"]
-    full = run(*common[:2], "steps=4", f"stats_out={tmp_path / 'full.json'}")
-    first = run(*common, "steps=2")
-    resumed = run(*common, "steps=4", "checkpoint.resume=true", f"stats_out={tmp_path / 'resumed.json'}")
+    full = train_cli(capfd, *common[:2], "steps=4", f"stats_out={tmp_path / 'full.json'}", cwd=tmp_path)
+    first = train_cli(capfd, *common, "steps=2", cwd=tmp_path)
+    resumed = train_cli(capfd, *common, "steps=4", "checkpoint.resume=true", f"stats_out={tmp_path / 'resumed.json'}",
+                        cwd=tmp_path)
     for proc in (full, first, resumed):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "from step 2" in resumed.stdout
@@ -63,30 +67,30 @@ def test_bad_config_is_one_clear_line(override, message, capsys, monkeypatch, tm
 
 
 @pytest.mark.distributed
-def test_train_with_a_plan_file(tmp_path, capsys, monkeypatch):
+def test_train_with_a_plan_file(tmp_path, capfd, monkeypatch):
     from oases_ds.planner.plan import Plan
 
     path = tmp_path / "plan.json"
     Plan((2, 1), (1, 2), devices=2).to_json(path)
-    proc = run("model=gpt_tiny", "steps=3", f"plan={path}")
+    proc = train_cli(capfd, "model=gpt_tiny", "steps=3", f"plan={path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 3 steps" in proc.stdout
-    wrong = refused(capsys, monkeypatch, tmp_path, train, "model=gpt_small", "steps=3", f"plan={path}")
+    wrong = refused(capfd, monkeypatch, tmp_path, train, "model=gpt_small", "steps=3", f"plan={path}")
     assert wrong.startswith(f"error: plan={path} is for 2 layers on 2 devices")
 
 
 @pytest.mark.distributed
-def test_train_with_a_plan_that_stores_blocks(tmp_path, capsys, monkeypatch):
+def test_train_with_a_plan_that_stores_blocks(tmp_path, capfd, monkeypatch):
     """A plan from ``oases-plan planner.recompute=auto`` (attn0 and mlp1 stored) trains as any plan;
     under a schedule that cannot store blocks it is one line before any rank starts."""
     from oases_ds.planner.plan import Plan
 
     path = tmp_path / "plan.json"
     Plan((2, 1), (1, 2), devices=2, attn_policies=("store", "oases"), mlp_policies=("oases", "store")).to_json(path)
-    proc = run("model=gpt_tiny", "steps=3", f"plan={path}")
+    proc = train_cli(capfd, "model=gpt_tiny", "steps=3", f"plan={path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 3 steps" in proc.stdout
-    wrong = refused(capsys, monkeypatch, tmp_path, train, "model=gpt_tiny", "steps=3", f"plan={path}", "schedule=megatron")
+    wrong = refused(capfd, monkeypatch, tmp_path, train, "model=gpt_tiny", "steps=3", f"plan={path}", "schedule=megatron")
     assert wrong == (
         f"error: plan={path} stores 2 blocks' activations (policy store), which only schedule=oases with "
         f"fine_grained_recompute=true runs; this run has schedule=megatron, fine_grained_recompute=true: use that "
@@ -94,18 +98,15 @@ def test_train_with_a_plan_that_stores_blocks(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.distributed
-def test_plan_auto_profiles_plans_within_the_limit_and_trains_with_that_plan(tmp_path):
+def test_plan_auto_profiles_plans_within_the_limit_and_trains_with_that_plan(tmp_path, capfd):
     """``plan=auto memory_limit=X``: the layer is profiled here at TMP 1 and 2 (cached in the working
     directory's ``.oases/profiles``), the planner chooses each block's degree and policy within X,
     the plan lands in the run dir and the run trains with it (its config names that file).  A limit
     below what any plan needs is one line, after the (cached) profile, before any training rank."""
     from oases_ds.planner.plan import Plan
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-
     def train(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", "plan=auto", *overrides],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return train_cli(capfd, "model=gpt_tiny", "plan=auto", *overrides, cwd=tmp_path)
 
     run_dir, stats = tmp_path / "run", tmp_path / "stats.json"
     proc = train("memory_limit=64MiB", "steps=2", f"hydra.run.dir={run_dir}", f"stats_out={stats}")
@@ -136,7 +137,7 @@ def test_a_clean_run_prints_only_its_own_lines(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_with_check_collectives_gives_the_same_losses_and_keeps_records_in_the_run_dir(tmp_path):
+def test_train_with_check_collectives_gives_the_same_losses_and_keeps_records_in_the_run_dir(tmp_path, capfd):
     """``check_collectives=true`` runs guard mode in every rank (its checks are in the records)
     and changes no loss; either way each rank's ring file sits in Hydra's output directory."""
     from oases_ds.parallel.flight import RingFile
@@ -144,8 +145,8 @@ def test_train_with_check_collectives_gives_the_same_losses_and_keeps_records_in
     runs = {}
     for check in ("false", "true"):
         out, run_dir = tmp_path / f"stats-{check}.json", tmp_path / f"run-{check}"
-        proc = run("model=gpt_tiny", "steps=3", f"check_collectives={check}", f"stats_out={out}",
-                   f"hydra.run.dir={run_dir}")
+        proc = train_cli(capfd, "model=gpt_tiny", "steps=3", f"check_collectives={check}", f"stats_out={out}",
+                         f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rings = [RingFile.read(str(run_dir / f"collectives-rank{r}.ring")) for r in (0, 1)]
         runs[check] = ([h["loss"] for h in json.loads(out.read_text())["history"]],

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from oases_ds.cli import train
+from support import refused, train_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = "the cat sat on a mat while one dog ran past and every bird sang loud songs".split()
 
@@ -40,12 +43,12 @@ def token_file(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_on_the_produced_file_evaluates_every_n_steps_and_logs_csv(tmp_path, token_file):
+def test_train_on_the_produced_file_evaluates_every_n_steps_and_logs_csv(tmp_path, token_file, capfd):
     out, vocab = token_file
     stats, metrics = tmp_path / "stats.json", tmp_path / "metrics.csv"
     padded = vocab + vocab % 2  # the vocabulary parallel embedding needs a multiple of tensor_parallel_size=2
-    proc = cli("oases_ds.cli.train", "data=mmap", f"data.path={out}", "model=gpt_tiny", f"model.vocab_size={padded}",
-               "steps=4", "eval_every=2", "log_every=1", f"metrics.csv={metrics}", f"stats_out={stats}")
+    proc = train_cli(capfd, "data=mmap", f"data.path={out}", "model=gpt_tiny", f"model.vocab_size={padded}", "steps=4",
+                     "eval_every=2", "log_every=1", f"metrics.csv={metrics}", f"stats_out={stats}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval     2/4 | held-out loss" in proc.stdout and "eval     4/4 | held-out loss" in proc.stdout
     summary = json.loads(stats.read_text())["summary"]
@@ -61,12 +64,11 @@ def test_train_on_the_produced_file_evaluates_every_n_steps_and_logs_csv(tmp_pat
     assert all(float(r["lr"]) > 0 and float(r["tokens_per_s"]) > 0 for r in rows[1:])
 
 
-def test_a_model_vocabulary_below_the_files_is_one_line_before_launching(tmp_path, token_file):
+def test_a_model_vocabulary_below_the_files_is_one_line_before_launching(tmp_path, token_file, capsys, monkeypatch):
     out, vocab = token_file
-    proc = cli("oases_ds.cli.train", "data=mmap", f"data.path={out}", "model=gpt_tiny", f"model.vocab_size={vocab - 1}",
-               timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    line = refused(capsys, monkeypatch, tmp_path, train, "data=mmap", f"data.path={out}", "model=gpt_tiny",
+                   f"model.vocab_size={vocab - 1}")
+    assert line == (
         f"error: data.path='{out}' was tokenized with a vocabulary of {vocab} (tokenizer {out.parent / 'tokenizer.json'}) "
         f"but model.vocab_size={vocab - 1}; set model.vocab_size={vocab} or more")
 
@@ -78,8 +80,6 @@ def test_a_model_vocabulary_below_the_files_is_one_line_before_launching(tmp_pat
     ("data.eval_fraction=1.5", "error: data.eval_fraction=1.5 must be > 0 and < 1"),
 ])
 def test_bad_metrics_and_eval_settings_are_one_line_before_launching(tmp_path, monkeypatch, capsys, override, says):
-    from oases_ds.cli import train
-
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were absent
     (tmp_path / "other.csv").write_text("a,b\n")
     monkeypatch.chdir(tmp_path)

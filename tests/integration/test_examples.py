@@ -1,5 +1,6 @@
 """The README's three ways in, run as a user runs them: the DeepSpeed script under torchrun,
-the Lightning script, and an ``oases-train --multirun`` sweep."""
+the Lightning script (real processes), and an ``oases-train --multirun`` sweep (its entry
+point in this process, ``support.train_cli``)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,9 @@ import subprocess
 import sys
 
 import pytest
+
+from oases_ds.cli import ckpt
+from support import train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,16 +65,16 @@ def test_the_lightning_script_trains():
 
 
 @pytest.mark.distributed
-def test_a_hydra_multirun_sweep_runs_each_schedule(tmp_path):
-    done = _run([sys.executable, "-m", "oases_ds.cli.train", "--multirun", "schedule=oases,megatron", "steps=3",
-                 "log_every=3", "model=gpt_tiny", f"hydra.sweep.dir={tmp_path}"])
+def test_a_hydra_multirun_sweep_runs_each_schedule(tmp_path, capfd):
+    done = train_cli(capfd, "--multirun", "schedule=oases,megatron", "steps=3", "log_every=3", "model=gpt_tiny",
+                     f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.findall(r"^done: 3 steps .* schedule (\w+)$", done.stdout, re.M) == ["oases", "megatron"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]
 
 
 @pytest.mark.distributed
-def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path):
+def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path, capfd):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"), "plan.json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -79,9 +83,9 @@ def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path):
 
     plan = Plan.from_json(str(tmp_path / "plan.json"))
     assert plan.devices == 2 and plan.layers == 4 and plan.predicted_step_ms > 0
-    train = _run([sys.executable, "-m", "oases_ds.cli.train", f"plan={tmp_path / 'plan.json'}", "model.hidden_size=128",
-                  "model.num_layers=4", "model.seq_len=64", "model.vocab_size=256", "steps=2", "log_every=1",
-                  f"hydra.run.dir={tmp_path}/hydra"])
+    train = train_cli(capfd, f"plan={tmp_path / 'plan.json'}", "model.hidden_size=128", "model.num_layers=4",
+                      "model.seq_len=64", "model.vocab_size=256", "steps=2", "log_every=1", f"hydra.run.dir={tmp_path}/hydra",
+                      cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
 
 
@@ -94,18 +98,23 @@ def _readme_block(heading: str) -> list[str]:
 
 
 @pytest.mark.distributed
-def test_the_readme_changes_the_layout_of_a_run_as_written(tmp_path):
+def test_the_readme_changes_the_layout_of_a_run_as_written(tmp_path, capfd, monkeypatch):
     """Every command of "Change the layout of a run", in a fresh directory, as written: each
-    resumed run starts where the previous one stopped, at its new layout."""
+    resumed run starts where the previous one stopped, at its new layout.  Each runs its
+    entry point with the command's arguments in this process (``support.train_cli``;
+    ``oases-ckpt``'s ``main``), which starts the ranks as the command does."""
     commands = _readme_block("Change the layout of a run")
     assert [c.split()[0] for c in commands] == ["oases-train"] * 3 + ["oases-ckpt"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     outputs = []
     for command in commands:
         tool, *args = command.split()
-        module = {"oases-train": "oases_ds.cli.train", "oases-ckpt": "oases_ds.cli.ckpt"}[tool]
-        done = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+        if tool == "oases-train":
+            done = train_cli(capfd, *args, cwd=tmp_path)
+        else:
+            monkeypatch.chdir(tmp_path)
+            ckpt.main(args)
+            out, err = capfd.readouterr()
+            done = subprocess.CompletedProcess(command, 0, out, err)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         outputs.append(done.stdout)
     layouts = [re.search(r"ranks = (.*?) \| .* from step (\d+)", out).groups() for out in outputs[:3]]

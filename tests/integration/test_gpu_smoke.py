@@ -20,6 +20,7 @@ GPU = os.path.join(ROOT, "tests", "gpu")
 sys.path.insert(0, GPU)
 
 import smoke  # noqa: E402
+from support import train_cli  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -91,11 +92,10 @@ def test_the_lightning_step_script_trains_five_steps_on_cpu():
 
 
 @pytest.mark.distributed
-def test_the_train_check_reads_oases_trains_log(tmp_path):
+def test_the_train_check_reads_oases_trains_log(tmp_path, capfd):
     # the smoke's train steps judge oases-train by its printed log: read a real one
-    cmd = [sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", "steps=6", "log_every=2", "lr=0.01",
-           f"hydra.run.dir={tmp_path}/hydra"]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    done = train_cli(capfd, "model=gpt_tiny", "steps=6", "log_every=2", "lr=0.01", f"hydra.run.dir={tmp_path}/hydra",
+                     cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     read = smoke._train_check(0)(done.stdout)
     assert len(read["losses"]) == 4 and read["started_from"] == 0  # steps 1, 2, 4, 6

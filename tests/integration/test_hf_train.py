@@ -23,7 +23,7 @@ from oases_ds.cli import train
 from oases_ds.data import DataConfig, MaskedLM, TokenBatches, TokenFileMeta
 from oases_ds.launcher import launch
 from oases_ds.models.operator_model import IGNORE_INDEX
-from support import refused
+from support import refused, train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
@@ -57,15 +57,15 @@ def bert_checkpoint(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.mark.distributed
-def test_bert_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, bert_checkpoint):
+def test_bert_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, bert_checkpoint, capfd):
     """Masked-LM batches take [MASK], the special ids and the random tokens' vocabulary from
     the tokenizer (the token file's sidecar); the trained BERT, exported, gives the engine's
     eval loss in transformers on the same masked held-out batch."""
     checkpoint, tokens = bert_checkpoint
     export, stats = tmp_path / "export", tmp_path / "stats.json"
-    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "data=mmap",
-                   f"data.path={tokens}", "tensor_parallel_size=2", "nprocs=2", "steps=3", f"micro_batch={MICRO}",
-                   "log_every=1", f"export_hf={export}", f"stats_out={stats}")
+    proc = train_cli(capfd, "model=hf", f"model.path={checkpoint}", "data=mmap", f"data.path={tokens}",
+                     "tensor_parallel_size=2", "nprocs=2", "steps=3", f"micro_batch={MICRO}", "log_every=1",
+                     f"export_hf={export}", f"stats_out={stats}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "oases-train: bert h=64 L=2 | 2 ranks = TMP 2 x DP 1" in proc.stdout
     summary = json.loads(stats.read_text())["summary"]
@@ -93,11 +93,10 @@ def test_bert_exported_after_training_loads_in_transformers_with_the_engines_eva
 
 
 @pytest.mark.distributed
-def test_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, checkpoint):
+def test_exported_after_training_loads_in_transformers_with_the_engines_eval_loss(tmp_path, checkpoint, capfd):
     export, stats = tmp_path / "export", tmp_path / "stats.json"
-    proc = _python("-m", "oases_ds.cli.train", "model=hf", f"model.path={checkpoint}", "tensor_parallel_size=2",
-                   "nprocs=2", "steps=3", f"micro_batch={MICRO}", "log_every=1", f"export_hf={export}",
-                   f"stats_out={stats}")
+    proc = train_cli(capfd, "model=hf", f"model.path={checkpoint}", "tensor_parallel_size=2", "nprocs=2", "steps=3",
+                     f"micro_batch={MICRO}", "log_every=1", f"export_hf={export}", f"stats_out={stats}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "oases-train: llama h=64 L=2 | 2 ranks = TMP 2 x DP 1" in proc.stdout
     summary = json.loads(stats.read_text())["summary"]

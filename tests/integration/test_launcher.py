@@ -72,6 +72,17 @@ def report_then_print_at_teardown(value: int) -> int:
     return value
 
 
+def quiet(value: int) -> int:
+    return value
+
+
+def print_both(value: int) -> int:
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} says {value} on stdout", flush=True)
+    print(f"rank {rank} says {value} on stderr", file=sys.stderr, flush=True)
+    return value
+
+
 def exit_without_report(code: int) -> None:
     os._exit(code)
 
@@ -171,6 +182,21 @@ def test_rank_exception_carries_rank_type_message_and_traceback():
 
 
 @pytest.mark.distributed
+@pytest.mark.distributed
+def test_ranks_print_to_the_launchers_stdout_and_stderr_as_they_are_at_launch(capfd):
+    """A forked rank would inherit the fork server's fds, the launcher's as they were when the
+    fork server started (in this suite: an earlier test's capture file).  Each launch hands
+    the ranks the launcher's current ones.  The first launch runs with capture off, so the
+    fork server (where it starts here) holds other fds than the captured launches below."""
+    with capfd.disabled():
+        assert launch(quiet, 2, (1,), timeout_s=300) == [1, 1]
+    for value in (3, 4):
+        assert launch(print_both, 2, (value,), timeout_s=300) == [value, value]
+        out, err = capfd.readouterr()
+        for rank in (0, 1):
+            assert f"rank {rank} says {value} on stdout" in out and f"rank {rank} says {value} on stderr" in err
+
+
 def test_a_rank_that_reported_then_aborted_still_succeeded():
     assert launch(report_then_abort, 2, (7,), timeout_s=300) == [7, 7]
 

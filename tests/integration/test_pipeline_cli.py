@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from oases_ds.cli import train
-from test_cli_errors import refused  # noqa: F401 (the shared one-line-error helper)
+from support import refused, train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.distributed
-def test_oases_train_with_two_stages_trains_and_reports_the_layout(tmp_path):
+def test_oases_train_with_two_stages_trains_and_reports_the_layout(tmp_path, capfd):
     stats = tmp_path / "stats.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu")
-    run = subprocess.run(
-        [sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", "data=synthetic", "nprocs=2", "tensor_parallel_size=1",
-         "pipeline_stages=2", "pipeline_schedule=gpipe", "grad_accum=2", "micro_batch=2", "steps=4", f"stats_out={stats}",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run = train_cli(capfd, "model=gpt_tiny", "data=synthetic", "nprocs=2", "tensor_parallel_size=1", "pipeline_stages=2",
+                    "pipeline_schedule=gpipe", "grad_accum=2", "micro_batch=2", "steps=4", f"stats_out={stats}",
+                    f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "2 ranks = PP 2 x TMP 1 x DP 1" in run.stdout
     summary = json.loads(stats.read_text())["summary"]

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from oases_ds.cli import ckpt, train
+from support import train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG = "global_step2"
@@ -166,13 +167,11 @@ def one_error_line(capsys, run: Callable[[], None]) -> str:
     return lines[0]
 
 
-def test_the_untampered_checkpoint_resumes_and_converts(saved, tmp_path):
+def test_the_untampered_checkpoint_resumes_and_converts(saved, tmp_path, capfd):
     """The baseline every case below differs from by one tampering: the same commands succeed."""
     ck = tmp_path / "CK"
     shutil.copytree(saved, ck)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-m", "oases_ds.cli.train", *RESUME, f"checkpoint.dir={ck}"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = train_cli(capfd, *RESUME, f"checkpoint.dir={ck}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "from step 2" in done.stdout and "done: 1 steps" in done.stdout
     ckpt.main(["convert", str(ck), "--to-hf", str(tmp_path / "hf")])
@@ -231,16 +230,14 @@ def transposed_rank_file(ck: Path, marker: Path) -> None:
     (pickled_rank_file, "holds a pickled io.open, which is not a tensor"),
     (transposed_rank_file, f"size mismatch for {PARAM}"),
 ], ids=["pickled", "transposed"])
-def test_a_same_layout_resume_refuses_a_tampered_rank_file_in_one_line(saved, tmp_path, change, expected):
+def test_a_same_layout_resume_refuses_a_tampered_rank_file_in_one_line(saved, tmp_path, change, expected, capfd):
     """The same layout reads the DeepSpeed rank files, not portable/: inside the ranks, but
     still one line (the launcher's), a non-zero exit, no step, and no code from the file run."""
     ck = tmp_path / "CK"
     shutil.copytree(saved, ck)
     marker = tmp_path / "code-ran"
     change(ck, marker)
-    done = subprocess.run([sys.executable, "-m", "oases_ds.cli.train", *SAVE[:1], "steps=3",
-                           "checkpoint.resume=true", f"checkpoint.dir={ck}"], cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
+    done = train_cli(capfd, *SAVE[:1], "steps=3", "checkpoint.resume=true", f"checkpoint.dir={ck}", cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
     assert re.match(r"error: rank [01]: ", line) and expected in line, done.stderr[-3000:]
