@@ -103,18 +103,25 @@ def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess
     from oases_ds.cli import plan
 
     out, err = io.StringIO(), io.StringIO()
-    code, argv, cwd = 0, sys.argv, os.getcwd()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_entry(plan.entry, "oases-plan", overrides, ROOT)
+    return subprocess.CompletedProcess(["oases-plan", *overrides], code, out.getvalue(), err.getvalue())
+
+
+def run_entry(entry, name: str, args: "tuple[str, ...] | list[str]", cwd: "str | os.PathLike[str]") -> int:
+    """Call a CLI's ``entry()`` as ``name args`` from ``cwd``; its exit status (``SystemExit``
+    caught, any other exception raised); ``sys.argv`` and the working directory restored."""
+    code, argv, here = 0, sys.argv, os.getcwd()
     try:
-        os.chdir(ROOT)
-        sys.argv = ["oases-plan", *overrides]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            plan.entry()
+        os.chdir(cwd)
+        sys.argv = [name, *args]
+        entry()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv = argv
-        os.chdir(cwd)
-    return subprocess.CompletedProcess(["oases-plan", *overrides], code, out.getvalue(), err.getvalue())
+        os.chdir(here)
+    return code
 
 
 HOST_SYNCS = ("item", "__int__", "__float__", "__bool__", "tolist")
@@ -181,16 +188,7 @@ def train_cli(capfd, *overrides: str, cwd: "str | os.PathLike[str]" = ROOT) -> s
     from oases_ds.cli import train
 
     capfd.readouterr()
-    code, argv, here = 0, sys.argv, os.getcwd()
-    try:
-        os.chdir(cwd)
-        sys.argv = ["oases-train", *overrides]
-        train.entry()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = argv
-        os.chdir(here)
+    code = run_entry(train.entry, "oases-train", overrides, cwd)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["oases-train", *overrides], code, out, err)
 
