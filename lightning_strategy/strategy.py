@@ -94,6 +94,8 @@ class OasesStrategy(DeepSpeedStrategy):
             ``tensor_parallel_size``, the TMP degree defaults to ``devices / pipeline_stages``.
         pipeline_schedule: ``1f1b`` or ``gpipe``: the order of the ``accumulate_grad_batches``
             micro-batches over the stages; default: the config's, else ``1f1b``.
+        sequence_parallel: split the sequence over the TMP ranks between blocks (the
+            ``oases.sequence_parallel`` of a DeepSpeed config); default: the config's, else off.
         config: a full DeepSpeed config (dict or JSON path), optionally with an
             ``"oases"`` section; the arguments above override that section.  Do not
             set ``gradient_accumulation_steps`` (it comes from
@@ -114,6 +116,7 @@ class OasesStrategy(DeepSpeedStrategy):
         plan: Optional[str] = None,
         pipeline_stages: Optional[int] = None,
         pipeline_schedule: Optional[str] = None,
+        sequence_parallel: Optional[bool] = None,
         config: Optional[Any] = None,
         zero_stage: int = 0,
         accelerator: Optional[Any] = None,
@@ -131,7 +134,8 @@ class OasesStrategy(DeepSpeedStrategy):
         section["enabled"] = True
         for key, value in (("tensor_parallel_size", tensor_parallel_size), ("schedule", schedule),
                            ("sub_batches", sub_batches), ("seed", seed), ("plan", plan),
-                           ("pipeline_stages", pipeline_stages), ("pipeline_schedule", pipeline_schedule)):
+                           ("pipeline_stages", pipeline_stages), ("pipeline_schedule", pipeline_schedule),
+                           ("sequence_parallel", sequence_parallel)):
             if value is not None:
                 section[key] = value
         self.oases = parse_oases_section(section)  # one-line error on a bad field, before any process starts

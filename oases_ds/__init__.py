@@ -50,10 +50,13 @@ def build_model(model: ModelConfig, ctx: ParallelContext, oases: OasesConfig) ->
         raise OasesConfigError(str(err)) from None
     try:
         if plan is None:
-            return OperatorModel(model, group=ctx.tp_group, seed=oases.seed, stage=stage)
-        return OperatorModel.for_plan(model, ctx, plan, seed=oases.seed, stage=stage)
+            return OperatorModel(model, group=ctx.tp_group, seed=oases.seed, stage=stage,
+                                 sequence_parallel=oases.sequence_parallel)
+        return OperatorModel.for_plan(model, ctx, plan, seed=oases.seed, stage=stage,
+                                      sequence_parallel=oases.sequence_parallel)
     except ValueError as err:
-        raise OasesConfigError(f"oases.plan={oases.plan}: {err}" if oases.plan else f"model: {err}") from None
+        raise OasesConfigError(f"oases.plan={oases.plan}: {err}" if oases.plan else f"oases.{err}"
+                               if str(err).startswith("sequence_parallel") else f"model: {err}") from None
 
 
 def with_planned_stages(oases: OasesConfig, prefix: str = "oases.") -> OasesConfig:

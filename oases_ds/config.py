@@ -81,6 +81,12 @@ class OasesConfig(BaseModel):
         check_batch: at each step, every rank of a TMP group holds the same batch (one
             8-byte all-gather of a hash of it), or the step stops with one line naming the
             step and the ranks; off for loaders that guarantee it (a batch broadcast in the group).
+        sequence_parallel: between blocks each TMP rank holds a ``1/t`` slice of the sequence
+            (Megatron's sequence parallelism): the norm, dropout and residual activations and
+            each recomputed block's checkpoint shrink ``t``-fold, and every TMP AllReduce becomes
+            a ReduceScatter and an AllGather of the same bytes, overlapped by the schedule as
+            before.  Needs ``model.seq_len`` divisible by ``tensor_parallel_size`` and one TMP
+            degree for every block.
         flight_records: collectives each rank remembers for a hang's diagnosis
             (:mod:`oases_ds.parallel.flight`); 0 keeps none.
         portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
@@ -108,6 +114,7 @@ class OasesConfig(BaseModel):
     pipeline_layers: list[int] | None = None
     check_collectives: bool = False
     check_batch: bool = True
+    sequence_parallel: bool = False
     flight_records: int = Field(default=DEFAULT_RECORDS, ge=0)
     portable_checkpoint: bool = True
 

@@ -122,15 +122,18 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
     if not oases.plan:
         return spec
     try:
-        stored = Plan.read(f"{prefix}plan", oases.plan).stored_blocks()
+        plan = Plan.read(f"{prefix}plan", oases.plan)
     except ValueError as err:  # names the setting already
         raise OasesConfigError(str(err)) from None
-    if stored and not (spec.name == "oases" and spec.fine_grained_recompute):
-        raise OasesConfigError(f"{prefix}plan={oases.plan} stores {len(stored)} blocks' activations (policy store), "
-                               f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
-                               f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
-                               f"use that schedule or a plan without store policies")
-    return replace(spec, stored_blocks=stored)
+    stored, gathered = plan.stored_blocks(), plan.gathered_blocks()
+    for blocks, policy, what in ((stored, "store", "stores {} blocks' activations"),
+                                 (gathered, "oases_gathered", "keeps the gathered input of {} blocks")):
+        if blocks and not (spec.name == "oases" and spec.fine_grained_recompute):
+            raise OasesConfigError(f"{prefix}plan={oases.plan} {what.format(len(blocks))} (policy {policy}), "
+                                   f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
+                                   f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
+                                   f"use that schedule or a plan without {policy} policies")
+    return replace(spec, stored_blocks=stored, gathered_blocks=gathered)
 
 
 class BatchMismatchError(ValueError):

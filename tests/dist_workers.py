@@ -30,6 +30,9 @@ VARIANTS = [
 EXTRA_VARIANTS = [
     ("oases-store-all", ScheduleSpec("oases", stored_blocks=tuple(range(8)))),  # every block of up to 4 layers stored
     ("oases-store-mixed-no-cross-pass", ScheduleSpec("oases", cross_pass=False, stored_blocks=(1, 2))),
+    # under sequence parallelism: attn0 keeps its gathered input, mlp0 re-gathers, attn1 stored, mlp1 gathered
+    ("oases-gathered-mixed", ScheduleSpec("oases", stored_blocks=(2,), gathered_blocks=(0, 3))),
+    ("oases-gathered-all", ScheduleSpec("oases", gathered_blocks=tuple(range(8)))),
 ]
 """Run only where a test names them (``variants``), not in every parity sweep."""
 
@@ -98,10 +101,12 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
 
 def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr: float = 0.05,
                   plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None, variants: list[str] | None = None,
-                  dropout: float = 0.1, options: dict[str, dict] | None = None) -> dict:
+                  dropout: float = 0.1, options: dict[str, dict] | None = None,
+                  sequence_parallel: bool = False) -> dict:
     """Train every schedule variant for ``steps`` SGD steps and compare, after every
     step, gathered gradients and the loss with the unsharded reference.  ``options``:
-    label -> ModelConfig fields, run instead of the plain ``families``."""
+    label -> ModelConfig fields, run instead of the plain ``families``;
+    ``sequence_parallel``: the sharded model splits the sequence between blocks."""
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -130,11 +135,12 @@ def parity_worker(tp: int, families: list[str], steps: int, micro_batch: int, lr
             if label not in (variants if variants is not None else dict(VARIANTS)):
                 continue
             if plan is None:
-                model = OperatorModel(cfg, group=ctx.tp_group, seed=7)
+                model = OperatorModel(cfg, group=ctx.tp_group, seed=7, sequence_parallel=sequence_parallel)
             else:
                 from oases_ds.planner.plan import Plan
 
-                model = OperatorModel.for_plan(cfg, ctx, Plan(plan[0], plan[1], devices=tp), seed=7)
+                model = OperatorModel.for_plan(cfg, ctx, Plan(plan[0], plan[1], devices=tp), seed=7,
+                                               sequence_parallel=sequence_parallel)
             rng = RNGTracker(seed=11)
             ex = Executor.for_schedule(model, spec, rng=rng)
             opt = torch.optim.SGD(model.parameters(), lr=lr)

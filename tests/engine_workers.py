@@ -77,14 +77,16 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
 
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
-              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True) -> dict:
+              bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True,
+              sequence_parallel: bool = False, check_collectives: bool = False) -> dict:
     """OasesEngine on this rank's TMP shard and DP share; returns full params after each step,
     and the global gradient norm DeepSpeed's optimizer clipped with (ZeRO-1; None otherwise)."""
     import oases_ds
     from oases_ds.parallel.collectives import start_all_reduce
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
-               "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {})}
+               "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {}),
+               "sequence_parallel": sequence_parallel, "check_collectives": check_collectives}
     cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
@@ -115,6 +117,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
             "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
             "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,
+            "sequence_parallel": engine.module.sequence_parallel,
             "deepspeed_reductions": ds_reductions[0], "handoff_buffer_elements": handoff_buffers}
 
 
@@ -163,11 +166,12 @@ def _count_deepspeed_reductions(engine) -> list[int]:
     return count
 
 
-def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:
+def checkpoint_run(tp: int, save_dir: str, phase: str, sequence_parallel: bool = False) -> dict:
     """phase "save": train 2 steps, save, train 2 more.  phase "resume": load, train 2."""
     import oases_ds
 
-    cfg = ds_config(4, 1, 1, oases={"enabled": True, "tensor_parallel_size": tp, "seed": 7})
+    cfg = ds_config(4, 1, 1, oases={"enabled": True, "tensor_parallel_size": tp, "seed": 7,
+                                    "sequence_parallel": sequence_parallel})
     cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
     engine, *_ = oases_ds.initialize(model=tiny_config("gpt"), config=cfg)
     dp = engine.parallel_context.dp_size
@@ -188,6 +192,16 @@ def checkpoint_run(tp: int, save_dir: str, phase: str) -> dict:
     for step in range(start, start + 2):
         train(step)
     return {"losses": losses, "global_steps": engine.global_steps, "listing": sorted(os.listdir(save_dir))}
+
+
+def sequence_parallel_resume_run(root: str) -> dict:
+    """:func:`checkpoint_run` saved without sequence parallelism and resumed with it, then saved
+    with it and resumed without, in one launch: ``{saved_with_sp: (first, resumed)}``."""
+    out = {}
+    for saved_sp in (False, True):
+        save_dir = os.path.join(root, f"saved_sp{int(saved_sp)}")
+        out[saved_sp] = (checkpoint_run(2, save_dir, "save", saved_sp), checkpoint_run(2, save_dir, "resume", not saved_sp))
+    return out
 
 
 def bad_world_run() -> str:

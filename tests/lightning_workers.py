@@ -95,6 +95,7 @@ def lightning_runs(work_dir: str) -> dict:
       end of epoch 0;
     * "resumed": a fresh Trainer resumed from that checkpoint for epoch 1;
     * "accumulate": accumulate_grad_batches=2 over half-size batches, 1 epoch;
+    * "sequence_parallel": as "resumed" but from the start, with the sequence split between blocks;
     * "direct": the same steps (same samples in the order Lightning's sampler
       gives) through oases_ds.initialize + engine.train_batch;
     * "nan": the error a Trainer stops with when the second step's loss is NaN.
@@ -121,6 +122,7 @@ def lightning_runs(work_dir: str) -> dict:
             "prog_bar": sorted(trainer.progress_bar_metrics), "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
             "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
             "stored_blocks": tuple(engine.schedule.stored_blocks),
+            "sequence_parallel": engine.module.sequence_parallel,
         }
 
     assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the seed"
@@ -141,6 +143,7 @@ def lightning_runs(work_dir: str) -> dict:
         Plan((2, 2), (2, 2), devices=2, attn_policies=("store", "oases"), mlp_policies=("oases", "store")).to_json(plan)
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
     run("planned", OasesStrategy(tensor_parallel_size=2, seed=SEED, plan=plan), Record())
+    run("sequence_parallel", OasesStrategy(tensor_parallel_size=2, seed=SEED, sequence_parallel=True), Record())
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
            "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,

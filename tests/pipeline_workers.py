@@ -31,13 +31,15 @@ def step_micro_batches(full: dict[str, torch.Tensor], micro_batches: int, micro:
 def pipeline_parity_worker(tp: int, pp: int, families: list[str], schedules: list[str], pipelines: list[str],
                            steps: int, micro_batches: int, micro: int, layers: int = 4, lr: float = 0.05,
                            pipeline_layers: list[int] | None = None,
-                           plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> dict:
+                           plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                           sequence_parallel: bool = False) -> dict:
     """Train each (family, TMP schedule, pipeline order) for ``steps`` SGD steps of
     ``micro_batches`` accumulated micro-batches on ``pp`` stages x ``tp`` TMP x DP, and
     compare after every step this stage's gradients (gathered over TMP, averaged over DP,
     divided by the micro-batch count) and the broadcast loss with an unsharded
     single-process reference trained on the whole global batch.  ``plan``: per-block TMP
-    degrees (attention, MLP) of every layer, a heterogeneous plan cut into stages."""
+    degrees (attention, MLP) of every layer, a heterogeneous plan cut into stages;
+    ``sequence_parallel``: each stage splits the sequence between its blocks (and sends slices)."""
     from reference_models import ReferenceModel
 
     ctx = ParallelContext.build(tensor_parallel_size=tp, timeout_s=120, pipeline_stages=pp)
@@ -63,7 +65,8 @@ def pipeline_parity_worker(tp: int, pp: int, families: list[str], schedules: lis
         for schedule in schedules:
             for pipeline in pipelines:
                 if plan is None:
-                    model = OperatorModel(cfg, group=ctx.tp_group, seed=7, stage=stage)
+                    model = OperatorModel(cfg, group=ctx.tp_group, seed=7, stage=stage,
+                                          sequence_parallel=sequence_parallel)
                 else:
                     from oases_ds.planner.plan import Plan
 

@@ -44,6 +44,7 @@ from oases_ds.data import DataConfig, TokenBatches, check_data
 from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, end_rank, launch, start_fork_server_early
 from oases_ds.models.config import ModelConfig
+from oases_ds.models.operator_model import check_sequence_parallel
 from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
@@ -97,6 +98,7 @@ class TrainSchema:
     timeout_s: float = 600.0
     check_collectives: bool = False
     check_batch: bool = True
+    sequence_parallel: bool = False
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     trace: Optional[str] = None
     stats_out: Optional[str] = None
@@ -163,6 +165,7 @@ def ds_config(cfg: dict) -> dict:
             "process_group_timeout_s": cfg["timeout_s"],
             "check_collectives": cfg["check_collectives"],
             "check_batch": cfg["check_batch"],
+            "sequence_parallel": cfg["sequence_parallel"],
             "portable_checkpoint": cfg["checkpoint"].get("portable", True),
             **({"link": link_kwargs(link)} if link else {}),
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
@@ -229,6 +232,8 @@ def validate(cfg: dict) -> None:
             planned_schedule(oases, prefix="")
         except OasesConfigError as err:
             raise ValueError(str(err)) from None
+    if oases.sequence_parallel and oases.tensor_parallel_size > 1:  # the sequence splits evenly, one degree throughout
+        check_sequence_parallel(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else [])
     sub_batches = oases.schedule_spec().effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"

@@ -67,6 +67,7 @@ from oases_ds.parallel.collectives import Group, group_rank, group_size
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import BlockLayout, ParallelContext
 from oases_ds.parallel.layers import (
+    ReplicatedHeadLinear,
     apply_rotary,
     attention_core,
     rotary_inverse_frequencies,
@@ -141,6 +142,14 @@ class OperatorModel(nn.Module):
             received residual stream ``(x,)`` and, but on the last stage, ends with the
             ``(x,)`` it sends.  A post-LN block at a stage boundary applies its own output
             norm (it cannot be deferred into the next stage's first op).
+        sequence_parallel: between blocks each TMP rank holds a ``1/t`` slice of the
+            sequence (Megatron's sequence parallelism): every ``copy`` becomes an AllGather
+            along the sequence (backward ReduceScatter) and every ``reduce`` a ReduceScatter
+            (backward AllGather); norms, dropout and residual adds run on the slice.  The
+            parameters every rank holds whole but now computes on its own slice (norms,
+            row-parallel biases, positions) get partial gradients, summed over the group
+            after each run (:meth:`sequence_parallel_params`).  One TMP degree for every
+            block; the sequence must split evenly over it.
     """
 
     def __init__(
@@ -151,6 +160,7 @@ class OperatorModel(nn.Module):
         layouts: list[tuple[BlockLayout, BlockLayout]] | None = None,
         reshard_group: Callable[[int, int], Group] | None = None,
         stage: Stage | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -163,6 +173,9 @@ class OperatorModel(nn.Module):
         else:  # every degree the plan uses, each block by what it splits
             cfg.check_degrees(full.degree, [a.degree for a, _ in layouts], [m.degree for _, m in layouts])
         layouts = layouts or [(full, full)] * cfg.num_layers
+        self.sequence_parallel = bool(sequence_parallel) and full.degree > 1
+        if self.sequence_parallel:
+            check_sequence_parallel(cfg, full.degree, [d.degree for pair in layouts for d in pair])
         self.stage = stage or Stage(0, 1, 0, cfg.num_layers)
         if self.stage.end > cfg.num_layers or (self.stage.is_last and self.stage.end != cfg.num_layers):
             raise ValueError(f"pipeline stage {self.stage.index} holds layers [{self.stage.start}, {self.stage.end}) "
@@ -187,6 +200,8 @@ class OperatorModel(nn.Module):
         """Where the eager forward (evaluation, a plain DeepSpeedEngine) issues its collectives:
         the engine hands the model its executor's, so that evaluation is recorded with training."""
         self.ops: list[Op] = self._build_ops()
+        if self.sequence_parallel:
+            self.ops = sequence_parallel_ops(self.ops)
 
     def forward(
         self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None
@@ -233,11 +248,12 @@ class OperatorModel(nn.Module):
         ``sub_batch`` samples: what a stage ending with that layer sends, and the next
         receives (each replica of a reduced-degree block holds its share of the batch)."""
         replicas = self.sharding.layouts[layer][1].replicas
-        return (sub_batch // replicas, seq_len, self.cfg.hidden_size)
+        seq = seq_len // self.sharding.full_degree if self.sequence_parallel else seq_len
+        return (sub_batch // replicas, seq, self.cfg.hidden_size)
 
     @classmethod
     def for_plan(cls, cfg: ModelConfig, ctx: ParallelContext, plan: BlockDegrees, seed: int = 0,
-                 stage: Stage | None = None) -> "OperatorModel":
+                 stage: Stage | None = None, sequence_parallel: bool = False) -> "OperatorModel":
         """Build this rank's part of ``cfg`` with the per-block TMP degrees of ``plan``
         (on pipeline ``stage``: its layers, see the class docstring)."""
         if plan.devices != ctx.tp_size:
@@ -245,10 +261,28 @@ class OperatorModel(nn.Module):
         if plan.layers != cfg.num_layers:
             raise ValueError(f"plan has {plan.layers} layers but model.num_layers={cfg.num_layers}")
         cfg.check_degrees(ctx.tp_size, plan.attn_degrees, plan.mlp_degrees)  # before any group is made
+        if sequence_parallel and ctx.tp_size > 1:
+            check_sequence_parallel(cfg, ctx.tp_size, [*plan.attn_degrees, *plan.mlp_degrees])
         # every group of the whole plan, on every rank, before this stage picks its own (ParallelContext)
         ctx.create_plan_groups([d for pair in zip(plan.attn_degrees, plan.mlp_degrees) for d in pair])
         layouts = [(ctx.layout(a), ctx.layout(m)) for a, m in zip(plan.attn_degrees, plan.mlp_degrees)]
-        return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group, stage)
+        return cls(cfg, ctx.tp_group, seed, layouts, ctx.reshard_group, stage, sequence_parallel)
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Under sequence parallelism, the parameters whose gradient on each TMP rank covers only
+        its slice of the sequence and must be summed over the group: every parameter held
+        whole (``tp_dim`` None) but a replicated key/value projection's, which runs on the
+        gathered sequence and sums its gradient itself.  Empty without sequence parallelism."""
+        if not self.sequence_parallel:
+            return []
+        whole_sequence = {id(p) for m in self.modules() if isinstance(m, ReplicatedHeadLinear) for p in m.parameters()}
+        return [p for p in self.parameters()
+                if p.requires_grad and getattr(p, "tp_dim", None) is None and id(p) not in whole_sequence]
+
+    def _seq_start(self, x: torch.Tensor) -> int:
+        """Position of ``x``'s first token in the sequence: 0, or under sequence parallelism the
+        start of this rank's slice (``x`` is a slice of the residual stream)."""
+        return group_rank(self.group) * x.shape[1] if self.sequence_parallel else 0
 
     # -- weights -----------------------------------------------------------------
     @torch.no_grad()
@@ -267,9 +301,10 @@ class OperatorModel(nn.Module):
     def _dropout(self, ctx: OpContext, x: torch.Tensor, site: int, offsets=None, full=None, replica: int = 0) -> torch.Tensor:
         """Dropout keyed by the global sample index (and global head index if sharded);
         ``replica`` of a reduced-degree block holds the ``replica``-th batch share."""
-        if offsets is None:
-            offsets = (ctx.sample_offset + replica * x.shape[0],) + (0,) * (x.dim() - 1)
-            full = (ctx.global_batch,) + tuple(x.shape[1:])
+        if offsets is None:  # the residual stream (b, s, h): under sequence parallelism this rank's slice of s
+            seq = x.shape[1] * (self.sharding.full_degree if self.sequence_parallel else 1)
+            offsets = (ctx.sample_offset + replica * x.shape[0], self._seq_start(x)) + (0,) * (x.dim() - 2)
+            full = (ctx.global_batch, seq) + tuple(x.shape[2:])
         return keyed_dropout(x, self.cfg.dropout, ctx.rng.key(site), offsets, full, ctx.training)
 
     def _build_ops(self) -> list[Op]:
@@ -299,11 +334,13 @@ class OperatorModel(nn.Module):
 
         def embed_out(c: OpContext, a: Acts) -> Acts:
             x = a[0]
+            start = self._seq_start(x)
             if cfg.family != "llama":
-                x = x + self.embed.pos[: x.shape[1]]
+                x = x + self.embed.pos[start: start + x.shape[1]]
             if cfg.type_vocab_size:  # segment ids; a batch without them is all segment 0
                 types = c.batch.get("token_types")
-                x = x + (self.embed.types[0] if types is None else F.embedding(types, self.embed.types))
+                x = x + (self.embed.types[0] if types is None
+                         else F.embedding(types[:, start: start + x.shape[1]], self.embed.types))
             if embed_defers:  # post-LN: norm and dropout run in L0.attn_in (see module doc)
                 return (x,)
             if cfg.family == "bert":
@@ -489,6 +526,35 @@ class OperatorModel(nn.Module):
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
         add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out
+
+
+def check_sequence_parallel(cfg: ModelConfig, degree: int, block_degrees: Sequence[int]) -> None:
+    """Refuse, in one line, a model sequence parallelism cannot split: a sequence the TMP degree
+    does not divide, or blocks of different degrees (a reshard between degrees moves the batch,
+    and under sequence parallelism the slices of the sequence would have to move too)."""
+    if cfg.seq_len % degree:
+        raise ValueError(f"sequence_parallel splits the sequence over the {degree} TMP ranks but model.seq_len="
+                         f"{cfg.seq_len} is not divisible by {degree}; use a multiple of {degree} or sequence_parallel=false")
+    mixed = sorted({d for d in block_degrees if d != degree})
+    if mixed:
+        raise ValueError(f"sequence_parallel needs every block at the full TMP degree {degree}, but the plan puts blocks at "
+                         f"degree {mixed[0]}; plan with planner.min_degree={degree} or set sequence_parallel=false")
+
+
+def sequence_parallel_ops(ops: Sequence[Op]) -> list[Op]:
+    """``ops`` under sequence parallelism: each ``copy`` (forward identity, backward AllReduce)
+    becomes an AllGather along the sequence (backward ReduceScatter) and each ``reduce``
+    (forward AllReduce) a ReduceScatter along it (backward AllGather); compute ops and the
+    reshards between degrees are unchanged.  The one rule :class:`OperatorModel` applies and
+    the cost and memory models can apply to :func:`plan_ops`."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, CommOp) and (op.forward, op.backward) == (None, "all_reduce"):
+            op = dataclasses.replace(op, forward="all_gather", backward="reduce_scatter", dim=1)
+        elif isinstance(op, CommOp) and (op.forward, op.backward) == ("all_reduce", None):
+            op = dataclasses.replace(op, forward="reduce_scatter", backward="all_gather", dim=1)
+        out.append(op)
+    return out
 
 
 def reshard_ops(name: str, layer: int, block: str, src: int, dst: int, group: Group = None) -> list[Op]:

@@ -12,12 +12,18 @@ backward.  Megatron's two TMP regions map onto it directly:
 * ``copy``  (before a column-parallel linear): forward identity, backward AllReduce.
 * ``reduce`` (after a row-parallel linear):     forward AllReduce, backward identity.
 
+With sequence parallelism they become AllGather along the sequence (backward
+ReduceScatter) and ReduceScatter (backward AllGather).
+
 Because the forward AllReduce's input gradient equals its output gradient
 (paper eq. 1), a recomputation that starts right after a ``reduce`` never needs
 to run the collective again -- that is what fine-grained recomputation exploits.
+The same holds for a ReduceScatter (its input gradient is the AllGather of its
+output gradient, which the backward runs anyway).
 
-A communication operator runs in one of two ways, both looked up in one table
-(:data:`COLLECTIVES`, collective name -> how to run it) so they cannot disagree:
+A communication operator runs in one of two ways, looked up in two tables
+(:data:`COLLECTIVES`, collective name -> how to start it; :data:`PAIRS`, (forward,
+backward) -> the autograd Function running both) so they cannot disagree:
 asynchronously (:meth:`CommOp.start`, one direction at a time; the executor
 syncs it later) or eagerly (:meth:`CommOp.apply`, both directions at once as the
 autograd Function of :mod:`oases_ds.parallel.collectives`; evaluation and a plain
@@ -36,14 +42,16 @@ from oases_ds.parallel.collectives import (
     Pending,
     SplitToTensorParallel,
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
     split_for_rank,
 )
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.random import RNGTracker
 
 Acts = tuple[torch.Tensor, ...]
-Collective = Literal["all_reduce", "all_gather", "split"] | None
+Collective = Literal["all_reduce", "all_gather", "split", "reduce_scatter"] | None
 
 
 def _start_split(comm: Communicator, tensor: torch.Tensor, group: Group, dim: int, phase: str, label: str) -> Pending:
@@ -54,48 +62,39 @@ def _start_split(comm: Communicator, tensor: torch.Tensor, group: Group, dim: in
 
 @dataclass(frozen=True)
 class CollectiveKind:
-    """How one named collective runs.
+    """How one named collective runs, one direction at a time.
 
     Attributes:
-        partner: the collective the other direction must run -- the gradient of
-            this one (AllReduce <-> identity, AllGather <-> split).
-        start: async, one direction: ``(comm, tensor, group, dim, phase, label) -> Pending``
+        start: async: ``(comm, tensor, group, dim, phase, label) -> Pending``
             (``label`` names it in the flight records).
-        in_forward: eager autograd Function: this collective forward, ``partner`` backward.
-        in_backward: eager autograd Function: ``partner`` forward, this collective backward.
         moves_bytes: whether it crosses a link; ``split`` keeps a local share (the cost and
             memory models then charge no transfer and no buffer in flight).
     """
 
-    partner: Collective
     start: Callable[[Communicator, torch.Tensor, Group, int, str, str], Pending]
-    in_forward: Callable[[torch.Tensor, Group, int], torch.Tensor]
-    in_backward: Callable[[torch.Tensor, Group, int], torch.Tensor]
     moves_bytes: bool = True
 
 
 COLLECTIVES: dict[str, CollectiveKind] = {
-    "all_reduce": CollectiveKind(
-        partner=None,
-        start=lambda comm, t, group, dim, phase, label: comm.all_reduce(t, group, phase, label=label),
-        in_forward=lambda x, group, dim: reduce_from_tensor_parallel(x, group),
-        in_backward=lambda x, group, dim: copy_to_tensor_parallel(x, group),
-    ),
-    "all_gather": CollectiveKind(
-        partner="split",
-        start=lambda comm, t, group, dim, phase, label: comm.all_gather(t, group, dim, phase, label=label),
-        in_forward=GatherFromTensorParallel.apply,
-        in_backward=SplitToTensorParallel.apply,
-    ),
-    "split": CollectiveKind(
-        partner="all_gather",
-        start=_start_split,
-        in_forward=SplitToTensorParallel.apply,
-        in_backward=GatherFromTensorParallel.apply,
-        moves_bytes=False,
-    ),
+    "all_reduce": CollectiveKind(lambda comm, t, group, dim, phase, label: comm.all_reduce(t, group, phase, label=label)),
+    "all_gather": CollectiveKind(lambda comm, t, group, dim, phase, label: comm.all_gather(t, group, dim, phase, label=label)),
+    "reduce_scatter": CollectiveKind(
+        lambda comm, t, group, dim, phase, label: comm.reduce_scatter(t, group, dim, phase, label=label)),
+    "split": CollectiveKind(_start_split, moves_bytes=False),
 }
 """The one place a collective's name becomes a collective."""
+
+PAIRS: dict[tuple[Collective, Collective], Callable[[torch.Tensor, Group, int], torch.Tensor]] = {
+    ("all_reduce", None): lambda x, group, dim: reduce_from_tensor_parallel(x, group),
+    (None, "all_reduce"): lambda x, group, dim: copy_to_tensor_parallel(x, group),
+    ("all_gather", "split"): GatherFromTensorParallel.apply,
+    ("split", "all_gather"): SplitToTensorParallel.apply,
+    ("all_gather", "reduce_scatter"): gather_from_sequence_parallel,
+    ("reduce_scatter", "all_gather"): reduce_scatter_to_sequence_parallel,
+}
+"""Every (forward, backward) pair a communication operator may be -- each direction is the
+other's gradient -- and the eager autograd Function that runs both: Megatron's four TMP
+regions and sequence parallelism's two (:mod:`oases_ds.parallel.collectives`)."""
 
 
 @dataclass
@@ -174,7 +173,9 @@ class CommOp:
             this rank's slice along ``dim`` (the partner of an AllGather).
         backward: collective run on the gradient; ``None`` means identity.
         group: the process group; size one makes every collective an identity.
-        dim: concatenation dimension of an AllGather.
+        dim: the dimension an AllGather concatenates and a split or ReduceScatter slices
+            (0, the batch, for a reshard between degrees; 1, the sequence, under sequence
+            parallelism).
     """
 
     name: str
@@ -190,17 +191,17 @@ class CommOp:
     def __post_init__(self) -> None:
         # Each direction's collective must be the other's gradient: that is what lets
         # one autograd Function (``apply``) stand for both directions.
-        pairs = ((self.forward, self.backward, "forward"), (self.backward, self.forward, "backward"))
-        for this, other, direction in pairs:
-            if this is None:
-                continue
-            if this not in COLLECTIVES:
+        for this, direction in ((self.forward, "forward"), (self.backward, "backward")):
+            if this is not None and this not in COLLECTIVES:
                 raise ValueError(f"{self.name}: unknown {direction} collective {this!r}; "
                                  f"use one of {', '.join(COLLECTIVES)}")
-            partner = COLLECTIVES[this].partner
-            if partner != other:
-                raise ValueError(f"{self.name}: {direction} {this} needs {partner or 'identity'} in the other "
-                                 f"direction (its gradient), got {other or 'identity'}")
+        if (self.forward, self.backward) not in PAIRS:
+            if self.forward is not None:
+                this, fits, got = f"forward {self.forward}", [b for f, b in PAIRS if f == self.forward], self.backward
+            else:
+                this, fits, got = f"backward {self.backward}", [f for f, b in PAIRS if b == self.backward], self.forward
+            raise ValueError(f"{self.name}: {this} needs {' or '.join(x or 'identity' for x in fits)} in the other "
+                             f"direction (its gradient), got {got or 'identity'}")
 
     def collective_in(self, phase: str) -> Collective:
         """The collective this operator runs in ``phase`` (forward and recompute: its forward one)."""
@@ -221,11 +222,9 @@ class CommOp:
         same collective, the same result, no backward to wire."""
         if comm is not None and not torch.is_grad_enabled():
             return self.start(comm, x, "forward", "eval", f"{self.name} eval").wait() if self.forward is not None else x
-        if self.forward is not None:
-            return COLLECTIVES[self.forward].in_forward(x, self.group, self.dim)
-        if self.backward is not None:
-            return COLLECTIVES[self.backward].in_backward(x, self.group, self.dim)
-        return x
+        if self.forward is None and self.backward is None:
+            return x
+        return PAIRS[(self.forward, self.backward)](x, self.group, self.dim)
 
 
 Op = ComputeOp | CommOp
@@ -237,6 +236,13 @@ def forward_collective(op: Op) -> bool:
 
 def backward_collective(op: Op) -> bool:
     return isinstance(op, CommOp) and op.backward is not None
+
+
+def sequence_gather(op: Op) -> bool:
+    """Whether ``op`` gathers a block's input along the sequence (sequence parallelism's ``copy``:
+    forward AllGather, backward ReduceScatter), the one collective a fine-grained
+    recomputation may re-run (policy ``oases``, see ``RECOMPUTE_POLICIES``)."""
+    return isinstance(op, CommOp) and op.forward == "all_gather" and op.backward == "reduce_scatter"
 
 
 def moves_bytes(op: Op, phase: str) -> bool:

@@ -11,6 +11,18 @@ Function                    forward                 backward
 ``GatherFromTensorParallel`` AllGather(x)           keep this rank's slice
 ==========================  ======================  ======================
 
+and sequence parallelism's two:
+
+=========================================  ================  ==================
+``gather_from_sequence_parallel``          AllGather(x)      ReduceScatter(grad)
+``reduce_scatter_to_sequence_parallel``    ReduceScatter(x)  AllGather(grad)
+=========================================  ================  ==================
+
+Under sequence parallelism (Korthikanti et al.) every TMP rank holds a ``1/t`` slice of
+the sequence between blocks: a block's input is gathered along the sequence before its
+column-parallel linear, and its row-parallel summands are reduce-scattered back to slices
+(plain TMP's AllReduce split in its two halves).
+
 The executor does not go through autograd for its communication: it starts the
 same collectives with :func:`start_all_reduce` / :func:`start_all_gather`, which
 return a :class:`Pending` handle that a ``Sync`` instruction waits on.  That is
@@ -92,6 +104,27 @@ def start_all_gather(tensor: torch.Tensor, group: Group, dim: int) -> Pending:
     parts = [torch.empty_like(src) for _ in range(size)]
     work = dist.all_gather(parts, src, group=group, async_op=True)
     return Pending(work, lambda: torch.cat(parts, dim=dim))
+
+
+# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single; older torch has only the first.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def start_reduce_scatter(tensor: torch.Tensor, group: Group, dim: int) -> Pending:
+    """Sum ``tensor`` over ``group`` and keep this rank's equal slice along ``dim``, asynchronously.
+
+    The collective works on dimension 0, so a ``dim`` other than 0 is moved to the front
+    (one contiguous copy, as the AllReduce's out-of-place clone) and back in the result
+    (a second copy, of the ``1/t`` slice only, so that later ops may ``view`` it)."""
+    size = group_size(group)
+    if tensor.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} not divisible by group size {size}")
+    src = tensor.detach().movedim(dim, 0).contiguous()
+    if size == 1:
+        return Pending(None, lambda: src.movedim(0, dim).contiguous())
+    out = src.new_empty((src.shape[0] // size, *src.shape[1:]))
+    work = _reduce_scatter_single(out, src, group=group, async_op=True)
+    return Pending(work, lambda: out.movedim(0, dim).contiguous())
 
 
 def start_broadcast(tensor: torch.Tensor, src: int, group: Group) -> Pending:
@@ -179,6 +212,33 @@ class GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return split_for_rank(grad, ctx.group, ctx.dim), None, None
+
+
+class _SequenceRegion(torch.autograd.Function):
+    """Sequence parallelism's two regions as one Function: ``first`` runs forward and ``second``
+    on the gradient, both along ``dim`` (the sequence); see the two functions below."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, first, second) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim, ctx.second = group, dim, second
+        return first(x, group, dim).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.second(grad, ctx.group, ctx.dim).wait(), None, None, None, None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Forward: AllGather along ``dim`` (the sequence).  Backward: ReduceScatter of the gradient:
+    every rank's full-sequence gradient is a partial sum (the column-parallel linear after it
+    saw only this rank's columns)."""
+    return _SequenceRegion.apply(x, group, dim, start_all_gather, start_reduce_scatter)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Forward: ReduceScatter along ``dim`` (the row-parallel summands summed, this rank's slice of
+    the sequence kept).  Backward: AllGather of the gradient."""
+    return _SequenceRegion.apply(x, group, dim, start_reduce_scatter, start_all_gather)
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from oases_ds.parallel.collectives import (Group, Pending, start_all_gather, start_all_reduce, start_broadcast,
-                                           start_recv, start_send)
+                                           start_recv, start_reduce_scatter, start_send)
 from oases_ds.parallel.flight import (DEFAULT_RECORDS, RUN_DIR_ENV, RUN_ID_ENV, FlightRecorder, Record, dtype_name,
                                       group_key, link_key, members)
 from oases_ds.parallel.guard import CollectiveGuard, CollectiveMismatchError, batch_signature
@@ -132,12 +132,20 @@ class Communicator:
         return self._wrap("all_reduce", tensor, group, phase, size, start_all_reduce(tensor, group, op).watched(self._waiter, record))
 
     def all_gather(self, tensor: torch.Tensor, group: Group, dim: int, phase: str, label: str = "") -> Pending:
+        """Concatenate every rank's ``tensor`` along ``dim``; counted by the size of the result."""
+        return self._along(dim, "all_gather", start_all_gather, tensor, group, phase, label)
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: Group, dim: int, phase: str, label: str = "") -> Pending:
+        """Sum over ``group`` and keep this rank's slice along ``dim`` (sequence parallelism's
+        half of an AllReduce); counted by the size of its input."""
+        return self._along(dim, "reduce_scatter", start_reduce_scatter, tensor, group, phase, label)
+
+    def _along(self, dim: int, kind: str, start, tensor: torch.Tensor, group: Group, phase: str, label: str) -> Pending:
         size = self._size(group)
         if size == 1:
-            return start_all_gather(tensor, group, dim)
-        record = self._record(group, "all_gather", label or phase, tensor)
-        return self._wrap("all_gather", tensor, group, phase, size,
-                          start_all_gather(tensor, group, dim).watched(self._waiter, record))
+            return start(tensor, group, dim)
+        record = self._record(group, kind, label or phase, tensor)
+        return self._wrap(kind, tensor, group, phase, size, start(tensor, group, dim).watched(self._waiter, record))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, phase: str, label: str = "") -> Pending:
         """Broadcast ``tensor`` in place from global rank ``src`` (the pipeline's loss)."""

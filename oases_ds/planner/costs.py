@@ -366,7 +366,7 @@ class CostTable:
     @property
     def policies(self) -> tuple[str, ...]:
         """The recomputation policies this table prices: ``oases`` and, with :attr:`store_blocks`, ``store``."""
-        return RECOMPUTE_POLICIES if self.store_blocks else ("oases",)
+        return ("oases", "store") if self.store_blocks else ("oases",)  # not priced yet: oases_gathered (sequence parallelism)
 
     def block_cost(self, kind: str, degree: int, policy: str = "oases") -> BlockCost:
         """The cost of a ``kind`` block at ``degree`` under ``policy``; a policy the table does not
@@ -383,7 +383,7 @@ class CostTable:
         payload["table_format"] = TABLE_FORMAT
         payload["degrees"] = list(self.degrees)
         payload["schedule"] = {key: value for key, value in dataclasses.asdict(self.schedule).items()
-                               if key != "stored_blocks" or value}  # a profile's schedule stores none: the old layout
+                               if key not in ("stored_blocks", "gathered_blocks") or value}  # none in a profile: the old layout
         for name in ("blocks", "store_blocks"):
             payload[name] = {
                 kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
@@ -449,9 +449,10 @@ def _schedule_of_label(label: str) -> ScheduleSpec:
     if not options:
         return ScheduleSpec(name)
     values = dict(part.split("=", 1) for part in options.rstrip("]").split(","))
-    stored = tuple(int(b) for b in values["store"].split(".")) if values.get("store") else ()
+    stored, gathered = (tuple(int(b) for b in values[key].split(".")) if values.get(key) else ()
+                        for key in ("store", "gathered"))
     return ScheduleSpec(name, sub_batches=int(values["sb"]), cross_pass=values["cross"] == "1",
-                        fine_grained_recompute=values["fine"] == "1", stored_blocks=stored)
+                        fine_grained_recompute=values["fine"] == "1", stored_blocks=stored, gathered_blocks=gathered)
 
 
 def _table_from_dict(data: dict[str, Any]) -> CostTable:

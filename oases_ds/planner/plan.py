@@ -137,6 +137,12 @@ class Plan:
         (:attr:`ScheduleSpec.stored_blocks <oases_ds.schedule.generators.ScheduleSpec.stored_blocks>`)."""
         return tuple(block for block, policy in enumerate(self.block_policies()) if policy == "store")
 
+    def gathered_blocks(self) -> tuple[int, ...]:
+        """Block indices whose policy is ``oases_gathered``: under sequence parallelism their
+        recomputation keeps the gathered input instead of re-gathering it
+        (:attr:`ScheduleSpec.gathered_blocks <oases_ds.schedule.generators.ScheduleSpec.gathered_blocks>`)."""
+        return tuple(block for block, policy in enumerate(self.block_policies()) if policy == "oases_gathered")
+
     @classmethod
     def from_block_degrees(cls, block_degrees: Sequence[int], devices: int,
                            block_policies: Sequence[str] | None = None, **provenance: object) -> Plan:

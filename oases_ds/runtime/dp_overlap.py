@@ -131,12 +131,14 @@ class DPGradReducer:
                 last[(op.layer, op.block)] = ins
         full = model.sharding.full_degree
         replicas = {id(p): group_size(g) for params, g in model.sharding.replica_groups(model.layers) for p in params}
+        # Summed over the TMP group at the end of each run (Executor._sum_sequence_parallel_grads): reduced after it.
+        after_run = {id(p) for p in model.sequence_parallel_params()}
         grouped: dict[tuple[BlockKey | None, int], list[torch.nn.Parameter]] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
                 key, copies = block_of(name, len(model.layers)), replicas.get(id(p), 1)
-                if key is None or (copies > 1 and replica_dp_group is None):
-                    key, copies = None, 1  # outside the known layout, or summed over replicas after the run
+                if key is None or (copies > 1 and replica_dp_group is None) or id(p) in after_run:
+                    key, copies = None, 1  # outside the known layout, or summed over replicas / TMP after the run
                 grouped.setdefault((key, copies), []).append(p)
         self.buckets = []
         late: list[torch.nn.Parameter] = []

@@ -126,6 +126,7 @@ class Executor:
         self._is_comm = [isinstance(op, CommOp) for op in self.ops]
         self._hooks: list[InstructionHook] = []
         self._replica_groups = model.sharding.replica_groups(model.layers)  # fixed by the plan: derive once, not per micro-batch
+        self._sequence_parallel_params = model.sequence_parallel_params()
         self.sum_replica_grads = True
         """Complete replica blocks' gradients at the end of :meth:`run`; a caller that sums
         them later itself (the DP reducer folds the sum into its AllReduce at the
@@ -214,10 +215,20 @@ class Executor:
         self._buffers.clear()
         if leftover:
             raise RuntimeError(f"schedule left buffers alive: {leftover[:4]}")
+        self._sum_sequence_parallel_grads()
         if self.sum_replica_grads:
             self._sum_replica_grads()
         self.comm.check_step()  # guard mode only: every group's records agree before anything else runs
         return torch.stack(self._losses).sum()
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Under sequence parallelism each TMP rank computed the gradient of a norm, a
+        row-parallel bias or the positions on its slice of the sequence: one flat AllReduce
+        over the TMP group completes them (Megatron sums them after backward the same way).
+        Once per run, on the run's own gradient: the engine stashes what earlier
+        micro-batches accumulated, so nothing is summed twice."""
+        if self._sequence_parallel_params:
+            all_reduce_grads(self._sequence_parallel_params, self.comm, self.model.group, label="sequence-parallel grads")
 
     def _sum_replica_grads(self) -> None:
         """Blocks planned below the full TMP degree ran as several replicas, each on its
@@ -232,6 +243,10 @@ class Executor:
         subs = split_batch(batch, parts)
         b = batch["tokens"].shape[0]
         replicas = self.model.sharding.max_replicas
+        seq, degree = batch["tokens"].shape[1], self.model.sharding.full_degree
+        if self.model.sequence_parallel and seq % degree:
+            raise ValueError(f"sequence_parallel splits the sequence over the {degree} TMP ranks but this batch's sequence "
+                             f"has {seq} tokens; pad or cut batches to a multiple of {degree} or set sequence_parallel=false")
         if (b // parts) % replicas:
             raise ValueError(
                 f"a sub-batch of {b // parts} samples cannot be shared by the {replicas} replicas of the plan's "

@@ -180,6 +180,7 @@ class PipelineExecutor(Executor):
         if leftover:
             raise RuntimeError(f"pipeline schedule left buffers alive: {leftover[:4]}")
         self._record_tag = ""
+        self._sum_sequence_parallel_grads()
         if self.sum_replica_grads:
             self._sum_replica_grads()
         self.comm.check_step()  # guard mode only: every group's and link's records agree

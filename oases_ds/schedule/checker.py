@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Mapping, Sequence
 
-from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
+from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective, sequence_gather
 from oases_ds.schedule.dataflow import effects, initial_buffers
 from oases_ds.schedule.generators import Schedule, block_index
 from oases_ds.schedule.instructions import (P2P_TAG, Backward, Forward, Instruction, P2PStart, P2PSync, Recompute,
@@ -40,9 +40,25 @@ def check(schedule: Schedule, ops: Sequence[Op]) -> None:
     _check_complete(instructions, ops, subs)
     if schedule.fine_grained:
         for pos, ins in enumerate(instructions):
-            if isinstance(ins, StartAsync) and ins.phase == "recompute":
-                raise ScheduleError(f"#{pos} {ins}: collective inside a fine-grained recomputation")
+            _check_recompute_collective(pos, ins, ops, schedule)
     _check_stored(instructions, ops, schedule.stored_blocks)
+
+
+def _check_recompute_collective(pos: int, ins: Instruction, ops: Sequence[Op], schedule: Schedule, where: str = "") -> None:
+    """A fine-grained recomputation runs no collective, with one exception: under sequence
+    parallelism a recomputed block of policy ``oases`` re-gathers its input along the
+    sequence from the ``1/t`` checkpoint.  Any other collective in a recomputation (a
+    reduction re-run, or the gather of a block planned to keep it) is an error.  That the
+    re-gather is waited for before its output is read is the dataflow check's (the
+    gathered buffer exists only once its Sync ran)."""
+    if not (isinstance(ins, StartAsync) and ins.phase == "recompute"):
+        return
+    op = ops[ins.op]
+    block = block_index(op.layer, op.block)
+    if sequence_gather(op) and block is not None and block not in schedule.gathered_blocks:
+        return
+    why = " (its block keeps the gathered input, policy oases_gathered)" if sequence_gather(op) else ""
+    raise ScheduleError(f"{where}#{pos} {ins}: collective inside a fine-grained recomputation{why}")
 
 
 def _check_stored(instructions: Sequence[Instruction], ops: Sequence[Op], stored_blocks: Sequence[int]) -> None:
@@ -157,9 +173,9 @@ def check_pipeline(pipe: PipelineSchedule, ops: Sequence[Op]) -> None:
         except ScheduleError as err:
             raise ScheduleError(f"stage {pipe.stage} micro-batch {m}: {err}") from None
     if body.schedule.fine_grained:
-        for step in pipe.steps:
-            if isinstance(step.ins, StartAsync) and step.ins.phase == "recompute":
-                raise ScheduleError(f"{step}: collective inside a fine-grained recomputation")
+        for pos, step in enumerate(pipe.steps):
+            if not isinstance(step.ins, (P2PStart, P2PSync)):
+                _check_recompute_collective(pos, step.ins, ops, body.schedule, f"stage {pipe.stage} micro-batch {step.micro} ")
 
 
 _PARTNER = {"send_act": ("recv_act", +1), "recv_act": ("send_act", -1),

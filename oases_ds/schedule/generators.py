@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective
+from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective, sequence_gather
 from oases_ds.schedule.closed_forms import BLOCKING, BLOCKING_RECOMPUTE, OASES, SPLIT_OVERLAP, ClosedForm
 from oases_ds.schedule.instructions import (
     Backward,
@@ -86,13 +86,17 @@ class Schedule:
     """A named instruction list plus what the checker needs to know about it.
 
     ``stored_blocks``: the blocks (:func:`block_index`) whose activations the schedule stores
-    instead of recomputing them; the checker holds it to that (no Recompute of their ops)."""
+    instead of recomputing them; the checker holds it to that (no Recompute of their ops).
+    ``gathered_blocks``: under sequence parallelism, the recomputed blocks that keep their
+    gathered input (policy ``oases_gathered``); the others re-gather it in their recomputation,
+    the one collective a fine-grained recomputation may run (the checker allows exactly that)."""
 
     name: str
     instructions: tuple[Instruction, ...]
     sub_batches: int
     fine_grained: bool
     stored_blocks: tuple[int, ...] = ()
+    gathered_blocks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return to_text(list(self.instructions))
@@ -159,14 +163,20 @@ def registered_schedules() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-_SPEC_KEYS = ("name", "sub_batches", "cross_pass", "fine_grained_recompute", "stored_blocks")
+_SPEC_KEYS = ("name", "sub_batches", "cross_pass", "fine_grained_recompute", "stored_blocks", "gathered_blocks")
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("oases", "store")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("oases", "store", "oases_gathered")
 """What a plan may choose for each attention / MLP block: ``oases`` -- fine-grained recomputation
 (checkpoint the block's output, recompute it right before its backward, never re-running a
 collective); ``store`` -- keep the block's autograd graph from forward to backward (no recompute,
 more memory).  Both run inside one Oases schedule: stored blocks keep the sub-batch overlap of
-their collectives, recomputed ones the cross-pass overlap as well."""
+their collectives, recomputed ones the cross-pass overlap as well.
+
+Under sequence parallelism a block's input is gathered along the sequence before its first
+linear, and ``oases`` checkpoints only this rank's ``1/t`` slice, so the recomputation runs the
+AllGather again (overlapped with the other sub-batch's work like any collective);
+``oases_gathered`` checkpoints the gathered input as well (full size, no collective in the
+recomputation).  Without sequence parallelism the two are the same."""
 
 
 def block_index(layer: int, block: str) -> int | None:
@@ -197,6 +207,9 @@ class ScheduleSpec:
             whose activations are stored rather than recomputed (policy ``store``), normally
             from a plan's per-block policies (:meth:`~oases_ds.planner.plan.Plan.stored_blocks`).
             Empty: every block recomputed, the paper's schedule.
+        gathered_blocks: likewise, the blocks of policy ``oases_gathered``: under sequence
+            parallelism their recomputation starts from the gathered input instead of
+            re-gathering it (:data:`RECOMPUTE_POLICIES`); no effect without it.
     """
 
     name: str = "oases"
@@ -204,6 +217,7 @@ class ScheduleSpec:
     cross_pass: bool = True
     fine_grained_recompute: bool = True
     stored_blocks: tuple[int, ...] = ()
+    gathered_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in _REGISTRY:
@@ -215,15 +229,21 @@ class ScheduleSpec:
         for key in ("cross_pass", "fine_grained_recompute"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"schedule.{key} must be true or false, got {getattr(self, key)!r}")
-        stored = self.stored_blocks
-        if isinstance(stored, (str, bytes)) or not hasattr(stored, "__iter__") or any(
-                isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in stored):
-            raise ValueError(f"schedule.stored_blocks must be block indices >= 0 (attn0 = 0, mlp0 = 1, ...), got {stored!r}")
-        object.__setattr__(self, "stored_blocks", tuple(sorted(set(stored))))
-        if self.stored_blocks and not (self.name == "oases" and self.fine_grained_recompute):
-            raise ValueError(f"schedule.stored_blocks (policy store) needs schedule.name=oases with "
-                             f"fine_grained_recompute=true, got {self.name!r} with fine_grained_recompute="
-                             f"{str(self.fine_grained_recompute).lower()}; use that schedule or store no blocks")
+        for key, policy, fix in (("stored_blocks", "store", "store no blocks"),
+                                 ("gathered_blocks", "oases_gathered", "keep no gathered inputs")):
+            blocks = getattr(self, key)
+            if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__") or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
+                raise ValueError(f"schedule.{key} must be block indices >= 0 (attn0 = 0, mlp0 = 1, ...), got {blocks!r}")
+            object.__setattr__(self, key, tuple(sorted(set(blocks))))
+            if getattr(self, key) and not (self.name == "oases" and self.fine_grained_recompute):
+                raise ValueError(f"schedule.{key} (policy {policy}) needs schedule.name=oases with "
+                                 f"fine_grained_recompute=true, got {self.name!r} with fine_grained_recompute="
+                                 f"{str(self.fine_grained_recompute).lower()}; use that schedule or {fix}")
+        both = sorted(set(self.stored_blocks) & set(self.gathered_blocks))
+        if both:
+            raise ValueError(f"schedule: block {both[0]} is in both stored_blocks and gathered_blocks; "
+                             f"give each block one policy")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> ScheduleSpec:
@@ -250,6 +270,7 @@ class ScheduleSpec:
         if not _REGISTRY[self.name].sub_batched or self == ScheduleSpec(self.name):
             return self.name
         store = f",store={'.'.join(map(str, self.stored_blocks))}" if self.stored_blocks else ""
+        store += f",gathered={'.'.join(map(str, self.gathered_blocks))}" if self.gathered_blocks else ""
         return (f"{self.name}[sb={self.sub_batches},cross={int(self.cross_pass)},"
                 f"fine={int(self.fine_grained_recompute)}{store}]")
 
@@ -279,7 +300,8 @@ def layer_segments(ops: Sequence[Op]) -> list[Segment]:
     return _cut(ops, starts, lambda a, b: a in in_layer, fine=False)
 
 
-def fine_grained_segments(ops: Sequence[Op], stored_blocks: Sequence[int] = ()) -> list[Segment]:
+def fine_grained_segments(ops: Sequence[Op], stored_blocks: Sequence[int] = (),
+                          gathered_blocks: Sequence[int] = ()) -> list[Segment]:
     """Oases: a segment ends with each forward collective, whose output is not
     recomputed, so recomputation never re-runs a collective.  When the op right
     after the collective saves nothing for backward (``attn_out``/``mlp_out``:
@@ -289,9 +311,17 @@ def fine_grained_segments(ops: Sequence[Op], stored_blocks: Sequence[int] = ()) 
     The last segment (through the loss) is kept, and so is the segment of each
     block in ``stored_blocks`` (policy ``store``; a segment belongs to the block
     of its first op: ``attn_in`` .. ``attn_out``, ``mlp_in`` .. ``mlp_out``, a
-    reshard before the block)."""
+    reshard before the block).
+
+    Under sequence parallelism a block's AllGather of the sequence ends a segment
+    only in ``gathered_blocks`` (policy ``oases_gathered``: the gathered input is the
+    next segment's checkpoint); elsewhere it stays inside the block's segment and
+    its recomputation re-gathers from the ``1/t`` checkpoint."""
+    gathered = set(gathered_blocks)
     starts = []
     for i, op in enumerate(ops):
+        if sequence_gather(op) and block_index(op.layer, op.block) not in gathered:
+            continue
         if forward_collective(op):
             after = ops[i + 1] if i + 1 < len(ops) else None
             starts.append(i + 2 if getattr(after, "saves_nothing", False) else i + 1)
@@ -466,14 +496,16 @@ def _split_overlap(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -
 
 
 def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
-    return fine_grained_segments(ops, spec.stored_blocks) if spec.fine_grained_recompute else layer_segments(ops)
+    if spec.fine_grained_recompute:
+        return fine_grained_segments(ops, spec.stored_blocks, spec.gathered_blocks)
+    return layer_segments(ops)
 
 
 @register_schedule("oases", segments=_oases_segments, sub_batched=True, closed_form=OASES)
 def _oases(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
     return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute,
-                    spec.stored_blocks)
+                    spec.stored_blocks, spec.gathered_blocks)
 
 
 SCHEDULES = registered_schedules()

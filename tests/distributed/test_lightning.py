@@ -54,6 +54,15 @@ def test_a_plan_with_store_policies_trains_the_same_trajectory(runs):
     assert_params_close(planned["params"], trainer["params"])
 
 
+def test_sequence_parallelism_trains_the_same_trajectory(runs):
+    """OasesStrategy(sequence_parallel=True): the engine splits the sequence between blocks, and
+    the losses and parameters are those of the run without it (the tolerance above)."""
+    sp, trainer = runs["sequence_parallel"], runs["trainer"]
+    assert sp["sequence_parallel"] and not trainer["sequence_parallel"]
+    assert sp["losses"] == pytest.approx(trainer["losses"], rel=TOL)
+    assert_params_close(sp["params"], trainer["params"])
+
+
 def test_validation_runs_through_eval_batch(runs):
     assert len(runs["trainer"]["val_losses"]) == lw.EPOCHS
     assert runs["trainer"]["val_losses"] == pytest.approx(runs["direct"]["val_losses"], rel=TOL)

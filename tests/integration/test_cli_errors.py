@@ -132,6 +132,17 @@ def test_train_names_a_bad_plan_file(capsys, monkeypatch, tmp_path, files, name,
     assert line.startswith(says.format(path=path)), line
 
 
+def test_train_refuses_what_sequence_parallelism_cannot_split_before_launching(capsys, monkeypatch, tmp_path, files):
+    """A sequence the TMP degree does not divide, and a plan of mixed degrees: one line each."""
+    line = refused(capsys, monkeypatch, tmp_path, train, "sequence_parallel=true", "model.seq_len=63")
+    assert line == ("error: sequence_parallel splits the sequence over the 2 TMP ranks but model.seq_len=63 is not "
+                    "divisible by 2; use a multiple of 2 or sequence_parallel=false"), line
+    line = refused(capsys, monkeypatch, tmp_path, train, "sequence_parallel=true", "model=gpt_tiny",
+                   f"plan={files / 'plan.json'}")
+    assert line == ("error: sequence_parallel needs every block at the full TMP degree 2, but the plan puts blocks at "
+                    "degree 1; plan with planner.min_degree=2 or set sequence_parallel=false"), line
+
+
 def test_train_refuses_a_plan_made_for_other_pipeline_stages(capsys, monkeypatch, tmp_path):
     """A plan with stages (oases-plan pipeline_stages=2) is not silently run as one stage."""
     from oases_ds.planner.plan import Plan

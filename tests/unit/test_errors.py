@@ -244,11 +244,15 @@ def test_the_activation_all_reduce_is_one_sub_batch_of_hidden_states():
 @pytest.mark.parametrize(
     "forward, backward, message",
     [
-        ("all_gather", None, "L0.x: forward all_gather needs split in the other direction .its gradient., got identity"),
+        ("all_gather", None, "L0.x: forward all_gather needs split or reduce_scatter in the other direction .its "
+                             "gradient., got identity"),
+        ("reduce_scatter", "split", "L0.x: forward reduce_scatter needs all_gather in the other direction .its "
+                                    "gradient., got split"),
         ("all_reduce", "all_reduce", "L0.x: forward all_reduce needs identity in the other direction .its gradient., "
                                      "got all_reduce"),
         (None, "split", "L0.x: backward split needs all_gather in the other direction .its gradient., got identity"),
-        ("broadcast", None, "L0.x: unknown forward collective 'broadcast'; use one of all_reduce, all_gather, split"),
+        ("broadcast", None, "L0.x: unknown forward collective 'broadcast'; use one of all_reduce, all_gather, "
+                            "reduce_scatter, split"),
     ],
 )
 def test_comm_op_directions_must_be_each_others_gradient(forward, backward, message):
@@ -259,8 +263,9 @@ def test_comm_op_directions_must_be_each_others_gradient(forward, backward, mess
 
 
 @pytest.mark.parametrize("forward, backward", [("all_reduce", None), (None, "all_reduce"), ("all_gather", "split"),
-                                               ("split", "all_gather")])
-def test_comm_op_accepts_the_four_region_patterns(forward, backward):
+                                               ("split", "all_gather"), ("all_gather", "reduce_scatter"),
+                                               ("reduce_scatter", "all_gather")])
+def test_comm_op_accepts_the_six_region_patterns(forward, backward):
     op = CommOp("L0.x", 0, "attn", 0, forward, backward, None)
     x = torch.arange(4.0)
     assert torch.equal(op.apply(x), x)  # a group of one: every collective is an identity

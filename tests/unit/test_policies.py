@@ -117,7 +117,7 @@ def test_a_plan_without_policies_recomputes_everything():
     ({"attn_policies": ("store", "store")}, r"^Plan.attn_policies and Plan.mlp_policies come together; give both or neither$"),
     ({"attn_policies": ("store",), "mlp_policies": ("store",)}, r"^Plan.attn_policies must list one policy per layer \(2\)"),
     ({"attn_policies": ("store", "full"), "mlp_policies": ("oases", "oases")},
-     r"^Plan.attn_policies\[1\]='full' unknown; choose one of oases, store$"),
+     r"^Plan.attn_policies\[1\]='full' unknown; choose one of oases, store, oases_gathered$"),
 ])
 def test_a_plan_refuses_bad_policies_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):

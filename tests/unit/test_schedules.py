@@ -220,3 +220,72 @@ def test_segment_bounds_are_validated():
     with pytest.raises(ValueError, match=r"^segment bounds must satisfy start <= recompute_end <= tail_start <= end"):
         generators.Segment(0, 5, True, 4, 3)
     assert generators.Segment(0, 5, True, 4).tail_start == 5
+
+
+# -- sequence parallelism -----------------------------------------------------------------
+def _sp_ops(family: str = "llama", layers: int = 2):
+    from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
+
+    return sequence_parallel_ops(plan_ops(family, [2] * layers, [2] * layers, 2)[0])
+
+
+def test_sequence_parallel_ops_gather_before_and_reduce_scatter_after_each_block():
+    """Every copy becomes an AllGather of the sequence (gradient: ReduceScatter) and every
+    reduce a ReduceScatter (gradient: AllGather), both along dim 1; nothing else changes."""
+    from oases_ds.models.operator_model import plan_ops
+
+    plain = plan_ops("gpt", [2, 2], [2, 2], 2)[0]
+    sp = _sp_ops("gpt")
+    assert [op.name for op in sp] == [op.name for op in plain]
+    pairs = {op.name: (op.forward, op.backward, op.dim) for op in sp if op.kind == "comm"}
+    assert pairs["embed_reduce"] == pairs["L1.attn_reduce"] == ("reduce_scatter", "all_gather", 1)
+    assert pairs["L0.mlp_copy"] == pairs["head_copy"] == ("all_gather", "reduce_scatter", 1)
+    assert len(pairs) == 2 + 4 * 2  # embedding, head, and per layer two copies and two reduces
+
+
+def _recompute_collectives(schedule, ops):
+    return [ops[i.op].name for i in schedule.instructions if isinstance(i, StartAsync) and i.phase == "recompute"]
+
+
+def test_oases_under_sequence_parallelism_regathers_each_recomputed_block_and_checkpoints_its_slice():
+    """Policy oases: the AllGather stays inside the block's segment, so the checkpoint is the
+    block's 1/t input slice and the recomputation re-gathers it (the only collective the checker
+    lets a fine-grained recomputation run); oases_gathered cuts after the gather instead."""
+    ops = _sp_ops()
+    spec = ScheduleSpec("oases")
+    schedule = build_schedule(spec, ops)
+    check(schedule, ops)
+    gathers = ["L0.attn_copy", "L0.mlp_copy", "L1.attn_copy", "L1.mlp_copy"]
+    assert sorted(_recompute_collectives(schedule, ops)) == sorted(gathers * 2)  # each block, each sub-batch, once
+    held = generators.held_inputs(ops, schedule_segments(spec, ops))
+    assert [ops[i].name for i in held if ops[i].block in ("attn", "mlp")] == [
+        "L0.attn_in", "L0.mlp_in", "L1.attn_in", "L1.mlp_in"]
+
+    gathered = replace(spec, gathered_blocks=(0, 1, 2, 3))
+    schedule = build_schedule(gathered, ops)
+    check(schedule, ops)
+    assert _recompute_collectives(schedule, ops) == []
+    held = generators.held_inputs(ops, schedule_segments(gathered, ops))
+    assert [ops[i].name for i in held if ops[i].block in ("attn", "mlp")] == [
+        "L0.attn_in", "L0.qkv", "L0.mlp_in", "L0.mlp", "L1.attn_in", "L1.qkv", "L1.mlp_in", "L1.mlp"]
+
+
+def test_checker_allows_only_the_regather_of_a_block_that_does_not_keep_it():
+    ops = _sp_ops()
+    regather = build_schedule(ScheduleSpec("oases"), ops)
+    # the same instructions claimed for a plan whose attn0 keeps its gathered input
+    with pytest.raises(ScheduleError, match=r"L0\.attn_copy|collective inside a fine-grained recomputation \(its block "
+                                            r"keeps the gathered input"):
+        check(replace(regather, gathered_blocks=(0,)), ops)
+    # a ReduceScatter re-run in a recomputation (Megatron's layer recompute) is no fine-grained schedule
+    megatron = build_schedule(ScheduleSpec("megatron"), ops)
+    check(megatron, ops)
+    with pytest.raises(ScheduleError, match=r"collective inside a fine-grained recomputation$"):
+        check(replace(megatron, fine_grained=True), ops)
+
+
+def test_a_block_cannot_both_store_and_keep_its_gathered_input():
+    with pytest.raises(ValueError, match=r"^schedule: block 1 is in both stored_blocks and gathered_blocks"):
+        ScheduleSpec("oases", stored_blocks=(1,), gathered_blocks=(1, 2))
+    with pytest.raises(ValueError, match=r"^schedule.gathered_blocks \(policy oases_gathered\) needs schedule.name=oases.*keep no gathered inputs$"):
+        ScheduleSpec("megatron", gathered_blocks=(0,))
