@@ -150,13 +150,17 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     stage = split_stages(cfg.num_layers, spec["pp"])[ctx.pp_rank] if spec["pp"] > 1 else None
 
     def build(variant: dict, link) -> tuple[Executor, OperatorModel]:
+        """A variant's executor; besides the schedule keys it may name ``stored_blocks`` /
+        ``gathered_blocks`` (per-block policies) and ``sequence_parallel``."""
         schedule = ScheduleSpec(variant["schedule"], variant["sub_batches"], variant["cross_pass"],
-                                variant["fine_grained_recompute"])
+                                variant["fine_grained_recompute"], tuple(variant.get("stored_blocks", ())),
+                                tuple(variant.get("gathered_blocks", ())))
+        sp = bool(variant.get("sequence_parallel"))
         if stage is not None:
-            model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], stage=stage)
+            model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], stage=stage, sequence_parallel=sp)
             return PipelineExecutor.for_pipeline(model, schedule, spec["pipeline_schedule"], micro_steps,
                                                  StageLinks.of(ctx), link, RNGTracker()), model
-        model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"])
+        model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], sequence_parallel=sp)
         return Executor.for_schedule(model, schedule, link, RNGTracker()), model
 
     def step(executor: Executor, micro: int) -> None:

@@ -29,7 +29,7 @@ from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
 from oases_ds.planner.memory import estimate_memory
 from oases_ds.planner.plan import Plan
 from oases_ds.runtime.executor import Executor
-from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.schedule.generators import ScheduleSpec, schedule_segments
 from oases_ds.utils.io import write_json_atomic
 
 DTYPE_BYTES = 4
@@ -56,26 +56,60 @@ def _model(family: str, layers: int) -> ModelConfig:
     return ModelConfig(family=family, vocab_size=1024, hidden_size=256, num_heads=4, num_layers=layers, seq_len=128)
 
 
-def plan_memory_rank(case: dict[str, Any], micro_batch: int, timeout_s: float) -> dict[str, Any]:
-    """One rank: build its part of the plan, run one probed step, return measured and predicted bytes."""
+def plan_memory_rank(case: dict[str, Any], micro_batch: int, timeout_s: float,
+                     model_cfg: ModelConfig | None = None) -> dict[str, Any]:
+    """One rank: build its part of the plan, run one probed step, return measured and predicted bytes.
+    ``case`` may add ``stored`` / ``gathered`` (blocks of policy store / oases_gathered) and
+    ``sequence_parallel``; ``model_cfg`` replaces :func:`_model`'s (its layers must be the plan's)."""
     devices = case["devices"]
     ctx = ParallelContext.build(tensor_parallel_size=devices, timeout_s=timeout_s)
-    cfg = _model(case["family"], len(case["attn"]))
+    cfg = model_cfg or _model(case["family"], len(case["attn"]))
+    sp = bool(case.get("sequence_parallel"))
     plan = Plan(attn_degrees=case["attn"], mlp_degrees=case["mlp"], devices=devices)
-    model = OperatorModel.for_plan(cfg, ctx, plan, seed=0)
-    spec = ScheduleSpec(case["schedule"], stored_blocks=tuple(case.get("stored", ())))  # "stored": policy store
+    model = OperatorModel.for_plan(cfg, ctx, plan, seed=0, sequence_parallel=sp)
+    spec = ScheduleSpec(case["schedule"], stored_blocks=tuple(case.get("stored", ())),
+                        gathered_blocks=tuple(case.get("gathered", ())))
     executor = Executor.for_schedule(model, spec, None, RNGTracker())
     batch = synthetic_batch(cfg.vocab_size, micro_batch, cfg.seq_len, seed=0)
+    checkpoints = CheckpointProbe(executor, spec)
     measured = ActivationProbe(executor, model).run(batch)
-    predicted = estimate_memory(cfg, case["attn"], case["mlp"], devices, micro_batch, spec, DTYPE_BYTES)
+    checkpoints.remove()
+    predicted = estimate_memory(cfg, case["attn"], case["mlp"], devices, micro_batch, spec, DTYPE_BYTES, sp)
     held_params = sum(p.numel() for p in model.parameters())
     return {
         "rank": ctx.rank,
+        "measured_checkpoint_bytes": checkpoints.peak,
+        "predicted_checkpoint_bytes": predicted.checkpoint_peak_bytes,
         "measured_activation_bytes": measured,
         "predicted_activation_bytes": predicted.activation_bytes,
         "measured_state_bytes": held_params * STATE_BYTES_PER_PARAM,
         "predicted_state_bytes": predicted.state_bytes,
     }
+
+
+class CheckpointProbe:
+    """Peak bytes of the checkpoints an executor holds: the live input buffers of its recomputed
+    segments (what a recomputation restarts from), each storage once, sampled after every
+    instruction.  Where :class:`ActivationProbe` measures everything, this isolates the term
+    sequence parallelism divides by ``t`` (policy ``oases``) or not (``oases_gathered``)."""
+
+    def __init__(self, executor: Executor, spec: ScheduleSpec) -> None:
+        segments = schedule_segments(spec, executor.ops)
+        self._starts = {seg.start for seg in segments if seg.recompute and seg.recompute_end > seg.start}
+        self._executor = executor
+        self.peak = 0
+        self.remove = executor.add_hook(self._sample)
+
+    def _sample(self, instruction, phase: str) -> None:
+        if phase != "after":
+            return
+        live: dict[int, int] = {}
+        for key, value in self._executor.buffers.items():
+            if key[0] == "act" and key[1] in self._starts:
+                for t in value:
+                    if isinstance(t, torch.Tensor):
+                        live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(live.values()))
 
 
 def validate(cases: tuple[dict[str, Any], ...] = DEFAULT_CASES, micro_batch: int = 8,

@@ -79,6 +79,7 @@ class PlanSchema:
     pipeline_stages: int = 1
     micro_batches: Optional[int] = None
     pipeline_link_gbps: Optional[float] = None
+    sequence_parallel: bool = False
     table: Optional[str] = None
     out: str = "plan.json"
     timeout_s: float = 1800.0

@@ -296,6 +296,12 @@ class CostTable:
     :func:`~oases_ds.planner.costmodel.stored_block_cost`), beside :attr:`blocks`, which are the
     schedule's own policy ``oases``.  Empty: the table prices ``oases`` only (a table written
     before policies, or a schedule that cannot store blocks), and every plan recomputes."""
+    gathered_blocks: dict[str, dict[int, BlockCost]] = field(default_factory=dict)
+    """Likewise under policy ``oases_gathered`` (a sequence-parallel table only: the recomputed block
+    keeps its gathered input instead of re-gathering it).  Empty: not priced."""
+    sequence_parallel: bool = False
+    """The costs are those of sequence parallelism (every block at :attr:`devices`; ``blocks`` is
+    policy ``oases``, which re-gathers each block's input in its recomputation)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, ScheduleSpec):
@@ -325,14 +331,23 @@ class CostTable:
                 raise ValueError(
                     f"CostTable.blocks[{kind!r}] has degrees {sorted(by_degree)}, expected {list(self.degrees)}"
                 )
-        if self.store_blocks:
+        for name in ("store_blocks", "gathered_blocks"):
+            rows = getattr(self, name)
+            if not rows:
+                continue
             if not (self.schedule.name == "oases" and self.schedule.fine_grained_recompute):
-                raise ValueError(f"CostTable.store_blocks: schedule {self.schedule.label} cannot store blocks "
-                                 f"(policy store needs oases with fine_grained_recompute); leave store_blocks empty")
-            if sorted(self.store_blocks) != sorted(BLOCK_KINDS) or any(
-                    sorted(by_degree) != list(self.degrees) for by_degree in self.store_blocks.values()):
-                raise ValueError(f"CostTable.store_blocks must have kinds {list(BLOCK_KINDS)} at degrees "
+                raise ValueError(f"CostTable.{name}: schedule {self.schedule.label} cannot run per-block policies "
+                                 f"(they need oases with fine_grained_recompute); leave {name} empty")
+            if sorted(rows) != sorted(BLOCK_KINDS) or any(sorted(by_degree) != list(self.degrees)
+                                                          for by_degree in rows.values()):
+                raise ValueError(f"CostTable.{name} must have kinds {list(BLOCK_KINDS)} at degrees "
                                  f"{list(self.degrees)}, like CostTable.blocks")
+        if self.gathered_blocks and not self.sequence_parallel:
+            raise ValueError("CostTable.gathered_blocks prices policy oases_gathered, which only sequence parallelism "
+                             "has; leave it empty or set sequence_parallel")
+        if self.sequence_parallel and self.degrees != (self.devices,):
+            raise ValueError(f"CostTable.sequence_parallel: every block runs at the full degree {self.devices}, "
+                             f"but the table has degrees {list(self.degrees)}")
         if self.bandwidth_gbps <= 0:
             raise ValueError(f"CostTable.bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
         if not 0 <= self.fixed_bytes < math.inf:
@@ -365,8 +380,9 @@ class CostTable:
 
     @property
     def policies(self) -> tuple[str, ...]:
-        """The recomputation policies this table prices: ``oases`` and, with :attr:`store_blocks`, ``store``."""
-        return ("oases", "store") if self.store_blocks else ("oases",)  # not priced yet: oases_gathered (sequence parallelism)
+        """The recomputation policies this table prices: ``oases`` and, with :attr:`store_blocks`, ``store``;
+        with :attr:`gathered_blocks` (sequence parallelism), ``oases_gathered``."""
+        return ("oases",) + (("store",) if self.store_blocks else ()) + (("oases_gathered",) if self.gathered_blocks else ())
 
     def block_cost(self, kind: str, degree: int, policy: str = "oases") -> BlockCost:
         """The cost of a ``kind`` block at ``degree`` under ``policy``; a policy the table does not
@@ -375,6 +391,8 @@ class CostTable:
             return self.blocks[kind][degree]
         if policy == "store" and self.store_blocks:
             return self.store_blocks[kind][degree]
+        if policy == "oases_gathered" and self.gathered_blocks:
+            return self.gathered_blocks[kind][degree]
         raise ValueError(f"table {self.key()} prices no policy {policy!r} (it prices {', '.join(self.policies)}); "
                          f"profile again with planner.recompute=auto under schedule oases")
 
@@ -384,7 +402,7 @@ class CostTable:
         payload["degrees"] = list(self.degrees)
         payload["schedule"] = {key: value for key, value in dataclasses.asdict(self.schedule).items()
                                if key not in ("stored_blocks", "gathered_blocks") or value}  # none in a profile: the old layout
-        for name in ("blocks", "store_blocks"):
+        for name in ("blocks", "store_blocks", "gathered_blocks"):
             payload[name] = {
                 kind: {str(degree): dataclasses.asdict(cost) for degree, cost in by_degree.items()}
                 for kind, by_degree in getattr(self, name).items()
@@ -476,7 +494,7 @@ def _table_from_dict(data: dict[str, Any]) -> CostTable:
         raise ValueError(f"op_profile must map degrees (whole numbers) to profiles, got {profiles!r}")
     op_profile = {int(degree): DegreeProfile.from_dict(profile, f"op_profile.{degree}")
                   for degree, profile in profiles.items()}
-    rows: dict[str, dict[str, dict[int, BlockCost]]] = {"blocks": {}, "store_blocks": {}}
+    rows: dict[str, dict[str, dict[int, BlockCost]]] = {"blocks": {}, "store_blocks": {}, "gathered_blocks": {}}
     for name, into in rows.items():
         for kind, by_degree in data.get(name, {}).items():
             if not isinstance(by_degree, dict):

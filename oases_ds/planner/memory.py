@@ -30,9 +30,15 @@ The peak is the largest sum over the replay of:
 * **logits**: the head's vocab-parallel softmax (``V/t`` per token, fp32: the
   cross-entropy Function computes in fp32 whatever the activation dtype);
 * **comm in flight**: each started, not yet synced collective's out-of-place
-  payload (a clone for AllReduce, ``k`` parts for AllGather) -- the executor's
-  buffers do not show it (it lives in the handle), so it is reported apart from
+  payload (a clone for AllReduce, ``k`` parts for AllGather, the contiguous input
+  and the ``1/t`` output for ReduceScatter) -- the executor's buffers do not show it
+  (it lives in the handle), so it is reported apart from
   :attr:`MemoryEstimate.activation_bytes`.
+
+Under sequence parallelism (``sequence_parallel``) the same replay runs over
+:func:`~oases_ds.models.operator_model.sequence_parallel_ops`: the ops between a
+block's ReduceScatter and the next AllGather (:data:`SEQUENCE_SLICED`) see ``1/t`` of
+the tokens, an AllGather's result is ``t`` times its input, a ReduceScatter's ``1/t``.
 
 Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
 op saves is read off its code, checked against
@@ -52,7 +58,7 @@ from typing import Sequence
 
 from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import plan_ops
+from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
@@ -69,6 +75,10 @@ SAME_AS_PREVIOUS = -1
 """An :attr:`OpMemory.outputs` entry: the same tensor as the output before it (BERT's ``(x, x)``)."""
 
 TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
+
+SEQUENCE_SLICED: frozenset[str] = frozenset({"embed_out", "attn_in", "attn_out", "mlp_in", "mlp_out", "head_in"})
+"""The operators that run on this rank's ``1/t`` slice of the sequence under sequence parallelism:
+everything between a ReduceScatter and the next AllGather (norms, dropout, residual adds)."""
 """Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
 
 
@@ -204,6 +214,8 @@ class MemoryEstimate:
         terms: the activation terms (:data:`TERMS`) at the instruction where
             ``peak_bytes`` is reached; they sum to ``peak_bytes - state_bytes``.
         peak_at: that instruction, in the schedule's text form.
+        checkpoint_peak_bytes: the most checkpoint bytes held at any instruction (which need
+            not be the instruction of ``peak_bytes``).
     """
 
     state_bytes: float
@@ -211,10 +223,12 @@ class MemoryEstimate:
     peak_bytes: float
     terms: dict[str, float]
     peak_at: str
+    checkpoint_peak_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         return {"state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
-                "peak_bytes": self.peak_bytes, "terms": dict(self.terms), "peak_at": self.peak_at}
+                "peak_bytes": self.peak_bytes, "terms": dict(self.terms), "peak_at": self.peak_at,
+                "checkpoint_peak_bytes": self.checkpoint_peak_bytes}
 
 
 def _short(op: Op) -> str:
@@ -229,13 +243,16 @@ def activation_replay(
     micro_batch: int,
     spec: ScheduleSpec,
     dtype_bytes: int,
+    sequence_parallel: bool = False,
 ) -> list[tuple[str, dict[str, float]]]:
     """Live activation bytes by term after every instruction of ``spec``'s schedule.
 
     ``op_degrees[i]``: TMP degree of op ``i``'s block (for a reshard, the degree it
     reshards *to*); a degree-t op runs ``micro_batch * t / devices`` samples of each
     sub-batch, as a replica of a reduced-degree block does.  ``micro_batch``: samples
-    of one micro-batch at the full degree ``devices``.
+    of one micro-batch at the full degree ``devices``.  ``sequence_parallel``: ``ops`` are
+    :func:`~oases_ds.models.operator_model.sequence_parallel_ops` (one degree throughout),
+    and the :data:`SEQUENCE_SLICED` ops run on ``1/t`` of the tokens.
     """
     if len(op_degrees) != len(ops):
         raise ValueError(f"op_degrees has {len(op_degrees)} entries for {len(ops)} operators")
@@ -247,6 +264,8 @@ def activation_replay(
     graph_only = {ins for ins in unread_recomputes(schedule.instructions, ops, frees)
                   if getattr(ops[ins.op], "graph_only_recompute", False)}  # placeholders: no bytes
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
+    if sequence_parallel:
+        tokens = [n / t if _short(op) in SEQUENCE_SLICED else n for n, t, op in zip(tokens, op_degrees, ops)]
     neighbours = _neighbours(ops, op_degrees)
     table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
@@ -259,6 +278,7 @@ def activation_replay(
     kind: dict[tuple, str] = {}
     graph_inputs: dict[tuple[int, int], tuple[int, ...]] = {}
     graph_outputs: dict[tuple[int, int], tuple[int, ...]] = {}
+    results: dict[tuple, float] = {}  # bytes each collective in flight returns
 
     def new(nbytes: float, term: str | None = None) -> int:
         tid = next(ids)
@@ -304,13 +324,15 @@ def activation_replay(
             src = ("grad", i + 1, sub) if ins.phase == "backward" else ("act", i, sub)
             held = buffers[src]
             payload = size[held[op.index]]
-            collective = op.collective_in(ins.phase)
-            ratio = max(op_degrees[i], op_degrees[i - 1]) // min(op_degrees[i], op_degrees[i - 1])
-            flight = payload * (ratio if collective == "all_gather" else 1)
+            grows, shrinks = _resize(op, ins.phase, op_degrees, i)
+            result_bytes = payload * grows / shrinks
+            flight = result_bytes + (payload if shrinks > 1 else 0.0)  # a ReduceScatter's contiguous input, and its output
             buffers[("comm", i, sub, ins.phase)] = (*held, new(flight if moves_bytes(op, ins.phase) else 0.0, "comm"))
+            results[("comm", i, sub, ins.phase)] = result_bytes
         elif isinstance(ins, Sync):
             *held, flight = buffers[("comm", i, sub, ins.phase)]
-            result = new(size[flight]) if moves_bytes(op, ins.phase) else held[op.index]  # split: a view
+            moved = moves_bytes(op, ins.phase)
+            result = new(results.pop(("comm", i, sub, ins.phase))) if moved else held[op.index]  # split: a view
             dst = ("grad", i, sub) if ins.phase == "backward" else ("act", i + 1, sub)
             buffers[dst] = tuple(held[: op.index]) + (result,) + tuple(held[op.index + 1:])
         out.append((str(ins), _terms(buffers, kind, size, tag, ops)))
@@ -318,6 +340,18 @@ def activation_replay(
             buffers.pop(buf, None)
             kind.pop(buf, None)
     return out
+
+
+def _resize(op: CommOp, phase: str, op_degrees: Sequence[int], i: int) -> tuple[int, int]:
+    """``(grows, shrinks)``: a collective's result is its input x grows / shrinks.  A reshard's
+    AllGather grows by the ratio of the degrees it joins; sequence parallelism's AllGather
+    (along the sequence, dim 1) by the degree ``t``, its ReduceScatter shrinks by ``t``."""
+    collective = op.collective_in(phase)
+    if op.dim == 1 and collective in ("all_gather", "reduce_scatter"):
+        return (op_degrees[i], 1) if collective == "all_gather" else (1, op_degrees[i])
+    if collective == "all_gather":
+        return max(op_degrees[i], op_degrees[i - 1]) // min(op_degrees[i], op_degrees[i - 1]), 1
+    return 1, 1
 
 
 _PRIORITY = ("checkpoint", "kept", "transient")
@@ -375,18 +409,34 @@ def estimate_memory(
     micro_batch: int,
     spec: ScheduleSpec,
     dtype_bytes: int,
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """Per-rank peak of one step of ``micro_batch`` samples (the whole TMP group's, as
-    the planner counts them) under ``spec``, for a plan's per-block degrees; see the
-    module doc for the terms and their assumptions."""
+    the planner counts them) under ``spec``, for a plan's per-block degrees (with
+    ``sequence_parallel``, all of them ``devices``); see the module doc for the terms and
+    their assumptions."""
     if len(attn_degrees) != cfg.num_layers:
         raise ValueError(f"plan has {len(attn_degrees)} layers but model.num_layers={cfg.num_layers}")
-    ops, degrees = plan_ops(cfg.family, attn_degrees, mlp_degrees, devices)
+    ops, degrees = _ops(cfg.family, attn_degrees, mlp_degrees, devices, sequence_parallel)
     states = state_bytes(cfg, attn_degrees, mlp_degrees, devices)
-    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes)
+    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes, sequence_parallel)
     at, terms = max(replay, key=lambda step: _total(step[1]))
     activations = max(_total(t) - t["comm"] for _, t in replay)
-    return MemoryEstimate(states, activations, states + _total(terms), {k: terms[k] for k in TERMS}, at)
+    checkpoints = max(t["checkpoint"] for _, t in replay)
+    return MemoryEstimate(states, activations, states + _total(terms), {k: terms[k] for k in TERMS}, at, checkpoints)
+
+
+def _ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int,
+         sequence_parallel: bool) -> tuple[list[Op], list[int]]:
+    """:func:`plan_ops`, under sequence parallelism rewritten by ``sequence_parallel_ops``
+    (refused for mixed degrees, as the model refuses them)."""
+    ops, degrees = plan_ops(family, attn_degrees, mlp_degrees, devices)
+    if not sequence_parallel or devices == 1:
+        return ops, degrees
+    if any(d != devices for d in degrees):
+        raise ValueError(f"sequence_parallel needs every block at the full TMP degree {devices}, "
+                         f"got degrees {sorted(set(degrees))}")
+    return sequence_parallel_ops(ops), degrees
 
 
 def _total(terms: dict[str, float]) -> float:
@@ -425,7 +475,7 @@ layer holds at the peak; the first and last differ, and that difference goes to 
 
 
 def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch: int,
-                degrees: Sequence[int], dtype_bytes: int) -> MemoryRows:
+                degrees: Sequence[int], dtype_bytes: int, sequence_parallel: bool = False) -> MemoryRows:
     """Per-block activation bytes and the constant, from replays of uniform plans.
 
     For each degree ``t``, a :data:`PROBE_LAYERS`-layer model at ``t`` is replayed.
@@ -438,6 +488,7 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     sum of rows + constant`` bounds the replayed peak of any plan of these
     degrees; it is tight when the peak falls where every block holds its all,
     as it does once blocks outweigh embedding and head (tests measure the gap).
+    ``sequence_parallel``: the replays run sequence parallelism (``degrees`` then only ``devices``).
     """
     probe = dataclasses.replace(cfg, num_layers=PROBE_LAYERS)
     rows: dict[str, dict[int, float]] = {"attn": {}, "mlp": {}}
@@ -446,8 +497,8 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     evidence: dict[str, dict] = {}
     middle = PROBE_LAYERS // 2
     for t in degrees:
-        ops, op_degrees = plan_ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices)
-        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes)
+        ops, op_degrees = _ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices, sequence_parallel)
+        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes, sequence_parallel)
         # one instant, the one where the middle layer holds most: attribution between its two
         # blocks shifts during backward (a kept tail's output outlives the next block's checkpoint)
         _, most = max(replay, key=lambda step: sum(step[1].get(f"held:{middle}.{k}", 0.0) for k in rows))

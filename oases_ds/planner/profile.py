@@ -133,6 +133,9 @@ class ProfileSpec:
     """Smallest TMP degree profiled (a power of two <= devices): a small micro-batch has no whole
     share for the many replicas of a low degree (pipeline stages want small micro-batches, 1F1B
     holding several in flight), so those degrees are left out of the table.  Named in the key."""
+    sequence_parallel: bool = False
+    """Plan for sequence parallelism: every block at the full degree ``devices`` (the only degree
+    profiled), per-block policies ``oases`` (re-gather), ``oases_gathered`` and ``store``.  Named in the key."""
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.devices & (self.devices - 1):
@@ -145,6 +148,10 @@ class ProfileSpec:
             raise ValueError(f"planner.exposed must be 'model' or 'measured', got {self.exposed!r}")
         if self.min_degree < 1 or self.min_degree & (self.min_degree - 1) or self.min_degree > self.devices:
             raise ValueError(f"planner.min_degree must be a power of two <= devices={self.devices}, got {self.min_degree}")
+        if self.sequence_parallel and self.devices > 1 and self.model.seq_len % self.devices:
+            raise ValueError(f"sequence_parallel splits the sequence over the {self.devices} TMP ranks but model.seq_len="
+                             f"{self.model.seq_len} is not divisible by {self.devices}; use a multiple of {self.devices} "
+                             f"or sequence_parallel=false")
         sub = self.sub_batches
         for degree in self.degrees():
             self.model.check_tp(degree)
@@ -167,14 +174,17 @@ class ProfileSpec:
                    schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
                    link=link_from_config(cluster.get("link")), cluster=cluster["name"],
                    warmup=planner["warmup"], repeats=planner["repeats"], exposed=planner["exposed"],
-                   seed=planner["seed"], min_degree=planner["min_degree"])
+                   seed=planner["seed"], min_degree=planner["min_degree"],
+                   sequence_parallel=bool(cfg.get("sequence_parallel", False)))
 
     @property
     def sub_batches(self) -> int:
         return self.schedule.effective_sub_batches
 
     def degrees(self) -> tuple[int, ...]:
-        """Every power of two from ``min_degree`` up to T, increasing."""
+        """Every power of two from ``min_degree`` up to T, increasing (only T with sequence parallelism)."""
+        if self.sequence_parallel:
+            return (self.devices,)
         out, degree = [], self.min_degree
         while degree <= self.devices:
             out.append(degree)
@@ -184,7 +194,8 @@ class ProfileSpec:
     def model_label(self) -> str:
         m = self.model
         label = f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
-        return label if self.min_degree == 1 else f"{label}-tmin{self.min_degree}"
+        label = label if self.min_degree == 1 else f"{label}-tmin{self.min_degree}"
+        return f"{label}-sp" if self.sequence_parallel else label
 
     def cluster_label(self) -> str:
         if self.link is None:

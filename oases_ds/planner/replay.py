@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from oases_ds.models.operator_model import one_layer_ops, plan_ops
+from oases_ds.models.operator_model import one_layer_ops, plan_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import OpCosts, SimResult, issue_ms_hiding, simulate_step
@@ -179,6 +179,8 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
     check_plan_fits_table(table, plan)
     devices = table.devices
     ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices)
+    if table.sequence_parallel:  # every block at the full degree; its collectives along the sequence
+        ops = sequence_parallel_ops(ops)
     index = _one_layer_index(family)
     scales = block_scales(table)
     forward: dict[int, float] = {}
@@ -188,7 +190,7 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
     ranks: dict[int, int] = {}
     kind: dict[int, str] = {}
     for i, (op, degree) in enumerate(zip(ops, degrees)):
-        if isinstance(op, CommOp) and "all_gather" in (op.forward, op.backward):  # a reshard (plan_ops)
+        if isinstance(op, CommOp) and "all_gather" in (op.forward, op.backward) and op.dim == 0:  # a reshard (plan_ops)
             gathered, ranks[i] = reshard_collective(table, degrees[i - 1], degree)
             comm_bytes[i], kind[i] = int(gathered), "all_gather"
             continue
@@ -202,9 +204,12 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
                 into[i] = measured[source] * scales.get((degree, op.block, letter), 1.0)
         if isinstance(op, CommOp) and degree > 1:
             comm_bytes[i], ranks[i] = profile.payload_bytes, degree
+            if table.sequence_parallel:  # a ReduceScatter or an AllGather of the payload: (t-1)/t of it on a ring
+                kind[i] = "all_gather"
     costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
                     ranks=ranks, kind=kind, default_ranks=devices)
-    program = build_schedule(dataclasses.replace(table.schedule, stored_blocks=plan.stored_blocks()), ops)
+    program = build_schedule(dataclasses.replace(table.schedule, stored_blocks=plan.stored_blocks(),
+                                                 gathered_blocks=plan.gathered_blocks()), ops)
     issue = collective_issue_ms(table) if overhead else {}
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
     issued = [ranks[ins.op] for ins in program.instructions

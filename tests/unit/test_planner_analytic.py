@@ -253,3 +253,48 @@ def test_cli_unknown_cost_names_the_choices(tmp_path):
     proc = plan_cli("cost=guess", f"out={tmp_path / 'p.json'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: cost='guess' unknown; choose one of profile, analytic"
+
+
+# -- sequence parallelism ------------------------------------------------------------------
+def _sp_table(policies: bool = True, link: LinkModel = PCIE):
+    spec = ProfileSpec(model=dataclasses.replace(SMALL, family="llama"), devices=4, micro_batch=16,
+                       schedule=ScheduleSpec("oases"), link=link, cluster="test", sequence_parallel=True)
+    return analytic_table(spec, ONE_TFLOPS, 2, policies=policies)
+
+
+def test_a_sequence_parallel_table_prices_its_three_policies_at_the_full_degree():
+    """One degree (T); ``oases`` checkpoints 1/T of the stream and pays one more AllGather per
+    sub-batch in the backward (the re-gather), ``oases_gathered`` holds the gathered input instead,
+    ``store`` neither recomputes nor re-gathers; its collectives move the AllReduce's wire bytes."""
+    plain_spec = ProfileSpec(model=dataclasses.replace(SMALL, family="llama"), devices=4, micro_batch=16,
+                             schedule=ScheduleSpec("oases"), link=LinkModel(96.0, 0.0), cluster="test", min_degree=4)
+    plain = analytic_table(plain_spec, ONE_TFLOPS, 2)
+    sp = _sp_table(link=LinkModel(96.0, 0.0))  # no latency: wire bytes alone
+    assert sp.sequence_parallel and sp.degrees == (4,) and sp.policies == ("oases", "store", "oases_gathered")
+    assert "-sp" in sp.key() and "-sp" not in plain.key()
+    raw = sp.measurements["degrees"]["4"]["blocks"]["attn"]
+    raw_plain = plain.measurements["degrees"]["4"]["blocks"]["attn"]
+    assert raw["comm_fwd_ms"] == pytest.approx(raw_plain["comm_fwd_ms"])  # ReduceScatter + AllGather = AllReduce
+    assert raw["comm_bwd_ms"] == pytest.approx(raw_plain["comm_bwd_ms"] * 1.5)  # + the re-gather (2 -> 3 halves)
+    for kind in BLOCK_KINDS:
+        oases, gathered, store = (sp.block_cost(kind, 4, p) for p in ("oases", "oases_gathered", "store"))
+        assert oases.act_bytes == pytest.approx(plain.blocks[kind][4].act_bytes / 4)
+        assert gathered.act_bytes > oases.act_bytes and store.act_bytes > gathered.act_bytes
+        assert store.bwd_ms < oases.bwd_ms == gathered.bwd_ms  # the recompute
+    assert not _sp_table(policies=False).store_blocks  # planner.recompute=oases: policy oases only
+
+
+def test_oases_plan_plans_sequence_parallelism_and_marks_the_policies(tmp_path):
+    """``oases-plan sequence_parallel=true`` as a user runs it: the key names it, every block at the
+    full degree with its policy (unbounded memory: nothing recomputes with a re-gather; stored and
+    gathered blocks tie in time on this small model)."""
+    done = plan_cli("cost=analytic", "model=llama_small", "cluster=pcie_3090", "devices=4", "micro_batch=8",
+                    "planner.recompute=auto", "sequence_parallel=true", f"out={tmp_path / 'p.json'}")
+    assert done.returncode == 0, done.stderr
+    assert "-sp|" in done.stdout and "g: gathered input kept" in done.stdout, done.stdout
+    plan = Plan.from_json(tmp_path / "p.json")
+    assert set(plan.block_degrees()) == {4} and "store" in plan.block_policies()
+    assert set(plan.block_policies()) <= {"store", "oases_gathered"}
+    with pytest.raises(ValueError, match=r"^sequence_parallel splits the sequence over the 4 TMP ranks but "
+                                         r"model.seq_len=18 is not divisible by 4"):
+        ProfileSpec(model=dataclasses.replace(SMALL, seq_len=18), devices=4, micro_batch=16, sequence_parallel=True)

@@ -137,6 +137,13 @@ def test_the_engine_stores_the_plans_blocks_or_refuses_a_schedule_that_cannot(tm
     with pytest.raises(OasesConfigError, match=r"^oases.plan=.*plan.json stores 2 blocks' activations \(policy store\), "
                                                r"which only schedule=oases with fine_grained_recompute=true runs"):
         planned_schedule(megatron)
+    # under sequence parallelism a plan's oases_gathered blocks keep their gathered input
+    Plan((2, 2), (2, 2), devices=2, attn_policies=("oases", "oases_gathered"),
+         mlp_policies=("oases_gathered", "oases")).to_json(path)
+    assert planned_schedule(oases) == ScheduleSpec("oases", gathered_blocks=(1, 2))
+    with pytest.raises(OasesConfigError, match=r"^oases.plan=.*plan.json keeps the gathered input of 2 blocks "
+                                               r"\(policy oases_gathered\), which only schedule=oases"):
+        planned_schedule(megatron)
     path.write_text("{")  # cut short after the config was checked: one line, the setting and the path once
     with pytest.raises(OasesConfigError, match=rf"^oases.plan={path}: not valid JSON \(") as err:
         planned_schedule(oases)
