@@ -94,8 +94,8 @@ def block_ops():
 
 
 
-def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """``oases-plan overrides`` from the repository root, through its ``entry()`` in this
+def plan_cli(*overrides: str, timeout: int = 120, cwd: "str | os.PathLike[str]" = ROOT) -> subprocess.CompletedProcess:
+    """``oases-plan overrides`` from ``cwd`` (the repository root), through its ``entry()`` in this
     process (output captured; the same code a user's command runs, without a second
     interpreter importing torch).  An exception other than ``SystemExit`` (a traceback a user
     would see) fails the test.  ``timeout``: kept for the callers; the launches it makes have
@@ -104,7 +104,7 @@ def plan_cli(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run_entry(plan.entry, "oases-plan", overrides, ROOT)
+        code = run_entry(plan.entry, "oases-plan", overrides, cwd)
     return subprocess.CompletedProcess(["oases-plan", *overrides], code, out.getvalue(), err.getvalue())
 
 

@@ -350,7 +350,7 @@ class OperatorModel(nn.Module):
         if stage.is_first:  # vocab-parallel lookup, AllReduce, positions + dropout (+ LN for BERT)
             compute("embed", -1, "embed", lambda c, a: (self.embed.word.partial(c.batch["tokens"]),))
             ops.append(CommOp("embed_reduce", -1, "embed", 0, "all_reduce", None, self.group))
-            compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers)
+            compute("embed_out", -1, "embed", embed_out, saves_nothing=pre_ln or embed_defers, light=True)
         cos_sin = None
         if cfg.family == "llama":  # buffers, so the tables move with the module to its device
             inv_freq = rotary_inverse_frequencies(
@@ -431,7 +431,7 @@ class OperatorModel(nn.Module):
 
         def add(name: str, block: str, fn, saves_nothing: bool = False, graph_only_recompute: bool = False) -> None:
             out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing,
-                                 graph_only_recompute=graph_only_recompute))
+                                 graph_only_recompute=graph_only_recompute, light=name.endswith(("_in", "_out"))))
 
         # Post-LN: the previous layer's output norm runs here (see module doc); before
         # layer 0, the embedding's norm and dropout.

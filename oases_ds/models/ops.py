@@ -151,6 +151,10 @@ class ComputeOp:
             graph its Backward runs; its new outputs are then placeholders holding no
             memory (the memory model counts them so).  The row-parallel products
             feeding a forward AllReduce (``proj``, ``mlp``).
+        light: elementwise work only (norm, bias, dropout, residual add: the ops at a
+            block's edges), a small fraction of a block's time.  The merge of sub-batch
+            streams may run such ops of one sub-batch between two heavy ops of another
+            (:func:`~oases_ds.schedule.generators.merge`).
     """
 
     name: str
@@ -160,6 +164,7 @@ class ComputeOp:
     is_loss: bool = False
     saves_nothing: bool = False
     graph_only_recompute: bool = False
+    light: bool = False
     kind: str = field(default="compute", init=False)
 
 

@@ -395,18 +395,54 @@ def _backward_stream(ops: Sequence[Op], seg: Segment, sub: int) -> list[_Item]:
 
 
 # -- merge ----------------------------------------------------------------------
-def merge(streams: Sequence[Sequence[_Item]]) -> list[Instruction]:
+def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | None = None) -> list[Instruction]:
     """Interleave sub-batch streams, switching sub-batch at every collective.
 
     A sub-batch runs until it reaches a collective, starts it and yields; when
     its turn comes again it first syncs that collective.  With one stream this
     degenerates to synchronous collectives (StartAsync immediately followed by
     Sync).  Every collective is synced before the merge returns (a barrier).
+
+    ``light(op)``: whether an op is elementwise (:attr:`~oases_ds.models.ops.ComputeOp.light`).
+    Given, before each heavy op of one sub-batch, another sub-batch whose collective has
+    had a heavy op's time since it started and whose next work up to its next collective
+    is light only *hops in*: it syncs, runs that light work and starts the collective,
+    then the heavy op goes on.  Why: under sequence parallelism a block ends with a
+    ReduceScatter and the next begins with an AllGather, with only a norm between; switching
+    at collectives alone leaves one of the two with nothing but that norm to hide behind.
+    Without sequence parallelism no stream has such a run (a collective is followed by
+    heavy work before the next), so no hop happens and the merge is as without ``light``.
     """
     out: list[Instruction] = []
     pos = [0] * len(streams)
     pending: list[_Comm | None] = [None] * len(streams)
+    started = [0] * len(streams)  # heavy ops emitted when each pending collective started
+    heavy = 0
     active = [sub for sub, s in enumerate(streams) if s]
+
+    def hop_run(sub: int) -> int | None:
+        """Items of ``sub`` up to and including its next collective, if all before it are light."""
+        stream, end = streams[sub], pos[sub]
+        while end < len(stream) and not isinstance(stream[end], _Comm):
+            if not light(stream[end].op):  # type: ignore[misc]
+                return None
+            end += 1
+        return end if end < len(stream) else None
+
+    def hops(running: int) -> None:
+        for sub in active:
+            if sub == running or pending[sub] is None or started[sub] == heavy:
+                continue
+            end = hop_run(sub)
+            if end is None:
+                continue
+            c = pending[sub]
+            out.append(Sync(c.op, c.sub, c.phase))
+            out.extend(streams[sub][pos[sub]:end])  # type: ignore[arg-type]
+            nxt = streams[sub][end]
+            out.append(StartAsync(nxt.op, nxt.sub, nxt.phase))  # type: ignore[union-attr]
+            pending[sub], started[sub], pos[sub] = nxt, heavy, end + 1  # type: ignore[assignment]
+
     while active:
         for sub in list(active):
             if pending[sub] is not None:
@@ -419,8 +455,11 @@ def merge(streams: Sequence[Sequence[_Item]]) -> list[Instruction]:
                 pos[sub] += 1
                 if isinstance(item, _Comm):
                     out.append(StartAsync(item.op, item.sub, item.phase))
-                    pending[sub] = item
+                    pending[sub], started[sub] = item, heavy
                     break
+                if light is not None and not light(item.op):
+                    hops(sub)
+                    heavy += 1
                 out.append(item)
             if pos[sub] >= len(stream) and pending[sub] is None:
                 active.remove(sub)
@@ -428,6 +467,9 @@ def merge(streams: Sequence[Sequence[_Item]]) -> list[Instruction]:
 
 
 def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool) -> list[Instruction]:
+    def light(i: int) -> bool:
+        return bool(getattr(ops[i], "light", False))
+
     if cross_pass:
         streams = []
         for sub in range(subs):
@@ -435,11 +477,11 @@ def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool)
             for seg in reversed(segs):
                 s += _recompute_stream(ops, seg, sub) + _backward_stream(ops, seg, sub)
             streams.append(s)
-        return merge(streams)
-    out = merge([_forward_stream(ops, segs, sub) for sub in range(subs)])
+        return merge(streams, light)
+    out = merge([_forward_stream(ops, segs, sub) for sub in range(subs)], light)
     for seg in reversed(segs):
-        out += merge([_recompute_stream(ops, seg, sub) for sub in range(subs)])
-        out += merge([_backward_stream(ops, seg, sub) for sub in range(subs)])
+        out += merge([_recompute_stream(ops, seg, sub) for sub in range(subs)], light)
+        out += merge([_backward_stream(ops, seg, sub) for sub in range(subs)], light)
     return out
 
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from oases_ds.cli import ckpt
-from support import train_cli
+from oases_ds.planner.plan import Plan
+from support import plan_cli, train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,6 +96,24 @@ def _readme_block(heading: str) -> list[str]:
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.distributed
+def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
+    """The commands of "Fit a larger model", in a fresh directory, as written: oases-train with
+    sequence parallelism, oases-plan choosing per-block policies for it, and oases-train running
+    that plan with sequence parallelism (its blocks stored, re-gathering or keeping the gather)."""
+    commands = _readme_block("Fit a larger model")
+    assert [c.split()[0] for c in commands] == ["oases-train", "oases-plan", "oases-train"]
+    outputs = []
+    for command in commands:
+        tool, *args = command.split()
+        done = train_cli(capfd, *args, cwd=tmp_path) if tool == "oases-train" else plan_cli(*args, cwd=tmp_path)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+        outputs.append(done.stdout)
+    assert all(re.search(r"^done: 20 steps", out, re.M) for out in (outputs[0], outputs[2]))
+    plan = Plan.from_json(tmp_path / "plan.json")
+    assert "-sp|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
 
 
 @pytest.mark.distributed

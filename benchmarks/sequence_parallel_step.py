@@ -1,0 +1,149 @@
+"""Sequence parallelism: step time and TMP bytes against the same policy without it, interleaved.
+
+Not a test: ``python benchmarks/sequence_parallel_step.py`` (``--report-only`` rewrites the report's
+table from the result file; ``--quick`` runs tiny dims to check the path, numbers mean nothing).
+
+What (issue 40): LLaMA h1024, 16 heads, 4 layers, seq 512, micro-batch 4, fp32, no dropout,
+TMP 2 on 2 gloo ranks of this machine, the Oases schedule with every block under one policy --
+``store``, ``oases`` (without sequence parallelism: recompute from the block's output; with it:
+re-gather the 1/t checkpoint) and, with sequence parallelism, ``oases_gathered`` -- with and
+without ``sequence_parallel``, on a link EMULATED at 1 Gbit/s and at 200 Mbit/s (the real
+collective, held until the link model's deadline: :class:`~oases_ds.parallel.link.LinkEmulator`).
+
+How: :func:`oases_ds.bench.measure.measure_rank`, every variant in each round in rotated order
+(one launch per link), the slowest rank's step per round, medians; TMP bytes per step are the
+communicator's payload bytes of one step, summed over forward, recompute and backward, and the
+link's wire bytes (an AllReduce moves ``2(t-1)/t`` of its payload, a ReduceScatter or an AllGather
+``(t-1)/t``).  Targets: ``store`` with sequence parallelism at most 1.05x the step of ``store``
+without it, at the same wire bytes; ``oases`` with it at most 1.25x the wire bytes of ``oases``
+without it.  Writes ``benchmarks/results/sequence_parallel_step.json`` and the table of the dated
+report; every number there is read from the result file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from oases_ds.bench.provenance import dated_report, git_commit, machine  # noqa: E402
+from oases_ds.parallel.link import LinkModel  # noqa: E402
+from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel_step.json")
+MODEL = dict(family="llama", vocab_size=32000, hidden_size=1024, num_heads=16, num_layers=4, seq_len=512, dropout=0.0)
+QUICK = dict(family="llama", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, dropout=0.0)
+LINKS = {"1gbit": 1.0, "200mbit": 0.2}
+TP, MICRO_BATCH = 2, 4
+VARIANTS = (  # label, policy of every block, sequence parallel
+    ("store", "store", False), ("store+sp", "store", True),
+    ("oases", "oases", False), ("oases+sp", "oases", True), ("oases_gathered+sp", "oases_gathered", True),
+)
+
+
+def spec_of(model: dict, gbps: float, repeats: int, warmup: int) -> dict:
+    from oases_ds.bench.spec import bench_defaults, resolve
+
+    defaults = bench_defaults()
+    cluster = {"name": "emulated", "link": {"bandwidth_gbps": gbps, "latency_us": 0.0, "sharing": "ring"},
+               "device": None, "tensor_parallel_size": None}
+    spec = resolve({**defaults, "model": model, "schedules": ["oases"], "micro_batch": MICRO_BATCH, "micro_batches": [],
+                    "tensor_parallel_size": TP, "data_parallel_size": 1, "warmup": warmup, "repeats": repeats,
+                    "gantt": False, "memory_probe": False, "seed": 0, "timeout_s": 1800, "cluster": cluster,
+                    "emulation": {**defaults["emulation"], "mode": "literal"}})
+    base = spec["variants"][0]
+    every = list(range(2 * model["num_layers"]))
+    spec["variants"] = [{**base, "label": label, "sequence_parallel": sp,
+                         "stored_blocks": every if policy == "store" else [],
+                         "gathered_blocks": every if policy == "oases_gathered" else []}
+                        for label, policy, sp in VARIANTS]
+    return spec
+
+
+def wire_bytes(comm: dict) -> float:
+    """Link bytes of one step from the communicator's ``phase/kind -> {calls, bytes}`` (TMP phases only)."""
+    link = LinkModel(1.0)
+    return sum(link.wire_bytes(key.split("/")[1], v["bytes"], TP) for key, v in comm.items()
+               if key.split("/")[0] in ("forward", "recompute", "backward", "loss"))
+
+
+def run(model: dict, repeats: int, warmup: int) -> dict:
+    from oases_ds.bench.measure import measure_rank
+    from oases_ds.launcher import launch
+
+    out: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+                 "machine": machine(), "model": model, "tensor_parallel_size": TP, "micro_batch": MICRO_BATCH,
+                 "dtype": "fp32", "repeats": repeats, "warmup": warmup, "links": {}}
+    for link, gbps in LINKS.items():
+        ranks = launch(measure_rank, TP, (spec_of(model, gbps, repeats, warmup),), timeout_s=3600, threads_per_rank=1)
+        rows = {}
+        for label, policy, sp in VARIANTS:
+            steps = [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in ranks))]
+            comm = ranks[0]["variants"][label]["comm_bytes"]
+            rows[label] = {"policy": policy, "sequence_parallel": sp, "step_s": steps,
+                           "step_s_median": statistics.median(steps), "comm_bytes": comm,
+                           "payload_bytes": sum(v["bytes"] for k, v in comm.items()
+                                                if k.split("/")[0] in ("forward", "recompute", "backward", "loss")),
+                           "wire_bytes": wire_bytes(comm),
+                           "exposed_comm_frac_median": statistics.median(
+                               ranks[0]["variants"][label]["exposed_comm_frac"])}
+            print(f"{link:8s} {label:18s} step {rows[label]['step_s_median']:.3f} s, wire "
+                  f"{rows[label]['wire_bytes'] / 2**20:.1f} MiB, exposed {rows[label]['exposed_comm_frac_median']:.1%}",
+                  flush=True)
+        out["links"][link] = {"bandwidth_gbps": gbps, "variants": rows}
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"Run of {result['date']} at commit {result['git_commit']}"
+             + (f" ({result['note']})" if result.get("note") else "") + ":", "",
+             "| link | variant | step, median (s) | vs. without SP | TMP wire bytes per step | vs. without SP "
+             "| TMP payload bytes | exposed comm, median |", "|---|---|---|---|---|---|---|---|"]
+    for link, data in result["links"].items():
+        rows = data["variants"]
+        for label, r in rows.items():
+            base = rows.get("oases" if r["policy"] == "oases_gathered" else r["policy"]) if r["sequence_parallel"] else None
+            step = f"{r['step_s_median'] / base['step_s_median']:.3f}x" if base else ""
+            wire = f"{r['wire_bytes'] / base['wire_bytes']:.3f}x" if base else ""
+            lines.append(f"| {link} | {label} | {r['step_s_median']:.3f} | {step} | {r['wire_bytes']:,.0f} | {wire} "
+                         f"| {r['payload_bytes']:,} | {r['exposed_comm_frac_median']:.1%} |")
+    if "oases_gathered+sp" in next(iter(result["links"].values()))["variants"]:
+        lines.append("")
+        lines.append("`oases_gathered+sp` is compared with `oases` without sequence parallelism.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
+    parser.add_argument("--quick", action="store_true", help="tiny dims, 1 repeat: the path only (not written to results)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=RESULTS, help="result file; its name also names its table in the report")
+    parser.add_argument("--note", default="", help="what this run is (stored with it, shown above its table)")
+    args = parser.parse_args()
+    if args.report_only:
+        with open(args.out) as f:
+            result = json.load(f)
+    else:
+        result = run(QUICK if args.quick else MODEL, 1 if args.quick else args.repeats, 0 if args.quick else 1)
+        result["note"] = args.note
+        write_json_atomic(args.out, result, indent=2)
+        if args.quick:
+            return
+    report = dated_report("sequence_parallel_step", result["date"])
+    if not os.path.exists(report):
+        with open(report, "w", encoding="utf-8") as f:
+            f.write("# Sequence parallelism: step time and TMP bytes (emulated links)\n\n"
+                    + "\n\n".join(__doc__.split("\n\n")[2:4]) + "\n\n")
+    stem = os.path.splitext(os.path.basename(args.out))[0]
+    replace_marked_section(report, f"<!-- {stem}:begin -->", f"<!-- {stem}:end -->", table(result))
+    print(f"wrote {args.out} and {report}")
+
+
+if __name__ == "__main__":
+    main()
