@@ -297,7 +297,8 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
 
     spec = ProfileSpec(model=model, devices=cfg["tensor_parallel_size"],
                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
-                       link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"])
+                       link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"],
+                       sequence_parallel=cfg["sequence_parallel"])
     request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"])
     print(f"oases-train: plan=auto: planning degrees and recompute policies for memory_limit="
           f"{limit / 2**20:.1f} MiB per device ({spec.key()}) ...", flush=True)

@@ -77,7 +77,7 @@ from oases_ds.models.operator_model import one_layer_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, sequence_gather
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
-from oases_ds.planner.memory import PROBE_LAYERS, memory_rows
+from oases_ds.planner.memory import memory_rows
 from oases_ds.planner.profile import ProfileSpec
 from oases_ds.schedule.generators import schedule_segments
 
@@ -197,7 +197,7 @@ def head_ms(spec: ProfileSpec, device: DeviceModel) -> float:
     return forward * (1 + BACKWARD_FLOPS_RATIO) / device.flops_per_s * 1e3
 
 
-def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int, policies: bool = False) -> CostTable:
+def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostTable:
     """The cost table the profiler would fill for ``spec``, computed (see module doc).
 
     ``spec`` describes the workload and the cluster exactly as for profiling;
@@ -208,8 +208,9 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int, policies
     AllGather of the same payload (``(t-1)/t`` of it each on a ring, the AllReduce's wire bytes
     together), and policy ``oases`` re-gathers the block's input in its recomputation (one more
     AllGather per sub-batch, priced with the backward's collectives, which the other sub-batch's
-    recompute and backward cover); ``policies`` also prices ``store`` and ``oases_gathered``
-    (no re-gather; the gathered input held) for ``planner.recompute=auto``.
+    recompute and backward cover; recorded as ``regather_ms``, so that
+    :func:`~oases_ds.planner.policies.with_store_costs` prices ``store`` and ``oases_gathered``
+    without it).
     """
     if spec.link is None:
         raise ValueError("the analytic cost model needs a link (bandwidth, latency) to time collectives; "
@@ -226,12 +227,6 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int, policies
         for kind in BLOCK_KINDS
     }
     regathers = {kind: sum(sequence_gather(ops[i]) and ops[i].block == kind for i in recomputed) for kind in BLOCK_KINDS}
-    every = tuple(range(2 * PROBE_LAYERS))
-    other_rows = {policy: memory_rows(cfg, dataclasses.replace(spec.schedule, **{key: every}), T, spec.micro_batch,
-                                      spec.degrees(), ACTIVATION_BYTES, sp)
-                  for policy, key in (("store", "stored_blocks"), ("oases_gathered", "gathered_blocks"))
-                  if policies and sp}
-    priced: dict[str, dict[str, dict[int, BlockCost]]] = {policy: {kind: {} for kind in BLOCK_KINDS} for policy in other_rows}
 
     def ms(flops: float) -> float:
         return flops / device.flops_per_s * 1e3
@@ -263,29 +258,21 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int, policies
                 comm_fwd_ms=n_fwd * sub * allreduce_ms,
                 comm_bwd_ms=(n_bwd + regathers[kind]) * sub * allreduce_ms,
             )
-
-            def cost(timing: BlockTiming, act_bytes: float) -> BlockCost:
-                exposed = pipelined_comm_ms(timing, spec.schedule)
-                return BlockCost(
-                    fwd_ms=timing.fwd_ms,
-                    bwd_ms=timing.recompute_ms + timing.bwd_ms,
-                    comm_fwd_ms=exposed[0],
-                    comm_bwd_ms=exposed[1],
-                    state_bytes=float(params[kind] * STATE_BYTES_PER_PARAM),
-                    act_bytes=act_bytes,
-                    grad_sync_ms=link.seconds("all_reduce", params[kind] * GRADIENT_BYTES, T // degree) * 1e3,
-                    comm_fwd_last_ms=exposed[2],
-                    comm_bwd_last_ms=exposed[3],
-                )
-
-            blocks[kind][degree] = cost(timing, memory.act_bytes[kind][degree])
             exposed = pipelined_comm_ms(timing, spec.schedule)
-            no_regather = dataclasses.replace(timing, comm_bwd_ms=n_bwd * sub * allreduce_ms)
-            for policy, rows in other_rows.items():  # sequence parallelism: the re-gather's alternatives
-                kept = dataclasses.replace(no_regather, recompute_ms=0.0) if policy == "store" else no_regather
-                priced[policy][kind][degree] = cost(kept, rows.act_bytes[kind][degree])
+            blocks[kind][degree] = BlockCost(
+                fwd_ms=timing.fwd_ms,
+                bwd_ms=timing.recompute_ms + timing.bwd_ms,
+                comm_fwd_ms=exposed[0],
+                comm_bwd_ms=exposed[1],
+                state_bytes=float(params[kind] * STATE_BYTES_PER_PARAM),
+                act_bytes=memory.act_bytes[kind][degree],
+                grad_sync_ms=link.seconds("all_reduce", params[kind] * GRADIENT_BYTES, T // degree) * 1e3,
+                comm_fwd_last_ms=exposed[2],
+                comm_bwd_last_ms=exposed[3],
+            )
             evidence[str(degree)]["blocks"][kind] = {
                 **dataclasses.asdict(timing),
+                "regather_ms": regathers[kind] * sub * allreduce_ms,
                 "forward_flops": forward,
                 "exposed_modelled_ms": list(exposed),
                 "params_per_device": params[kind],
@@ -306,15 +293,11 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int, policies
         bandwidth_gbps=link.bandwidth_gbps,
         latency_us=link.latency_us,
         sub_batches=sub,
-        fixed_bytes=max([memory.fixed_bytes, *(rows.fixed_bytes for rows in other_rows.values())]),
-        stage_fixed_bytes={role: max([value, *(rows.stage_fixed_bytes.get(role, value) for rows in other_rows.values())])
-                           for role, value in memory.stage_fixed_bytes.items()},
-        store_blocks=priced.get("store", {}),
-        gathered_blocks=priced.get("oases_gathered", {}),
+        fixed_bytes=memory.fixed_bytes,
+        stage_fixed_bytes=memory.stage_fixed_bytes,
         sequence_parallel=sp,
         measurements={
             "memory": memory.evidence,
-            **({"policy_memory": {policy: rows.evidence for policy, rows in other_rows.items()}} if other_rows else {}),
             "source": "analytic (oases_ds.planner.analytic): FLOPs / device throughput, LinkModel collectives",
             "device": dataclasses.asdict(device),
             "assumptions": {

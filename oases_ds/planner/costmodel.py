@@ -98,9 +98,10 @@ class OpCosts:
     def from_profile(cls, ops: Sequence[Op], times: OpTimes, payload_bytes: int, degree: int) -> OpCosts:
         """Simulator inputs of the profiler's one-layer model at ``degree`` from its per-op times
         (ms per sub-batch) and the payload of every collective it issues."""
+        comm = [i for i, op in enumerate(ops) if isinstance(op, CommOp)]
         return cls(forward_ms=dict(times.forward_ms), backward_ms=dict(times.backward_ms),
-                   recompute_ms=dict(times.recompute_ms),
-                   comm_bytes={i: payload_bytes for i, op in enumerate(ops) if isinstance(op, CommOp)},
+                   recompute_ms=dict(times.recompute_ms), comm_bytes={i: payload_bytes for i in comm},
+                   kind={i: "all_gather" for i in comm if ops[i].dim == 1},  # sequence parallelism's halves
                    default_ranks=degree)
 
     def compute_ms(self, ins: Instruction) -> float:

@@ -117,9 +117,6 @@ class PlanRequest:
                                  f"models the exposed comm: use planner.exposed=model or cost=profile")
             if self.device is None or self.profile.link is None:
                 raise ValueError("cost=analytic needs the cluster's link and device")
-        if self.cost == "profile" and self.profile is not None and self.profile.sequence_parallel and not self.table_path:
-            raise ValueError("sequence_parallel=true is planned from cost=analytic for now (the profiler does not "
-                             "measure sequence parallelism yet); add cost=analytic and a cluster with a device")
 
     def layer_count(self) -> int:
         """The layers a profiled or analytic table is labelled for."""
@@ -184,7 +181,8 @@ def load_table(request: PlanRequest) -> LoadedTable:
     spec = request.profile
     dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
     table = with_store_costs(loaded.table, spec.model, spec.micro_batch, dtype)
-    return LoadedTable(table, f"{loaded.source}; policy store priced from it")
+    priced = "policies store and oases_gathered" if table.sequence_parallel else "policy store"
+    return LoadedTable(table, f"{loaded.source}; {priced} priced from it")
 
 
 def _load_oases_table(request: PlanRequest) -> LoadedTable:
@@ -200,7 +198,7 @@ def _load_oases_table(request: PlanRequest) -> LoadedTable:
     if request.cost == "analytic":
         assert request.device is not None and spec.link is not None
         device, link = request.device, spec.link
-        table = analytic_table(spec, device, request.layer_count(), policies=request.recompute == "auto")
+        table = analytic_table(spec, device, request.layer_count())
         return LoadedTable(table, f"analytic: {device.name} at {device.peak_tflops:g} TFLOP/s x {device.achieved_fraction:g}, "
                                   f"link {link.bandwidth_gbps:g} Gbit/s + {link.latency_us:g} us; computed in "
                                   f"{(time.perf_counter() - started) * 1e3:.1f} ms, nothing launched")

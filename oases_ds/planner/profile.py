@@ -61,7 +61,7 @@ from oases_ds.data.batches import synthetic_batch
 from oases_ds.launcher import launch
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.operator_model import OperatorModel, sequence_parallel_ops
 from oases_ds.models.ops import CommOp
 from oases_ds.parallel.comm import Communicator
 from oases_ds.parallel.context import ParallelContext
@@ -274,7 +274,8 @@ class _LayerRun:
         self.group = ctx.sub_group(degree)
         self.share = spec.micro_batch * degree // spec.devices
         self.batch = synthetic_batch(cfg.vocab_size, self.share, cfg.seq_len, spec.seed + ctx.rank // degree, device)
-        self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed).to(device)
+        self.model = OperatorModel(dataclasses.replace(cfg, num_layers=1), group=self.group, seed=spec.seed,
+                                   sequence_parallel=spec.sequence_parallel).to(device)
         self.executor = Executor.for_schedule(self.model, spec.schedule, spec.link, RNGTracker(spec.seed))
         self.block_of = [op.block for op in self.model.ops]
         self.clock = clock_for(device)
@@ -333,6 +334,10 @@ class _LayerRun:
             ops = [op for op in self.model.ops if isinstance(op, CommOp) and op.block == kind]
             result[f"{kind}.collectives_fwd"] = sum(op.forward is not None for op in ops)
             result[f"{kind}.collectives_bwd"] = sum(op.backward is not None for op in ops)
+            # per sub-batch: under sequence parallelism each recomputed block re-gathers its input
+            result[f"{kind}.regathers"] = sum(
+                isinstance(ins, StartAsync) and ins.phase == "recompute" and self.block_of[ins.op] == kind
+                for ins in self.executor.schedule.instructions) // self.sub
         return result
 
 
@@ -424,7 +429,8 @@ def table_from_measurements(
     sub = spec.sub_batches
     link = _table_link(spec, per_rank)
     overhead, overhead_evidence = _collective_overheads(spec, per_rank, link)
-    memory = memory_rows(spec.model, spec.schedule, spec.devices, spec.micro_batch, spec.degrees(), PROFILE_DTYPE_BYTES)
+    sp = spec.sequence_parallel and spec.devices > 1
+    memory = memory_rows(spec.model, spec.schedule, spec.devices, spec.micro_batch, spec.degrees(), PROFILE_DTYPE_BYTES, sp)
     blocks: dict[str, dict[int, BlockCost]] = {kind: {} for kind in BLOCK_KINDS}
     evidence: dict[str, Any] = {}
     op_profile: dict[int, DegreeProfile] = {}
@@ -432,7 +438,9 @@ def table_from_measurements(
         rank0 = per_rank[0]["degrees"][str(degree)]
         # The link's time, as the simulator behind the collective overhead prices it: the measured
         # AllReduce's excess over it is in that overhead, and priced here too it counted twice.
-        ar_ms = link.seconds("all_reduce", rank0["allreduce_bytes"], degree) * 1e3 if degree > 1 else 0.0
+        # under sequence parallelism each collective is a ReduceScatter or an AllGather: half the wire bytes
+        ar_ms = link.seconds("all_gather" if sp else "all_reduce", rank0["allreduce_bytes"], degree) * 1e3 \
+            if degree > 1 else 0.0
         evidence[str(degree)] = {"allreduce_ms": _slowest(per_rank, degree, "allreduce_ms"), "allreduce_link_ms": ar_ms,
                                  "blocks": {},
                                  # every rank's every timed step, kept: a profile taken while the machine ran
@@ -447,7 +455,7 @@ def table_from_measurements(
                 recompute_ms=get("recompute"),
                 bwd_ms=get("bwd"),
                 comm_fwd_ms=rank0[f"{kind}.collectives_fwd"] * sub * ar_ms,
-                comm_bwd_ms=rank0[f"{kind}.collectives_bwd"] * sub * ar_ms,
+                comm_bwd_ms=(rank0[f"{kind}.collectives_bwd"] + rank0.get(f"{kind}.regathers", 0)) * sub * ar_ms,
             )
             measured = (get("exposed_fwd"), get("exposed_bwd"), 0.0, 0.0)  # the timeline saw the whole layer
             modelled = pipelined_comm_ms(timing, spec.schedule)
@@ -466,6 +474,7 @@ def table_from_measurements(
             )
             evidence[str(degree)]["blocks"][kind] = {
                 **dataclasses.asdict(timing),
+                "regather_ms": rank0.get(f"{kind}.regathers", 0) * sub * ar_ms,
                 "exposed_measured_ms": list(measured[:2]),
                 "exposed_modelled_ms": list(modelled),
                 "exposed_whole_block_ms": list(exposed_comm_ms(timing, spec.schedule)),
@@ -492,6 +501,7 @@ def table_from_measurements(
         sub_batches=sub,
         fixed_bytes=memory.fixed_bytes,
         stage_fixed_bytes=memory.stage_fixed_bytes,
+        sequence_parallel=sp,
         collective_overhead_ms={degree: overhead[degree] for degree in spec.degrees() if degree > 1},
         measurements={
             "memory": memory.evidence,
@@ -537,6 +547,8 @@ def _collective_overheads(
     rank's compute set the step and the other waited for it, as the table keeps the
     slowest rank's compute.  The median over steps is the degree's residual."""
     ops = OperatorModel(dataclasses.replace(spec.model, num_layers=1)).ops  # same sequence at every degree
+    if spec.sequence_parallel and spec.devices > 1:
+        ops = sequence_parallel_ops(ops)
     schedule = build_schedule(spec.schedule, ops)
     residual: dict[int, float] = {}
     collectives: dict[int, int] = {}
@@ -559,6 +571,9 @@ def _collective_overheads(
         collectives[degree] = int(results[0]["collectives"])
         evidence[str(degree)] = {"measured_step_ms": _median(walls), "simulated_step_ms": _median(sims),
                                  "residual_ms": residual[degree], "collectives_per_step": collectives[degree]}
+    if 1 not in residual:  # planner.min_degree > 1 or sequence parallelism: no collective-free step to subtract
+        evidence["note"] = "no degree-1 step profiled (the reference of the overhead): overhead not charged (0)"
+        return {degree: 0.0 for degree in spec.degrees()}, evidence
     overhead = collective_overhead_ms(residual, collectives)
     for degree in spec.degrees():
         evidence[str(degree)]["overhead_per_collective_ms"] = overhead[degree]

@@ -410,8 +410,8 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
     then the heavy op goes on.  Why: under sequence parallelism a block ends with a
     ReduceScatter and the next begins with an AllGather, with only a norm between; switching
     at collectives alone leaves one of the two with nothing but that norm to hide behind.
-    Without sequence parallelism no stream has such a run (a collective is followed by
-    heavy work before the next), so no hop happens and the merge is as without ``light``.
+    The generators pass ``light`` only for a sequence-parallel operator sequence; every other
+    keeps the merge it was planned, profiled and measured with.
     """
     out: list[Instruction] = []
     pos = [0] * len(streams)
@@ -467,8 +467,12 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
 
 
 def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool) -> list[Instruction]:
-    def light(i: int) -> bool:
+    def marked(i: int) -> bool:
         return bool(getattr(ops[i], "light", False))
+
+    # Hops only under sequence parallelism, where they are needed: every other sequence keeps the
+    # merge it was planned, profiled and measured with (a reshard's collective can follow a light op too).
+    light = marked if any(sequence_gather(op) for op in ops) else None
 
     if cross_pass:
         streams = []

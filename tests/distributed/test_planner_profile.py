@@ -79,6 +79,35 @@ def test_profiled_collectives_are_priced_at_the_link_time(tmp_path):
     assert evidence["allreduce_ms"] >= link_ms
 
 
+@pytest.mark.distributed
+def test_a_sequence_parallel_profile_prices_halves_and_the_regather_and_plans_its_policies(tmp_path):
+    """The profiler runs the layer with sequence parallelism (degree 2 only) on an emulated link: each
+    block collective is a ReduceScatter or an AllGather, half an AllReduce's wire time, two per block
+    forward and two backward, and the recomputation's re-gather one more per sub-batch, recorded apart;
+    ``planner.recompute=auto`` then prices store and oases_gathered from it."""
+    from oases_ds.parallel.link import LinkModel
+    from oases_ds.planner.policies import with_store_costs
+    from oases_ds.planner.profile import PROFILE_DTYPE_BYTES
+
+    link = LinkModel(0.2, 50.0, sharing="ring")
+    spec = ProfileSpec(model=TINY, devices=2, micro_batch=4, warmup=1, repeats=2, link=link, sequence_parallel=True)
+    table, _ = profile(spec, layers=2, cache_dir=None, timeout_s=300)
+    assert table.sequence_parallel and table.degrees == (2,) and table.key().startswith(spec.model_label())
+    assert spec.model_label().endswith("-sp")
+    payload = 4 // 2 * TINY.seq_len * TINY.hidden_size * 4
+    half_ms = 0.05 + payload / 2 * 8 / 0.2e9 * 1e3  # (t-1)/t of the payload on a 2-rank ring
+    attn = table.measurements["degrees"]["2"]["blocks"]["attn"]
+    assert attn["comm_fwd_ms"] == pytest.approx(2 * 2 * half_ms)  # AllGather + ReduceScatter, 2 sub-batches
+    assert attn["regather_ms"] == pytest.approx(2 * half_ms)
+    assert attn["comm_bwd_ms"] == pytest.approx(2 * 2 * half_ms + attn["regather_ms"])
+    priced = with_store_costs(table, TINY, 4, PROFILE_DTYPE_BYTES)
+    assert priced.policies == ("oases", "store", "oases_gathered")
+    for kind in ("attn", "mlp"):
+        oases, gathered = priced.blocks[kind][2], priced.gathered_blocks[kind][2]
+        assert gathered.bwd_ms == oases.bwd_ms and gathered.act_bytes > oases.act_bytes
+        assert priced.store_blocks[kind][2].bwd_ms < oases.bwd_ms
+
+
 def test_profile_spec_names_the_field():
     with pytest.raises(ValueError, match="micro_batch=6: the degree-1 share"):
         ProfileSpec(model=TINY, devices=2, micro_batch=6)

@@ -257,9 +257,16 @@ def test_cli_unknown_cost_names_the_choices(tmp_path):
 
 # -- sequence parallelism ------------------------------------------------------------------
 def _sp_table(policies: bool = True, link: LinkModel = PCIE):
-    spec = ProfileSpec(model=dataclasses.replace(SMALL, family="llama"), devices=4, micro_batch=16,
-                       schedule=ScheduleSpec("oases"), link=link, cluster="test", sequence_parallel=True)
-    return analytic_table(spec, ONE_TFLOPS, 2, policies=policies)
+    """A sequence-parallel analytic table, with (``policies``: as ``planner.recompute=auto`` loads it)
+    its store and oases_gathered costs."""
+    from oases_ds.planner.analytic import ACTIVATION_BYTES
+    from oases_ds.planner.policies import with_store_costs
+
+    model = dataclasses.replace(SMALL, family="llama")
+    spec = ProfileSpec(model=model, devices=4, micro_batch=16, schedule=ScheduleSpec("oases"), link=link, cluster="test",
+                       sequence_parallel=True)
+    table = analytic_table(spec, ONE_TFLOPS, 2)
+    return with_store_costs(table, model, 16, ACTIVATION_BYTES) if policies else table
 
 
 def test_a_sequence_parallel_table_prices_its_three_policies_at_the_full_degree():
@@ -281,7 +288,7 @@ def test_a_sequence_parallel_table_prices_its_three_policies_at_the_full_degree(
         assert oases.act_bytes == pytest.approx(plain.blocks[kind][4].act_bytes / 4)
         assert gathered.act_bytes > oases.act_bytes and store.act_bytes > gathered.act_bytes
         assert store.bwd_ms < oases.bwd_ms == gathered.bwd_ms  # the recompute
-    assert not _sp_table(policies=False).store_blocks  # planner.recompute=oases: policy oases only
+    assert _sp_table(policies=False).policies == ("oases",)  # planner.recompute=oases: policy oases only
 
 
 def test_oases_plan_plans_sequence_parallelism_and_marks_the_policies(tmp_path):
