@@ -402,6 +402,25 @@ def _await_peers(procs: list, readers: list[Connection], done: set[int], grace_s
         time.sleep(0.02)
 
 
+def _cause_among_peers(procs: list, readers: list[Connection], done: set[int], run_dir: str | None) -> LaunchError | None:
+    """The first peer's error that is its own (guard mode's ``CollectiveMismatchError``, an exception
+    in its code) rather than a failed wait, among the reports the peers have sent, or ``None``.
+
+    Why: a rank that raises exits, and its peers' pending collectives then fail on the closed
+    connection.  Which report the launcher reads first is a race (it polls the ranks in order),
+    and on a busy host the consequence -- rank 0's "connection closed by peer" -- was read before
+    the cause rank 1 had already reported (a CI red: guard mode's verdict lost to gloo's words)."""
+    for rank in range(len(procs)):
+        if rank in done or not readers[rank].poll():
+            continue
+        try:
+            _receive(rank, readers[rank], procs[rank])
+        except LaunchError as err:
+            if err.exc_type is not None and not _wait_failed(err, run_dir):
+                return err
+    return None
+
+
 def _receive(rank: int, reader: Connection, proc) -> tuple[str, Any]:
     """The report of a rank whose pipe is readable; raises if it died before sending one."""
     try:
@@ -516,6 +535,9 @@ def _launch(fn: Callable[..., Any], nprocs: int, args: tuple, timeout_s: float, 
                         except LaunchError as err:
                             if _wait_failed(err, run_dir):  # its peers' waits are likely failing too: let them dump
                                 _await_peers(procs, readers, set(results) | {r}, _PEER_TIMEOUT_GRACE_S)
+                                cause = _cause_among_peers(procs, readers, set(results) | {r}, run_dir)
+                                if cause is not None:
+                                    raise cause from None
                             raise
                     elif not procs[r].is_alive() and not readers[r].poll():
                         raise LaunchError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result",

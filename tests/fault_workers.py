@@ -156,3 +156,18 @@ def pipeline_fault_worker(fault: str, check: bool, timeout_s: float, stamp: str,
         for p in model.parameters():
             p.grad = None
     return losses
+
+
+def consequence_first_worker() -> None:
+    """Rank 1 fails on its own (guard mode's verdict) a moment after rank 0 fails in a wait (its
+    dump written, then gloo's words): the order a busy host produced in CI, rank 0's report read first."""
+    from oases_ds.parallel.flight import DUMP_PREFIX, RUN_DIR_ENV
+    from oases_ds.parallel.guard import CollectiveMismatchError
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        with open(os.path.join(os.environ[RUN_DIR_ENV], f"{DUMP_PREFIX}0.json"), "w") as f:
+            f.write("{}")
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    time.sleep(0.5)
+    raise CollectiveMismatchError("collectives diverged in group [0, 1] pg1 at step 2, index 53: ...")

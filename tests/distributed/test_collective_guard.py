@@ -101,3 +101,15 @@ def test_without_guard_silent_faults_train_on_with_other_numbers(tmp_path, worke
     clean = launch(worker, 2, ("", False, 60.0, stamp), timeout_s=120)
     faulty = launch(worker, 2, (fault, False, 60.0, stamp), timeout_s=120)
     assert faulty[0][0] == clean[0][0] and faulty[0][1] != clean[0][1]  # step 1 alike, step 2 silently other
+
+
+def test_the_launcher_reports_a_peers_own_error_over_the_failed_wait_it_caused(tmp_path):
+    """Rank 1 raises (guard mode's verdict) and exits; rank 0's pending collective then fails on
+    the closed connection, and its report may be read first (the launcher polls in rank order): it
+    waits for the peers anyway, and the cause -- rank 1's own error -- is what it raises.  Was a CI
+    red of ``[skip_last]`` above on a busy host: ``rank 0: RuntimeError: ... Connection closed``."""
+    from fault_workers import consequence_first_worker
+
+    with pytest.raises(LaunchError) as info:
+        launch(consequence_first_worker, 2, timeout_s=60, run_dir=str(tmp_path / "run"))
+    assert (info.value.rank, info.value.exc_type) == (1, "CollectiveMismatchError"), info.value

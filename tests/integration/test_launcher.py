@@ -90,7 +90,7 @@ def exit_without_report(code: int) -> None:
 def fail_then_peer_dumps(marker_dir: str, message: str, peer_delay_s: float, dump: bool) -> None:
     """Rank 0 fails with ``message`` at once, after writing its flight dump when ``dump`` (as
     a rank whose collective wait failed does); rank 1, ``peer_delay_s`` after rank 0's failure,
-    writes its "dump" (a marker file) and fails too: a hang timing out on both ranks."""
+    writes its dump (with ``dump``) and a marker file and fails too: a hang timing out on both ranks."""
     failing = os.path.join(marker_dir, "rank0-failing")
     if os.environ["RANK"] == "0":
         if dump:
@@ -101,6 +101,8 @@ def fail_then_peer_dumps(marker_dir: str, message: str, peer_delay_s: float, dum
     while not os.path.exists(failing):
         time.sleep(0.01)
     time.sleep(peer_delay_s)
+    if dump:  # its wait failed too: its flight dump, as rank 0's (the launcher then keeps rank 0's report)
+        FlightRecorder(0, 1, os.environ[RUN_DIR_ENV], run_id=os.environ[RUN_ID_ENV]).failed(None, RuntimeError(message))
     open(os.path.join(marker_dir, "rank1-dump"), "w").close()
     raise RuntimeError(message)
 
