@@ -21,7 +21,6 @@ is read from the result file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,14 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from oases_ds.bench.memory import plan_memory_rank  # noqa: E402
-from oases_ds.bench.provenance import dated_report, git_commit, machine  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine, stored_or_measured, write_report_section  # noqa: E402
 from oases_ds.launcher import launch  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
-from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "sequence_parallel_memory.json"
-BEGIN, END = "<!-- sequence_parallel_memory:begin -->", "<!-- sequence_parallel_memory:end -->"
 LAYERS, MICRO_BATCH = 4, 4
 POLICIES = ("oases", "oases_gathered", "store")
 
@@ -103,16 +100,10 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
     parser.add_argument("--degrees", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    if args.report_only:
-        result = json.loads(RESULTS.read_text())
-    else:
-        result = measure(args.degrees)
-        write_json_atomic(RESULTS, result, indent=2)
-    report = dated_report("sequence_parallel_memory", result["date"])
-    if not Path(report).exists():
-        Path(report).write_text("# Sequence parallelism: activation memory per rank\n\n"
-                                + "\n\n".join(__doc__.split("\n\n")[2:4]) + "\n\n", encoding="utf-8")
-    replace_marked_section(report, BEGIN, END, table(result))
+    result = stored_or_measured(args.report_only, str(RESULTS), lambda: measure(args.degrees))
+    report = write_report_section("sequence_parallel_memory", result["date"], "sequence_parallel_memory", table(result),
+                                  "Sequence parallelism: activation memory per rank",
+                                  "\n\n".join(__doc__.split("\n\n")[2:4]))
     print(f"wrote {RESULTS} and {report}")
 
 

@@ -20,8 +20,6 @@ at 40 GiB: the step with every block stored, the ceiling the issue names.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from datetime import datetime, timezone
@@ -31,18 +29,16 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from oases_ds.bench.provenance import dated_report, git_commit  # noqa: E402
+from oases_ds.bench.provenance import git_commit, stored_or_measured, write_report_section  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.parallel.link import link_from_config  # noqa: E402
 from oases_ds.planner.analytic import DeviceModel  # noqa: E402
 from oases_ds.planner.plan import PlanInfeasibleError  # noqa: E402
 from oases_ds.planner.planning import PipelineRequest, PlanRequest, make_plan  # noqa: E402
 from oases_ds.planner.profile import ProfileSpec  # noqa: E402
-from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "oases_ds", "configs")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel_plans.json")
-BEGIN, END = "<!-- sequence_parallel_plans:begin -->", "<!-- sequence_parallel_plans:end -->"
 GiB = 2**30
 
 LLAMA_7B = dict(family="llama", vocab_size=32000, hidden_size=4096, num_heads=32, num_layers=32, ffn_size=11008,
@@ -137,17 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
     args = parser.parse_args()
-    if args.report_only:
-        with open(RESULTS) as f:
-            result = json.load(f)
-    else:
-        result = run()
-        write_json_atomic(RESULTS, result, indent=2)
-    report = dated_report("sequence_parallel_plans", result["date"])
-    if not os.path.exists(report):
-        with open(report, "w", encoding="utf-8") as f:
-            f.write("# Sequence parallelism, planned (analytic)\n\n" + "\n\n".join(__doc__.split("\n\n")[1:4]) + "\n\n")
-    replace_marked_section(report, BEGIN, END, table(result))
+    result = stored_or_measured(args.report_only, RESULTS, run)
+    report = write_report_section("sequence_parallel_plans", result["date"], "sequence_parallel_plans", table(result),
+                                  "Sequence parallelism, planned (analytic)", "\n\n".join(__doc__.split("\n\n")[1:4]))
     print(f"wrote {RESULTS} and {report}")
 
 

@@ -22,7 +22,6 @@ report; every number there is read from the result file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,9 +30,8 @@ from datetime import datetime, timezone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from oases_ds.bench.provenance import dated_report, git_commit, machine  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine, stored_or_measured, write_report_section  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
-from oases_ds.utils.io import replace_marked_section, write_json_atomic  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel_step.json")
 MODEL = dict(family="llama", vocab_size=32000, hidden_size=1024, num_heads=16, num_layers=4, seq_len=512, dropout=0.0)
@@ -121,27 +119,23 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
-    parser.add_argument("--quick", action="store_true", help="tiny dims, 1 repeat: the path only (not written to results)")
+    parser.add_argument("--quick", action="store_true", help="tiny dims, 1 repeat: the path only (give --out elsewhere)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=RESULTS, help="result file; its name also names its table in the report")
     parser.add_argument("--note", default="", help="what this run is (stored with it, shown above its table)")
     args = parser.parse_args()
-    if args.report_only:
-        with open(args.out) as f:
-            result = json.load(f)
-    else:
-        result = run(QUICK if args.quick else MODEL, 1 if args.quick else args.repeats, 0 if args.quick else 1)
-        result["note"] = args.note
-        write_json_atomic(args.out, result, indent=2)
-        if args.quick:
-            return
-    report = dated_report("sequence_parallel_step", result["date"])
-    if not os.path.exists(report):
-        with open(report, "w", encoding="utf-8") as f:
-            f.write("# Sequence parallelism: step time and TMP bytes (emulated links)\n\n"
-                    + "\n\n".join(__doc__.split("\n\n")[2:4]) + "\n\n")
-    stem = os.path.splitext(os.path.basename(args.out))[0]
-    replace_marked_section(report, f"<!-- {stem}:begin -->", f"<!-- {stem}:end -->", table(result))
+
+    def measure() -> dict:
+        quick = args.quick
+        return {**run(QUICK if quick else MODEL, 1 if quick else args.repeats, 0 if quick else 1), "note": args.note}
+
+    result = stored_or_measured(args.report_only, args.out, measure)
+    if args.quick:
+        return
+    marker = os.path.splitext(os.path.basename(args.out))[0]
+    report = write_report_section("sequence_parallel_step", result["date"], marker, table(result),
+                                  "Sequence parallelism: step time and TMP bytes (emulated links)",
+                                  "\n\n".join(__doc__.split("\n\n")[2:4]))
     print(f"wrote {args.out} and {report}")
 
 

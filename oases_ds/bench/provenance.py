@@ -7,10 +7,11 @@ describe the machine with the same keys.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
-from typing import Any
+from typing import Any, Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The source checkout (where ``benchmarks/`` lives); meaningless for a wheel install."""
@@ -28,6 +29,33 @@ def git_commit() -> str:
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "hostname": platform.node()}
+
+
+def stored_or_measured(report_only: bool, path: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A benchmark script's result: with ``--report-only`` the one stored at ``path``, else
+    ``measure()``'s, written there atomically first (a report is then regenerated from either)."""
+    from oases_ds.utils.io import write_json_atomic
+
+    if report_only:
+        with open(path) as f:
+            return json.load(f)
+    result = measure()
+    write_json_atomic(path, result, indent=2)
+    return result
+
+
+def write_report_section(study: str, day: str, marker: str, body: str, title: str, intro: str) -> str:
+    """Put ``body`` between the ``marker`` lines of the study's dated report (:func:`dated_report`),
+    which starts, when new, with ``title`` and ``intro`` (the hand-written reading goes after);
+    returns the report's path.  Every figure in ``body`` comes from the result file."""
+    from oases_ds.utils.io import replace_marked_section
+
+    report = dated_report(study, day)
+    if not os.path.exists(report):
+        with open(report, "w", encoding="utf-8") as f:
+            f.write(f"# {title}\n\n{intro}\n\n")
+    replace_marked_section(report, f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", body)
+    return report
 
 
 def dated_report(study: str, day: str | None = None) -> str:

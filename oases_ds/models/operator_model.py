@@ -174,6 +174,7 @@ class OperatorModel(nn.Module):
             cfg.check_degrees(full.degree, [a.degree for a, _ in layouts], [m.degree for _, m in layouts])
         layouts = layouts or [(full, full)] * cfg.num_layers
         self.sequence_parallel = bool(sequence_parallel) and full.degree > 1
+        self._tmp_rank = group_rank(group)  # where this rank's slice of the sequence starts, in slices
         if self.sequence_parallel:
             check_sequence_parallel(cfg, full.degree, [d.degree for pair in layouts for d in pair])
         self.stage = stage or Stage(0, 1, 0, cfg.num_layers)
@@ -282,7 +283,7 @@ class OperatorModel(nn.Module):
     def _seq_start(self, x: torch.Tensor) -> int:
         """Position of ``x``'s first token in the sequence: 0, or under sequence parallelism the
         start of this rank's slice (``x`` is a slice of the residual stream)."""
-        return group_rank(self.group) * x.shape[1] if self.sequence_parallel else 0
+        return self._tmp_rank * x.shape[1] if self.sequence_parallel else 0
 
     # -- weights -----------------------------------------------------------------
     @torch.no_grad()

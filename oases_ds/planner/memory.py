@@ -37,7 +37,7 @@ The peak is the largest sum over the replay of:
 
 Under sequence parallelism (``sequence_parallel``) the same replay runs over
 :func:`~oases_ds.models.operator_model.sequence_parallel_ops`: the ops between a
-block's ReduceScatter and the next AllGather (:data:`SEQUENCE_SLICED`) see ``1/t`` of
+block's ReduceScatter and the next AllGather (:func:`sequence_sliced`) see ``1/t`` of
 the tokens, an AllGather's result is ``t`` times its input, a ReduceScatter's ``1/t``.
 
 Assumptions, stated: eager PyTorch autograd as of the pinned version (what each
@@ -76,9 +76,16 @@ SAME_AS_PREVIOUS = -1
 
 TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
 
-SEQUENCE_SLICED: frozenset[str] = frozenset({"embed_out", "attn_in", "attn_out", "mlp_in", "mlp_out", "head_in"})
-"""The operators that run on this rank's ``1/t`` slice of the sequence under sequence parallelism:
-everything between a ReduceScatter and the next AllGather (norms, dropout, residual adds)."""
+def sequence_sliced(ops: Sequence[Op]) -> list[bool]:
+    """Which ops run on this rank's ``1/t`` slice of the sequence: those after a ReduceScatter
+    and before the next AllGather along the sequence (norms, dropout, residual adds), read off
+    the sequence itself; all ``False`` without sequence parallelism."""
+    sliced, out = False, []
+    for op in ops:
+        if isinstance(op, CommOp) and op.dim == 1 and op.forward in ("reduce_scatter", "all_gather"):
+            sliced = op.forward == "reduce_scatter"
+        out.append(sliced and not isinstance(op, CommOp))
+    return out
 """Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
 
 
@@ -243,16 +250,15 @@ def activation_replay(
     micro_batch: int,
     spec: ScheduleSpec,
     dtype_bytes: int,
-    sequence_parallel: bool = False,
 ) -> list[tuple[str, dict[str, float]]]:
     """Live activation bytes by term after every instruction of ``spec``'s schedule.
 
     ``op_degrees[i]``: TMP degree of op ``i``'s block (for a reshard, the degree it
     reshards *to*); a degree-t op runs ``micro_batch * t / devices`` samples of each
     sub-batch, as a replica of a reduced-degree block does.  ``micro_batch``: samples
-    of one micro-batch at the full degree ``devices``.  ``sequence_parallel``: ``ops`` are
-    :func:`~oases_ds.models.operator_model.sequence_parallel_ops` (one degree throughout),
-    and the :data:`SEQUENCE_SLICED` ops run on ``1/t`` of the tokens.
+    of one micro-batch at the full degree ``devices``.  Under sequence parallelism (``ops``
+    from :func:`~oases_ds.models.operator_model.sequence_parallel_ops`) the
+    :func:`sequence_sliced` ops run on ``1/t`` of the tokens.
     """
     if len(op_degrees) != len(ops):
         raise ValueError(f"op_degrees has {len(op_degrees)} entries for {len(ops)} operators")
@@ -264,8 +270,7 @@ def activation_replay(
     graph_only = {ins for ins in unread_recomputes(schedule.instructions, ops, frees)
                   if getattr(ops[ins.op], "graph_only_recompute", False)}  # placeholders: no bytes
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
-    if sequence_parallel:
-        tokens = [n / t if _short(op) in SEQUENCE_SLICED else n for n, t, op in zip(tokens, op_degrees, ops)]
+    tokens = [n / t if sliced else n for n, t, sliced in zip(tokens, op_degrees, sequence_sliced(ops))]
     neighbours = _neighbours(ops, op_degrees)
     table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
@@ -419,7 +424,7 @@ def estimate_memory(
         raise ValueError(f"plan has {len(attn_degrees)} layers but model.num_layers={cfg.num_layers}")
     ops, degrees = _ops(cfg.family, attn_degrees, mlp_degrees, devices, sequence_parallel)
     states = state_bytes(cfg, attn_degrees, mlp_degrees, devices)
-    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes, sequence_parallel)
+    replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes)
     at, terms = max(replay, key=lambda step: _total(step[1]))
     activations = max(_total(t) - t["comm"] for _, t in replay)
     checkpoints = max(t["checkpoint"] for _, t in replay)
@@ -498,7 +503,7 @@ def memory_rows(cfg: ModelConfig, spec: ScheduleSpec, devices: int, micro_batch:
     middle = PROBE_LAYERS // 2
     for t in degrees:
         ops, op_degrees = _ops(cfg.family, [t] * PROBE_LAYERS, [t] * PROBE_LAYERS, devices, sequence_parallel)
-        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes, sequence_parallel)
+        replay = activation_replay(probe, ops, op_degrees, devices, micro_batch, spec, dtype_bytes)
         # one instant, the one where the middle layer holds most: attribution between its two
         # blocks shifts during backward (a kept tail's output outlives the next block's checkpoint)
         _, most = max(replay, key=lambda step: sum(step[1].get(f"held:{middle}.{k}", 0.0) for k in rows))

@@ -269,10 +269,10 @@ class ScheduleSpec:
         ones (``oases[sb=4,cross=0,fine=1]``); names cost tables and cache files."""
         if not _REGISTRY[self.name].sub_batched or self == ScheduleSpec(self.name):
             return self.name
-        store = f",store={'.'.join(map(str, self.stored_blocks))}" if self.stored_blocks else ""
-        store += f",gathered={'.'.join(map(str, self.gathered_blocks))}" if self.gathered_blocks else ""
+        policies = "".join(f",{name}={'.'.join(map(str, blocks))}"
+                           for name, blocks in (("store", self.stored_blocks), ("gathered", self.gathered_blocks)) if blocks)
         return (f"{self.name}[sb={self.sub_batches},cross={int(self.cross_pass)},"
-                f"fine={int(self.fine_grained_recompute)}{store}]")
+                f"fine={int(self.fine_grained_recompute)}{policies}]")
 
 
 # -- segments -------------------------------------------------------------------
