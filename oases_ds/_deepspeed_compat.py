@@ -13,6 +13,10 @@ Two of DeepSpeed 0.19.8's choices differ by accelerator:
   (``OasesEngine._mark_sharded_grads``).  So Oases selects torch's Adam on every
   accelerator; on a GPU a config that sets ``torch_adam`` itself keeps its choice (``false``
   then runs DeepSpeed's fused path, which no Oases test covers, and says so in the log).
+  With ``zero_optimization.offload_optimizer`` the step runs on the host, and there the
+  default is DeepSpeed's CPU Adam (the op ZeRO-Offload is built around: a C++ build of
+  about a minute on first use, cached under ``~/.cache/torch_extensions``), unless the
+  config sets ``torch_adam``.
 * **A warning at every start.**  DeepSpeed's ``WarmupLR`` (and its other warm-up
   schedulers) set the optimizer's first learning rate in their constructor by calling
   their own ``get_lr`` before their first step, which logs "Attempting to get learning
@@ -59,6 +63,13 @@ def choose_deepspeed_defaults(config: dict) -> None:
     if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
         return
     params = opt.setdefault("params", {})
+    offload = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    if offload not in ("none", None):
+        if "torch_adam" not in params:  # the offloaded step runs on the host: DeepSpeed's CPU Adam is made for it
+            log.info("oases: optimizer offload steps with DeepSpeed's CPU Adam (a C++ op built at first use, about a "
+                     "minute, then cached); set optimizer.params.torch_adam=true for torch's Adam on the host instead")
+            params["torch_adam"] = False
+        return
     if name == "cpu" and not params.get("torch_adam", True):
         log.info("oases: CPU run, optimizer.params.torch_adam=false overridden (the fused Adam is a CUDA kernel)")
         params["torch_adam"] = True

@@ -211,15 +211,20 @@ def parse_oases_section(section: Any) -> OasesConfig:
 
 
 def check_deepspeed_section(config: dict) -> None:
-    """Refuse DeepSpeed features the Oases engine does not drive: ZeRO >= 2 partitions
-    gradients inside backward hooks, which the executor's per-operator backward would
-    fire out of order; fp16 loss scaling is not wired through the schedule; DeepSpeed's
+    """Refuse DeepSpeed features the Oases engine does not drive: ZeRO-3 gathers
+    parameters in forward hooks, which the executor's per-operator schedule never runs;
+    fp16 loss scaling is not wired through the schedule; DeepSpeed's
     ``torch_autocast`` would wrap only ``engine(batch)`` (evaluation), never the schedule,
     and make activations differ in dtype from the parameters a pipeline receive is sized by."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    if stage not in (0, 1):
-        raise OasesConfigError(f"zero_optimization.stage={stage} is not supported with oases; use 0 or 1")
+    if stage not in (0, 1, 2):
+        raise OasesConfigError(f"zero_optimization.stage={stage} is not supported with oases (stage 3 gathers "
+                               "parameters inside forward hooks the schedule does not run); use 0, 1 or 2")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload not in ("none", None) and stage == 0:
+        raise OasesConfigError(f"zero_optimization.offload_optimizer.device={offload} needs zero_optimization.stage 1 or 2 "
+                               "(DeepSpeed offloads the optimizer's partition); set the stage, or remove the offload")
     if zero.get("overlap_comm", False):
         raise OasesConfigError("zero_optimization.overlap_comm=true is not supported with oases (its gradient hooks "
                                "would reduce inside the schedule); set it to false")

@@ -246,6 +246,28 @@ class OasesEngine(DeepSpeedEngine):
         self.executor.sum_replica_grads = False  # folded into the reducer's AllReduce at the boundary
         return reducer
 
+    @contextlib.contextmanager
+    def _zero2_hooks_paused(self) -> Iterator[None]:
+        """DeepSpeed's ZeRO-2 optimizer without its gradient hooks while the schedule runs.
+
+        ZeRO-2 reduce-scatters each gradient from a hook that fires as autograd accumulates
+        it into ``.grad``; the executor's own per-operator backward would fire it inside the
+        schedule (a tied weight twice, DeepSpeed then refusing the second reduction), and the
+        hook would take away ``.grad`` the schedule still accumulates into.  So the hooks are
+        removed for the schedule and registered again before the surrogate backward, whose
+        single pass per parameter is the one backward DeepSpeed expects to reduce."""
+        opt = self.optimizer
+        if not (isinstance(opt, DeepSpeedZeroOptimizer) and opt.partition_gradients):
+            yield
+            return
+        for handle in opt._grad_acc_hooks:
+            handle.remove()
+        opt._grad_acc_hooks = []
+        try:
+            yield
+        finally:
+            opt.create_gradient_handling_hooks()
+
     def _zero1_takes_reduced_grads(self) -> bool:
         """Whether the optimizer is DeepSpeed's ZeRO-1 optimizer in the mode whose
         boundary reduction reads the parameters' ``.grad`` and leaves them in place
@@ -441,7 +463,8 @@ class OasesEngine(DeepSpeedEngine):
                 if zero:
                     self._hand_reduced_grads_to_zero()
             return loss
-        loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
+        with self._zero2_hooks_paused():
+            loss = self.executor.run(batch, sample_offset=offset, global_batch=global_batch)
         self.backward(self._surrogate(params, accumulated, "the schedule produced no parameter gradient; is the "
                                                            "model's loss connected to its parameters?"))
         return loss
@@ -486,7 +509,8 @@ class OasesEngine(DeepSpeedEngine):
         ctx = self.parallel_context
         params, accumulated = self._stash_grads()
         offsets = [(acc * ctx.dp_size + ctx.dp_rank) * micro for acc in range(gas)]
-        loss = self.executor.run_step(micro_batches, offsets, gas * ctx.dp_size * micro)
+        with self._zero2_hooks_paused():
+            loss = self.executor.run_step(micro_batches, offsets, gas * ctx.dp_size * micro)
         surrogate = self._surrogate(params, accumulated, "the pipeline schedule produced no parameter gradient on this stage")
         self.micro_steps += gas - 1
         self.set_gradient_accumulation_boundary(True)

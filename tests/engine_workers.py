@@ -10,7 +10,8 @@ from dist_workers import make_batch, tiny_config  # noqa: F401 (re-exported for 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def ds_config(micro: int, gas: int, zero: int = 0, clip: float | None = None, oases: dict | None = None, bf16: bool = False) -> dict:
+def ds_config(micro: int, gas: int, zero: int = 0, clip: float | None = None, oases: dict | None = None, bf16: bool = False,
+              offload: bool = False) -> dict:
     if clip is None:
         clip = float(os.environ.get("OASES_TEST_CLIP", "0.05"))
     cfg = {
@@ -23,6 +24,9 @@ def ds_config(micro: int, gas: int, zero: int = 0, clip: float | None = None, oa
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if offload:  # the optimizer's fp32 partition and states in host memory; the parity runs keep their SGD
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if oases is not None:
         cfg["oases"] = oases
     return cfg
@@ -78,7 +82,7 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
               bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True,
-              sequence_parallel: bool = False, check_collectives: bool = False) -> dict:
+              sequence_parallel: bool = False, check_collectives: bool = False, offload: bool = False) -> dict:
     """OasesEngine on this rank's TMP shard and DP share; returns full params after each step,
     and the global gradient norm DeepSpeed's optimizer clipped with (ZeRO-1; None otherwise)."""
     import oases_ds
@@ -87,7 +91,7 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
                "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {}),
                "sequence_parallel": sequence_parallel, "check_collectives": check_collectives}
-    cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16)
+    cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16, offload=offload)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
     engine, *_ = oases_ds.initialize(model=tiny_config(family), optimizer=sgd if optimizer == "sgd" else None, config=cfg)
@@ -117,6 +121,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
             "stats": engine.last_stats, "eval_loss": eval_loss, "dp_overlap": reducer is not None,
             "dp_log": list(reducer.log) if reducer else [], "grad_sync_calls": engine.oases_comm.stats.calls_in("grad_sync"),
             "grad_norms": grad_norms, "optimizer": type(engine.optimizer).__name__,
+            "partition_gradients": bool(getattr(engine.optimizer, "partition_gradients", False)),
+            "cpu_offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
             "sequence_parallel": engine.module.sequence_parallel,
             "deepspeed_reductions": ds_reductions[0], "handoff_buffer_elements": handoff_buffers}
 

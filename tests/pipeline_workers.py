@@ -133,7 +133,13 @@ def pipeline_engine_run(family: str, tp: int, pp: int, steps: int, micro: int, g
     mine = {k: v[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank] for k, v in full.items()}
     eval_loss = float(engine.eval_batch(mine))
     return {"engine": type(engine).__name__, "params": params, "losses": losses, "eval_loss": eval_loss,
-            "stage": ctx.pp_rank, "global_steps": engine.global_steps, "stats": engine.last_stats}
+            "stage": ctx.pp_rank, "global_steps": engine.global_steps, "stats": engine.last_stats,
+            "partition_gradients": bool(getattr(engine.optimizer, "partition_gradients", False))}
+
+
+def pipeline_engine_runs(runs: list[tuple]) -> list[dict]:
+    """:func:`pipeline_engine_run` of each argument tuple in turn, in one launch (imports once)."""
+    return [pipeline_engine_run(*args) for args in runs]
 
 
 def pipeline_config_error(world_oases: dict, layers: int = 2) -> str:

@@ -90,7 +90,8 @@ def run(layout: dict, save_dir: str | None, phase: str, steps: int) -> dict:
     ``steps``.  "fresh": train ``steps`` from step 0.  Returns losses, snapshot, final weights,
     the step counter and the learning rate the next step would use."""
     engine = _engine(layout)
-    out: dict = {"stage": engine.parallel_context.pp_rank, "optimizer": type(engine.optimizer).__name__}
+    out: dict = {"stage": engine.parallel_context.pp_rank, "optimizer": type(engine.optimizer).__name__,
+                 "partition_gradients": bool(getattr(engine.optimizer, "partition_gradients", False))}
     if phase == "resume":
         path, client = engine.load_checkpoint(save_dir)
         out.update(path=path, client=client, loaded_step=engine.global_steps, loaded=snapshot(engine),

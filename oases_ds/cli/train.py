@@ -88,6 +88,7 @@ class TrainSchema:
     lr: float = 2.0e-3
     warmup_steps: int = 10
     zero_stage: int = 0
+    offload: bool = False
     plan: Optional[str] = None
     memory_limit: Any = None  # with plan=auto: bytes or a string such as 2GiB (schema.parse_bytes)
     bf16: bool = False
@@ -141,6 +142,17 @@ def model_config(model: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"model.path={model['path']}: {err}") from None
 
 
+def states_label(engine: Any) -> str:
+    """Where the run keeps its model states, for the header: ``ZeRO-2, AdamW in host memory |``
+    (the optimizer DeepSpeed built, so an offload without its CPU Adam shows); empty at ZeRO 0."""
+    stage = engine.zero_optimization_stage()
+    if not stage:
+        return ""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    where = " in host memory" if getattr(engine.optimizer, "cpu_offload", False) else ""
+    return f"ZeRO-{stage}, {type(inner).__name__}{where} | "
+
+
 def ds_config(cfg: dict) -> dict:
     """The DeepSpeed JSON this run would use (with its "oases" section)."""
     sched, link = cfg["schedule"], cfg["cluster"].get("link")
@@ -152,7 +164,8 @@ def ds_config(cfg: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": cfg["lr"], "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg["lr"],
                                                        "warmup_num_steps": cfg["warmup_steps"]}},
-        "zero_optimization": {"stage": cfg["zero_stage"]},
+        "zero_optimization": {"stage": cfg["zero_stage"],
+                              **({"offload_optimizer": {"device": "cpu"}} if cfg["offload"] else {})},
         "bf16": {"enabled": cfg["bf16"]},
         "oases": {
             "enabled": True,
@@ -332,7 +345,7 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         label = f"EMULATED link {link['bandwidth_gbps']} Gbit/s" if link else "no link emulation"
         print(f"oases-train: {model_cfg.family} h={model_cfg.hidden_size} L={model_cfg.num_layers} | "
               f"{torch.distributed.get_world_size()} ranks = {f'PP {ctx.pp_size} x ' if ctx.pp_size > 1 else ''}"
-              f"TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | "
+              f"TMP {ctx.tp_size} x DP {dp} | schedule {cfg['schedule']['name']} | {states_label(engine)}"
               f"{label} | from step {start_step}", flush=True)
     # Every evaluation reads the same held-out batch (windows no training step reads), so eval losses compare.
     def evaluate() -> float:

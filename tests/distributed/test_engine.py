@@ -132,14 +132,15 @@ def test_a_dead_rank_makes_the_others_exit_nonzero(tmp_path):
     assert b"finished without its peer" not in out0
 
 
-def test_malformed_oases_section_and_zero2_are_rejected():
+def test_malformed_oases_section_and_zero3_are_rejected():
     import oases_ds
     from oases_ds.config import OasesConfigError
 
     with pytest.raises(OasesConfigError, match=r"^oases.sub_batch: Extra inputs are not permitted"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, oases={"enabled": True, "sub_batch": 2}))
-    with pytest.raises(OasesConfigError, match=r"^zero_optimization.stage=2 is not supported with oases; use 0 or 1"):
-        oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, zero=2, oases={"enabled": True}))
+    with pytest.raises(OasesConfigError, match=r"^zero_optimization.stage=3 is not supported with oases \(stage 3 gathers "
+                                              r"parameters inside forward hooks the schedule does not run\); use 0, 1 or 2$"):
+        oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, zero=3, oases={"enabled": True}))
     overlap = ew.ds_config(4, 1, zero=1, oases={"enabled": True})
     overlap["zero_optimization"]["overlap_comm"] = True
     with pytest.raises(OasesConfigError, match=r"^zero_optimization.overlap_comm=true is not supported with oases"):
@@ -193,13 +194,34 @@ def test_the_hot_path_never_syncs_and_an_unlabelled_micro_batch_is_refused_befor
 @pytest.fixture(scope="module")
 def dp2_gas2():
     """DP 2 x TMP 1 (2 ranks) and DP 2 x TMP 2 (4 ranks), 2 micro-batches of 2 per step,
-    ZeRO 0 and 1, clipping 0.05, oases schedule: one launch each, shared by the tests below."""
+    ZeRO 0, 1 and 2, clipping 0.05, oases schedule: one launch each, shared by the tests below."""
     runs = {}
-    for tp in (1, 2):  # one launch per world size, ZeRO 0 then 1 in it
-        outs = launch(ew.oases_runs, 2 * tp, ([("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, zero) for zero in (0, 1)],),
-                      timeout_s=600)[0]
-        runs.update({(tp, zero): out for zero, out in zip((0, 1), outs)})
+    for tp in (1, 2):  # one launch per world size, ZeRO 0, 1, 2 in it (at TMP 2 also 1 and 2 with offload)
+        keys = [0, 1, 2] + (["1+offload", "2+offload"] if tp == 2 else [])
+        args = [("gpt", tp, STEPS, GLOBAL_BATCH // 4, 2, int(str(key)[0]), "oases", False, "sgd", None, True, False, False,
+                 "offload" in str(key)) for key in keys]
+        outs = launch(ew.oases_runs, 2 * tp, (args,), timeout_s=600)[0]
+        runs.update({(tp, key): out for key, out in zip(keys, outs)})
     return runs
+
+
+ZERO2_TOL = 1e-6  # ZeRO-2 against ZeRO-0 of the same launch: the same sums in another order (measured 3e-8)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero2_matches_zero0_and_plain_deepspeed(dp2_gas2, tp):
+    """ZeRO-2 partitions the gradients over DP: DeepSpeed's reducer reduce-scatters each
+    micro-batch's gradients after the schedule (its hooks paused while the schedule runs)."""
+    z2, z0 = dp2_gas2[(tp, 2)], dp2_gas2[(tp, 0)]
+    assert_params_match(z2, reference())
+    for step in range(STEPS):
+        for name, want in z0["params"][step].items():
+            err = float((z2["params"][step][name] - want).norm() / want.norm())
+            assert err <= ZERO2_TOL, f"step {step} {name}: ZeRO-2 vs ZeRO-0 rel err {err:.2e}"
+    assert z2["optimizer"] == "DeepSpeedZeroOptimizer" and z2["partition_gradients"]
+    # DeepSpeed's reducer ran once per micro-batch (ZeRO-2 reduces at every one), not the overlapped one
+    assert not z2["dp_overlap"] and z2["deepspeed_reductions"] >= 2 * STEPS
+    assert all(norm > CLIP for norm in z2["grad_norms"]), z2["grad_norms"]  # clipping over DP and TMP was active
 
 
 @pytest.mark.parametrize("tp, zero", [(1, 0), (1, 1), (2, 0), (2, 1)])
@@ -223,6 +245,21 @@ def test_dp_buckets_start_before_the_schedules_last_backward(dp2_gas2, tp, zero)
     assert log[buckets[0]] == "dp:2.head"  # the head's gradient is final first (its backward runs first)
     assert {e for e in log if e.startswith("dp:")} == {"dp:2.head", "dp:1.mlp", "dp:1.attn", "dp:0.mlp", "dp:0.attn", "dp:-1.embed"}
     assert dp2_gas2[(tp, zero)]["grad_sync_calls"] == 6  # one AllReduce per block, only on the boundary micro-batch
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_optimizer_offload_matches_the_run_without_it(dp2_gas2, zero):
+    """``offload_optimizer.device=cpu`` (DP 2 x TMP 2): the fp32 partition and its optimizer state
+    in host memory, DeepSpeed's reducer after the schedule; the same parameters as without it.
+    (The parity runs keep their SGD, ``zero_force_ds_cpu_optimizer=false``; DeepSpeed's CPU Adam
+    is trained by tests/integration/test_cli.py::test_train_offloads_the_optimizer_with_deepspeeds_cpu_adam.)"""
+    off, ref = dp2_gas2[(2, f"{zero}+offload")], dp2_gas2[(2, 0)]
+    assert off["cpu_offload"] and not dp2_gas2[(2, zero)]["cpu_offload"] and not off["dp_overlap"]
+    assert off["partition_gradients"] == (zero == 2)
+    for step in range(STEPS):
+        for name, want in ref["params"][step].items():
+            err = float((off["params"][step][name] - want).norm() / want.norm())
+            assert err <= ZERO2_TOL, f"step {step} {name}: offload (ZeRO-{zero}) vs ZeRO-0 rel err {err:.2e}"
 
 
 # bf16 against fp32: bf16 keeps 8 significant bits, so one rounding is off by up to 2^-9

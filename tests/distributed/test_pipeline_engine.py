@@ -39,14 +39,29 @@ def assert_stages_match(per_rank: list[dict], ref: dict) -> None:
     assert held == set(ref["params"][0])
 
 
-@pytest.mark.parametrize("family,tp,gas,micro,pipeline,schedule", [
-    ("gpt", 2, 4, 2, "1f1b", "oases"),      # PP 2 x TMP 2, 4 micro-batches
-    ("llama", 1, 2, 2, "gpipe", "megatron"),  # PP 2 x DP 2, 2 micro-batches
-])
-def test_engine_with_stages_matches_plain_deepspeed(family, tp, gas, micro, pipeline, schedule):
-    per_rank = launch(pw.pipeline_engine_run, 4, (family, tp, 2, STEPS, micro, gas, schedule, pipeline), timeout_s=600)
-    assert_stages_match(per_rank, reference(family))
+def test_engine_with_stages_matches_plain_deepspeed():  # PP 2 x TMP 2, 4 micro-batches
+    per_rank = launch(pw.pipeline_engine_run, 4, ("gpt", 2, 2, STEPS, 2, 4, "oases", "1f1b"), timeout_s=600)
+    assert_stages_match(per_rank, reference("gpt"))
     assert all(out["stats"]["pipeline_bytes"] > 0 for out in per_rank)
+
+
+ZERO2_TOL = 1e-6  # ZeRO-2 against ZeRO-0 of the same launch: the same sums in another order
+
+
+def test_zero2_with_stages_matches_zero0_and_plain_deepspeed():
+    """PP 2 x DP 2, 2 micro-batches (gpipe, megatron schedule), ZeRO 0 then 2 in one launch:
+    each stage's gradients partitioned over its DP group after the pipeline schedule."""
+    runs = launch(pw.pipeline_engine_runs, 4, ([("llama", 1, 2, STEPS, 2, 2, "megatron", "gpipe", zero)
+                                                 for zero in (0, 2)],), timeout_s=600)
+    zero0, zero2 = ([rank[i] for rank in runs] for i in range(2))
+    for per_rank in (zero0, zero2):
+        assert_stages_match(per_rank, reference("llama"))
+    assert [out["partition_gradients"] for out in zero0 + zero2] == [False] * 4 + [True] * 4
+    for rank, (a, b) in enumerate(zip(zero0, zero2)):
+        for step in range(STEPS):
+            for name, want in a["params"][step].items():
+                err = float((b["params"][step][name] - want).norm() / want.norm())
+                assert err <= ZERO2_TOL, f"rank {rank} step {step} {name}: ZeRO-2 vs ZeRO-0 rel err {err:.2e}"
 
 
 def test_checkpoint_resumes_with_stages_and_another_stage_count_needs_its_portable_state(tmp_path):

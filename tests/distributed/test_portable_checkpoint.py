@@ -77,16 +77,17 @@ def test_a_checkpoint_resumes_under_another_layout_as_an_unbroken_run(saved, tmp
     assert worst <= REL, f"{name}: {where} differs by {worst:.2e} relative"
 
 
-def test_bf16_master_and_moments_move_from_zero1_partitions_to_another_layout(tmp_path):
-    """bf16, ZeRO-1 over DP 2 (flat fp32 partitions) -> ZeRO 0 at TMP 2 (DeepSpeed's
+def test_bf16_master_and_moments_move_from_zero2_partitions_to_another_layout(tmp_path):
+    """bf16, ZeRO-2 over DP 2 (flat fp32 partitions, gradients partitioned too) -> ZeRO 0 at TMP 2 (DeepSpeed's
     FP16_UnfusedOptimizer: fp32 copies per parameter): master and moments bit for bit, and
     each bf16 weight is its master rounded; training goes on."""
     directory = str(tmp_path / "ckpt")
-    src = dict(tp=1, micro=4, gas=1, zero=1, bf16=True)
+    src = dict(tp=1, micro=4, gas=1, zero=2, bf16=True)
     dst = dict(tp=2, micro=4, gas=2, bf16=True)
     saving = launch(pw.run, 2, (src, directory, "save", 2), timeout_s=600)
     resumed = launch(pw.run, 2, (dst, directory, "resume", 1), timeout_s=600)
     assert saving[0]["optimizer"] == "DeepSpeedZeroOptimizer" and resumed[0]["optimizer"] == "FP16_UnfusedOptimizer"
+    assert saving[0]["partition_gradients"]
     before, after = saving[0]["saved"], resumed[0]["loaded"]
     assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
     loaded = resumed[0]["loaded_weights"]
