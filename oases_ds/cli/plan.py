@@ -28,6 +28,7 @@ from oases_ds.cli.schema import ClusterSchema, ModelSchema, ScheduleSchema, pars
 from oases_ds.launcher import LaunchError, LaunchInterrupted
 from oases_ds.planner.accuracy import AccuracySpec, candidate_plans, check_lines, check_plans
 from oases_ds.planner.analytic import DeviceModel
+from oases_ds.planner.costs import ModelStates
 from oases_ds.planner.plan import PlanInfeasibleError
 from oases_ds.planner.planning import (SOLVERS, LoadedTable, PipelineRequest, PlanRequest, PlanResult, check_source,
                                        load_table, make_plan, result_lines)
@@ -80,6 +81,10 @@ class PlanSchema:
     micro_batches: Optional[int] = None
     pipeline_link_gbps: Optional[float] = None
     sequence_parallel: bool = False
+    precision: str = "bf16"
+    zero_stage: int = 0
+    offload: bool = False
+    data_parallel_size: int = 1
     table: Optional[str] = None
     out: str = "plan.json"
     timeout_s: float = 1800.0
@@ -121,7 +126,8 @@ def request_of(cfg: dict) -> PlanRequest:
         solver=planner["solver"], backend=planner["backend"], time_limit_s=planner["time_limit_s"],
         memory_limit_bytes=parse_bytes("memory_limit", cfg["memory_limit"]),
         pipeline=PipelineRequest(stages, cfg["micro_batches"], cfg["pipeline_link_gbps"]) if stages > 1 else None,
-        recompute=planner["recompute"])
+        recompute=planner["recompute"],
+        model_states=ModelStates(cfg["precision"], cfg["zero_stage"], cfg["offload"], cfg["data_parallel_size"]))
 
 
 def run(cfg: dict) -> None:

@@ -303,6 +303,7 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
     or ``oases``) within ``limit``, print the plan as ``oases-plan`` does and write it to ``out``,
     which the run then trains with (and a later run can pass as ``plan=``)."""
     from oases_ds.parallel.link import link_from_config
+    from oases_ds.planner.costs import ModelStates
     from oases_ds.planner.plan import PlanInfeasibleError
     from oases_ds.planner.planning import PlanRequest, make_plan, plan_lines
     from oases_ds.planner.profile import ProfileSpec
@@ -312,7 +313,10 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
                        link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"],
                        sequence_parallel=cfg["sequence_parallel"])
-    request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"])
+    dp = cfg["nprocs"] // (cfg["tensor_parallel_size"] * cfg["pipeline_stages"])
+    states = ModelStates("bf16" if cfg["bf16"] else "fp32", cfg["zero_stage"], cfg["offload"], dp)  # as this run holds them
+    request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"],
+                          model_states=states)
     print(f"oases-train: plan=auto: planning degrees and recompute policies for memory_limit="
           f"{limit / 2**20:.1f} MiB per device ({spec.key()}) ...", flush=True)
     try:

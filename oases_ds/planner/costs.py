@@ -61,6 +61,54 @@ and both moments (4 + 4 + 4).  fp32 Adam holds the same 16 (weight, gradient, tw
 4 each).  One number for the analytic table and the profiler alike."""
 
 
+PRECISIONS: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Training precision -> bytes of one weight (and of its gradient)."""
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """How a rank holds its parameters' model states: precision, ZeRO stage, optimizer offload
+    and the DP size ZeRO partitions over -- what ``bytes_per_param`` prices.
+
+    Default: bf16, ZeRO 0, no offload, which is :data:`STATE_BYTES_PER_PARAM`, the number
+    every stored table was priced with; :func:`~oases_ds.planner.memory.with_model_states`
+    re-prices a table for another setting."""
+
+    precision: str = "bf16"
+    zero_stage: int = 0
+    offload: bool = False
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={self.zero_stage!r}; oases trains with ZeRO 0, 1 or 2")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size!r}; give an integer >= 1")
+        if self.offload and self.zero_stage == 0:
+            raise ValueError("offload=true needs zero_stage 1 or 2 (DeepSpeed offloads the optimizer's partition)")
+
+    def bytes_per_param(self) -> float:
+        """Device bytes per parameter this rank holds, at the step's peak (Adam).
+
+        The weight and its gradient are whole at every stage: the schedule computes each
+        micro-batch's gradients whole, and under ZeRO-2 DeepSpeed reduce-scatters them only
+        after the schedule (``OasesEngine._zero2_hooks_paused``), so ZeRO-2 lowers no peak
+        here.  The optimizer's 12 bytes (fp32 master and two moments; fp32 at ZeRO 0 has no
+        separate master: 8) are split over DP from ZeRO-1 on and leave the device with offload."""
+        weight = PRECISIONS[self.precision]
+        if self.offload:
+            return float(2 * weight)
+        optimizer = 8 if (self.precision == "fp32" and self.zero_stage == 0) else 12
+        return 2 * weight + optimizer / (self.data_parallel_size if self.zero_stage else 1)
+
+    def label(self) -> str:
+        where = ", optimizer in host memory" if self.offload else ""
+        return (f"{self.precision}, ZeRO {self.zero_stage} over DP {self.data_parallel_size}{where}: "
+                f"{self.bytes_per_param():g} B of model states per parameter")
+
+
 def check_degree(field: str, degree: object, devices: int) -> None:
     """Raise unless ``degree`` is a power of two dividing ``devices``.
 

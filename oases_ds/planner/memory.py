@@ -60,7 +60,7 @@ from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_cou
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes
-from oases_ds.planner.costs import STATE_BYTES_PER_PARAM
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
@@ -398,12 +398,38 @@ def _terms(buffers: dict, kind: dict, size: dict, tag: dict, ops: Sequence[Op]) 
     return totals
 
 
-def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int) -> float:
-    """Model states one rank holds: embedding, head and every block's shard, x STATE_BYTES_PER_PARAM."""
+def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], devices: int,
+                bytes_per_param: float = STATE_BYTES_PER_PARAM) -> float:
+    """Model states one rank holds: embedding, head and every block's shard, x ``bytes_per_param``
+    (:meth:`ModelStates.bytes_per_param <oases_ds.planner.costs.ModelStates.bytes_per_param>`)."""
     params = embed_head_parameter_count(cfg, devices)
     params += sum(layer_parameter_counts(cfg, a)["attn"] + layer_parameter_counts(cfg, m)["mlp"]
                   for a, m in zip(attn_degrees, mlp_degrees))
-    return float(params * STATE_BYTES_PER_PARAM)
+    return float(params * bytes_per_param)
+
+
+def with_model_states(table: CostTable, states: ModelStates, cfg: ModelConfig) -> CostTable:
+    """``table`` re-priced for ``states``: every table is priced at :data:`STATE_BYTES_PER_PARAM`
+    (the profiler and the analytic model alike), so each block's ``state_bytes`` and the
+    embedding's and head's states inside ``fixed_bytes`` (and each pipeline role's) are
+    scaled to ``states.bytes_per_param()``; activations are untouched."""
+    per_param = states.bytes_per_param()
+    if per_param == STATE_BYTES_PER_PARAM:
+        return table
+    ratio = per_param / STATE_BYTES_PER_PARAM
+
+    def scaled(rows: dict[str, dict[int, BlockCost]]) -> dict[str, dict[int, BlockCost]]:
+        return {kind: {t: dataclasses.replace(c, state_bytes=c.state_bytes * ratio) for t, c in by_degree.items()}
+                for kind, by_degree in rows.items()}
+
+    ends = end_parameter_counts(cfg, table.devices)
+    delta = per_param - STATE_BYTES_PER_PARAM
+    stage_fixed = {role: value + delta * sum(ends[end] for end in STAGE_ROLES[role])
+                   for role, value in table.stage_fixed_bytes.items()}
+    return dataclasses.replace(table, blocks=scaled(table.blocks), store_blocks=scaled(table.store_blocks),
+                               gathered_blocks=scaled(table.gathered_blocks),
+                               fixed_bytes=table.fixed_bytes + delta * embed_head_parameter_count(cfg, table.devices),
+                               stage_fixed_bytes=stage_fixed)
 
 
 def estimate_memory(
@@ -415,15 +441,16 @@ def estimate_memory(
     spec: ScheduleSpec,
     dtype_bytes: int,
     sequence_parallel: bool = False,
+    bytes_per_param: float = STATE_BYTES_PER_PARAM,
 ) -> MemoryEstimate:
     """Per-rank peak of one step of ``micro_batch`` samples (the whole TMP group's, as
     the planner counts them) under ``spec``, for a plan's per-block degrees (with
-    ``sequence_parallel``, all of them ``devices``); see the module doc for the terms and
-    their assumptions."""
+    ``sequence_parallel``, all of them ``devices``), model states at ``bytes_per_param``;
+    see the module doc for the terms and their assumptions."""
     if len(attn_degrees) != cfg.num_layers:
         raise ValueError(f"plan has {len(attn_degrees)} layers but model.num_layers={cfg.num_layers}")
     ops, degrees = _ops(cfg.family, attn_degrees, mlp_degrees, devices, sequence_parallel)
-    states = state_bytes(cfg, attn_degrees, mlp_degrees, devices)
+    states = state_bytes(cfg, attn_degrees, mlp_degrees, devices, bytes_per_param)
     replay = activation_replay(cfg, ops, degrees, devices, micro_batch, spec, dtype_bytes)
     at, terms = max(replay, key=lambda step: _total(step[1]))
     activations = max(_total(t) - t["comm"] for _, t in replay)

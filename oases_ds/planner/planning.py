@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from oases_ds.planner.analytic import ACTIVATION_BYTES, DeviceModel, analytic_table, head_ms
-from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable
+from oases_ds.planner.costs import COST_MODEL_VERSION, CostTable, ModelStates
 from oases_ds.planner.dp import solve_dp
-from oases_ds.planner.memory import MemoryEstimate, estimate_memory, memory_lines
+from oases_ds.planner.memory import MemoryEstimate, estimate_memory, memory_lines, with_model_states
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan, PlanInfeasibleError
 from oases_ds.planner.policies import RECOMPUTE_CHOICES, with_store_costs
@@ -87,6 +87,8 @@ class PlanRequest:
         recompute: ``oases`` (every block recomputed, the paper's schedule) or ``auto`` (the solver
             chooses each block's policy, ``store`` or ``oases``, with its degree: what the memory
             limit leaves room to store is stored; :mod:`oases_ds.planner.policies`).
+        model_states: precision, ZeRO stage, offload and DP size the model states are priced at
+            (:meth:`ModelStates.bytes_per_param`); the default is what every table is priced at.
     """
 
     profile: ProfileSpec | None
@@ -102,9 +104,13 @@ class PlanRequest:
     memory_limit_bytes: float | None = None
     pipeline: PipelineRequest | None = None
     recompute: str = "oases"
+    model_states: ModelStates = ModelStates()
 
     def __post_init__(self) -> None:
         check_source(self.cost, self.table_path)
+        if self.table_path and self.model_states != ModelStates():
+            raise ValueError(f"table={self.table_path} with zero_stage / offload / precision / data_parallel_size set: "
+                             "re-pricing model states needs the model; plan from the model (drop table=)")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"planner.recompute={self.recompute!r} unknown; choose one of {', '.join(RECOMPUTE_CHOICES)}")
         if self.solver not in SOLVERS:
@@ -173,7 +179,7 @@ def load_table(request: PlanRequest) -> LoadedTable:
     ``recompute="auto"``, with its ``store`` costs (:func:`~oases_ds.planner.policies.with_store_costs`)."""
     loaded = _load_oases_table(request)
     if request.recompute != "auto" or loaded.table.store_blocks:
-        return loaded
+        return _priced_states(request, loaded)
     if request.profile is None:
         raise ValueError(f"planner.recompute=auto: the table {request.table_path} prices no policy store and "
                          f"table= describes no model to derive it for; plan from the model (drop table=) or "
@@ -182,7 +188,15 @@ def load_table(request: PlanRequest) -> LoadedTable:
     dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
     table = with_store_costs(loaded.table, spec.model, spec.micro_batch, dtype)
     priced = "policies store and oases_gathered" if table.sequence_parallel else "policy store"
-    return LoadedTable(table, f"{loaded.source}; {priced} priced from it")
+    return _priced_states(request, LoadedTable(table, f"{loaded.source}; {priced} priced from it"))
+
+
+def _priced_states(request: PlanRequest, loaded: LoadedTable) -> LoadedTable:
+    """``loaded`` with its model states at ``request.model_states`` (unchanged at the default)."""
+    if request.model_states == ModelStates() or request.profile is None:
+        return loaded
+    table = with_model_states(loaded.table, request.model_states, request.profile.model)
+    return LoadedTable(table, f"{loaded.source}; states {request.model_states.label()}")
 
 
 def _load_oases_table(request: PlanRequest) -> LoadedTable:
@@ -258,7 +272,8 @@ def make_plan(request: PlanRequest, loaded: LoadedTable | None = None) -> PlanRe
         schedule = dataclasses.replace(spec.schedule, stored_blocks=plan.stored_blocks(),
                                        gathered_blocks=plan.gathered_blocks())
         memory = estimate_memory(dataclasses.replace(spec.model, num_layers=table.layers), plan.attn_degrees,
-                                 plan.mlp_degrees, plan.devices, spec.micro_batch, schedule, dtype, table.sequence_parallel)
+                                 plan.mlp_degrees, plan.devices, spec.micro_batch, schedule, dtype, table.sequence_parallel,
+                                 request.model_states.bytes_per_param())
     return PlanResult(loaded, plan, replayed, best_uniform(table, limit, replayed), memory)
 
 

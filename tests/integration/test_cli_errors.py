@@ -176,6 +176,9 @@ def test_plan_names_a_bad_table_file(capsys, monkeypatch, tmp_path, files, name,
     ("devices=abc", "error: devices: Value 'abc'"),
     ("+planner.solvr=dp", "error: planner.solvr: not a known key; did you mean planner.solver?"),
     ("experiment=foo", "error: experiment=foo is not a preset in configs/experiment; oases-plan takes cost_model"),
+    ("offload=true", "error: offload=true needs zero_stage 1 or 2 (DeepSpeed offloads the optimizer's partition)"),
+    ("precision=fp8", "error: precision='fp8'; choose one of fp32, bf16, fp16"),
+    ("data_parallel_size=0", "error: data_parallel_size=0; give an integer >= 1"),
 ])
 def test_plan_refuses_a_bad_value_naming_its_key(capsys, monkeypatch, tmp_path, override, start):
     line = refused(capsys, monkeypatch, tmp_path, plan, "cost=analytic", "cluster=pcie_3090", override,

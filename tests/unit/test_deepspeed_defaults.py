@@ -79,3 +79,15 @@ def test_other_optimizers_are_left_alone(accelerator):
     cfg = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
     choose_deepspeed_defaults(cfg)
     assert cfg == {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+
+
+def test_an_offloaded_adam_steps_with_deepspeeds_cpu_adam_unless_torch_adam_is_set(accelerator):
+    from oases_ds._deepspeed_compat import choose_deepspeed_defaults
+
+    offloaded = {**copy.deepcopy(ADAMW), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    choose_deepspeed_defaults(offloaded)
+    assert offloaded["optimizer"]["params"]["torch_adam"] is False  # DeepSpeed then builds its CPU Adam
+    chosen = copy.deepcopy(offloaded)
+    chosen["optimizer"]["params"]["torch_adam"] = True
+    choose_deepspeed_defaults(chosen)
+    assert chosen["optimizer"]["params"]["torch_adam"] is True

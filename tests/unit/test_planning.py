@@ -14,6 +14,8 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner import PipelineRequest, PlanInfeasibleError, PlanRequest, make_plan
 from oases_ds.planner.analytic import DeviceModel
+from oases_ds.planner.costs import STATE_BYTES_PER_PARAM, ModelStates
+from oases_ds.planner.memory import estimate_memory
 from oases_ds.planner.planning import load_table
 from oases_ds.planner.profile import ProfileSpec
 
@@ -83,3 +85,64 @@ def test_a_request_that_cannot_be_planned_is_refused(kwargs, message):
         PlanRequest(**kwargs)
     with pytest.raises(ValueError, match="cost=analytic needs the cluster's link and device"):
         PlanRequest(ProfileSpec(model=MODEL, devices=4, micro_batch=8), cost="analytic", device=RTX3090)
+
+
+@pytest.mark.parametrize("states, per_param", [
+    (ModelStates(), 16),                                              # bf16: 2 + 2 + 12 (every stored table's price)
+    (ModelStates("fp32"), 16),                                        # 4 + 4 + two moments, no separate master
+    (ModelStates("bf16", 1, data_parallel_size=4), 2 + 2 + 12 / 4),   # the optimizer's 12 split over DP
+    (ModelStates("fp32", 1, data_parallel_size=2), 4 + 4 + 12 / 2),   # DeepSpeed keeps an fp32 partition copy
+    (ModelStates("bf16", 2, data_parallel_size=4), 2 + 2 + 12 / 4),   # gradients whole in the schedule: ZeRO-1's peak
+    (ModelStates("fp16", 2, offload=True, data_parallel_size=2), 4),  # the optimizer in host memory
+])
+def test_model_states_price_precision_zero_and_offload(states, per_param):
+    assert states.bytes_per_param() == per_param
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(precision="fp8"), "precision='fp8'; choose one of fp32, bf16, fp16"),
+    (dict(zero_stage=3), "zero_stage=3; oases trains with ZeRO 0, 1 or 2"),
+    (dict(data_parallel_size=0), "data_parallel_size=0; give an integer >= 1"),
+    (dict(offload=True), "offload=true needs zero_stage 1 or 2"),
+])
+def test_model_states_that_cannot_be_trained_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelStates(**kwargs)
+
+
+def test_a_plan_prices_model_states_as_requested_and_fits_more_where_they_shrink():
+    """Per block and for the embedding and head: the states scale to the requested bytes per
+    parameter, activations stay, and the replayed memory's states term says the same."""
+    default = make_plan(analytic())
+    zero1 = ModelStates("bf16", 1, data_parallel_size=4)
+    lean = make_plan(analytic(model_states=zero1))
+    base, priced = load_table(analytic()).table, load_table(analytic(model_states=zero1)).table
+    ratio = zero1.bytes_per_param() / STATE_BYTES_PER_PARAM
+    for kind, by_degree in base.blocks.items():
+        for t, cost in by_degree.items():
+            assert priced.blocks[kind][t].state_bytes == pytest.approx(cost.state_bytes * ratio, rel=1e-12)
+            assert priced.blocks[kind][t].act_bytes == cost.act_bytes
+    states = default.memory.state_bytes
+    assert lean.memory.state_bytes == pytest.approx(states * ratio, rel=1e-12)
+    # the table's constant moved by the embedding's and head's share of the same change
+    assert base.fixed_bytes - priced.fixed_bytes > 0
+    assert "states bf16, ZeRO 1 over DP 4" in lean.loaded.source
+    plan = default.plan  # the same degrees priced both ways: only the states differ
+    assert estimate_memory(MODEL, plan.attn_degrees, plan.mlp_degrees, 4, 8, analytic().profile.schedule, 2,
+                           bytes_per_param=zero1.bytes_per_param()).state_bytes == pytest.approx(states * ratio, rel=1e-12)
+    # between the two unbounded plans' memory: the leaner states keep their fastest plan, the default
+    # ones must give up speed for memory (or fit nothing)
+    assert lean.plan.memory_bytes < default.plan.memory_bytes
+    limit = (lean.plan.memory_bytes + default.plan.memory_bytes) / 2
+    assert make_plan(analytic(model_states=zero1, memory_limit_bytes=limit)).plan.predicted_step_ms == \
+        pytest.approx(lean.plan.predicted_step_ms, rel=1e-12)
+    try:
+        squeezed = make_plan(analytic(memory_limit_bytes=limit)).plan
+    except PlanInfeasibleError:
+        return
+    assert squeezed.memory_bytes <= limit and squeezed.predicted_step_ms >= default.plan.predicted_step_ms
+
+
+def test_a_table_file_with_other_model_states_is_refused():
+    with pytest.raises(ValueError, match="re-pricing model states needs the model; plan from the model"):
+        PlanRequest(None, table_path="t.json", model_states=ModelStates(zero_stage=1, data_parallel_size=2))
