@@ -6,7 +6,7 @@ sub-batches -- there is no single ``loss`` tensor to hand to
 ``engine.backward``.  Everything else stays DeepSpeed's: data-parallel gradient
 reduction (over the mpu's DP group only; where it can, the engine's own, overlapped
 with the schedule, see below), gradient clipping, optimizer and LR scheduler step,
-ZeRO-1 partitioning, bf16 master weights, gradient-accumulation boundaries,
+ZeRO-1/2 partitioning, optimizer offload, bf16 master weights, gradient-accumulation boundaries,
 ``global_steps``, checkpoints.
 
 How the executor's gradients enter DeepSpeed: the executor computes this
@@ -30,7 +30,9 @@ optimizer runs its own backward epilogue with nothing left to reduce
 (:meth:`OasesEngine._hand_reduced_grads_to_zero`): it copies this rank's partition
 of the reduced ``.grad`` into its averaged gradients, exactly what its reduction
 would have left there, and ``step`` clips (global norm over DP and TMP) and
-updates the partition.  ``"dp_overlap": false`` keeps DeepSpeed's reducer; fp16
+updates the partition.  ZeRO-2 and offload keep DeepSpeed's reducer after the schedule
+(its ZeRO-2 gradient hooks paused while the schedule runs: :meth:`OasesEngine._zero2_hooks_paused`).
+``"dp_overlap": false`` keeps DeepSpeed's reducer; fp16
 and bf16 parameters with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``)
 keep it too.
 
