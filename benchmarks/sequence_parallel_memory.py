@@ -20,7 +20,6 @@ is read from the result file.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from oases_ds.bench.memory import plan_memory_rank  # noqa: E402
-from oases_ds.bench.provenance import git_commit, machine, stored_or_measured, write_report_section  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine, publish_study, study_arguments  # noqa: E402
 from oases_ds.launcher import launch  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 
@@ -96,15 +95,12 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
+    parser = study_arguments(__doc__)
     parser.add_argument("--degrees", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    result = stored_or_measured(args.report_only, str(RESULTS), lambda: measure(args.degrees))
-    report = write_report_section("sequence_parallel_memory", result["date"], "sequence_parallel_memory", table(result),
-                                  "Sequence parallelism: activation memory per rank",
-                                  "\n\n".join(__doc__.split("\n\n")[2:4]))
-    print(f"wrote {RESULTS} and {report}")
+    publish_study("sequence_parallel_memory", str(RESULTS), lambda: measure(args.degrees), table,
+                  "Sequence parallelism: activation memory per rank", "\n\n".join(__doc__.split("\n\n")[2:4]),
+                  report_only=args.report_only)
 
 
 if __name__ == "__main__":

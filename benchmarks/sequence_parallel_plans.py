@@ -19,7 +19,6 @@ at 40 GiB: the step with every block stored, the ceiling the issue names.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from datetime import datetime, timezone
@@ -29,7 +28,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from oases_ds.bench.provenance import git_commit, stored_or_measured, write_report_section  # noqa: E402
+from oases_ds.bench.provenance import git_commit, publish_study, study_arguments  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.parallel.link import link_from_config  # noqa: E402
 from oases_ds.planner.analytic import DeviceModel  # noqa: E402
@@ -130,13 +129,9 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
-    args = parser.parse_args()
-    result = stored_or_measured(args.report_only, RESULTS, run)
-    report = write_report_section("sequence_parallel_plans", result["date"], "sequence_parallel_plans", table(result),
-                                  "Sequence parallelism, planned (analytic)", "\n\n".join(__doc__.split("\n\n")[1:4]))
-    print(f"wrote {RESULTS} and {report}")
+    args = study_arguments(__doc__).parse_args()
+    publish_study("sequence_parallel_plans", RESULTS, run, table, "Sequence parallelism, planned (analytic)",
+                  "\n\n".join(__doc__.split("\n\n")[1:4]), report_only=args.report_only)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ report; every number there is read from the result file.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ from datetime import datetime, timezone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from oases_ds.bench.provenance import git_commit, machine, stored_or_measured, write_report_section  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine, publish_study, stored_or_measured, study_arguments  # noqa: E402
 from oases_ds.parallel.link import LinkModel  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel_step.json")
@@ -117,8 +116,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
+    parser = study_arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny dims, 1 repeat: the path only (give --out elsewhere)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=RESULTS, help="result file; its name also names its table in the report")
@@ -129,14 +127,13 @@ def main() -> None:
         quick = args.quick
         return {**run(QUICK if quick else MODEL, 1 if quick else args.repeats, 0 if quick else 1), "note": args.note}
 
-    result = stored_or_measured(args.report_only, args.out, measure)
     if args.quick:
+        stored_or_measured(False, args.out, measure)
         return
-    marker = os.path.splitext(os.path.basename(args.out))[0]
-    report = write_report_section("sequence_parallel_step", result["date"], marker, table(result),
-                                  "Sequence parallelism: step time and TMP bytes (emulated links)",
-                                  "\n\n".join(__doc__.split("\n\n")[2:4]))
-    print(f"wrote {args.out} and {report}")
+    publish_study("sequence_parallel_step", args.out, measure, table,
+                  "Sequence parallelism: step time and TMP bytes (emulated links)",
+                  "\n\n".join(__doc__.split("\n\n")[2:4]), report_only=args.report_only,
+                  marker=os.path.splitext(os.path.basename(args.out))[0])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import importlib
 import logging
 from typing import Iterator
 
+from oases_ds.config import offload_device
+
 log = logging.getLogger("oases_ds")
 
 
@@ -63,8 +65,7 @@ def choose_deepspeed_defaults(config: dict) -> None:
     if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
         return
     params = opt.setdefault("params", {})
-    offload = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
-    if offload not in ("none", None):
+    if offload_device(config) is not None:
         if "torch_adam" not in params:  # the offloaded step runs on the host: DeepSpeed's CPU Adam is made for it
             log.info("oases: optimizer offload steps with DeepSpeed's CPU Adam (a C++ op built at first use, about a "
                      "minute, then cached); set optimizer.params.torch_adam=true for torch's Adam on the host instead")

@@ -210,6 +210,13 @@ def parse_oases_section(section: Any) -> OasesConfig:
         raise OasesConfigError(one_line(err, "oases")) from None
 
 
+def offload_device(config: dict) -> str | None:
+    """Where ``zero_optimization.offload_optimizer`` puts the optimizer (``"cpu"``, ``"nvme"``),
+    or ``None`` without offload (DeepSpeed reads a missing section and ``device: none`` alike)."""
+    device = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    return None if device in ("none", None) else device
+
+
 def check_deepspeed_section(config: dict) -> None:
     """Refuse DeepSpeed features the Oases engine does not drive: ZeRO-3 gathers
     parameters in forward hooks, which the executor's per-operator schedule never runs;
@@ -221,8 +228,8 @@ def check_deepspeed_section(config: dict) -> None:
     if stage not in (0, 1, 2):
         raise OasesConfigError(f"zero_optimization.stage={stage} is not supported with oases (stage 3 gathers "
                                "parameters inside forward hooks the schedule does not run); use 0, 1 or 2")
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload not in ("none", None) and stage == 0:
+    offload = offload_device(config)
+    if offload is not None and stage == 0:
         raise OasesConfigError(f"zero_optimization.offload_optimizer.device={offload} needs zero_optimization.stage 1 or 2 "
                                "(DeepSpeed offloads the optimizer's partition); set the stage, or remove the offload")
     if zero.get("overlap_comm", False):

@@ -6,6 +6,7 @@ describe the machine with the same keys.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -56,6 +57,27 @@ def write_report_section(study: str, day: str, marker: str, body: str, title: st
             f.write(f"# {title}\n\n{intro}\n\n")
     replace_marked_section(report, f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", body)
     return report
+
+
+def study_arguments(doc: str) -> argparse.ArgumentParser:
+    """The command line every dated study shares (``--report-only``: report the stored result,
+    measure nothing); a script adds its own options to it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the result file")
+    return parser
+
+
+def publish_study(study: str, result_path: str, measure: Callable[[], dict[str, Any]],
+                  table: Callable[[dict[str, Any]], str], title: str, intro: str, *, report_only: bool,
+                  marker: str | None = None) -> None:
+    """Measure (or, with ``report_only``, load) a study's result at ``result_path``, print its
+    table and write it into the dated report (:func:`write_report_section`, marker default
+    ``study``): the one path every study's numbers take from a run to its report."""
+    result = stored_or_measured(report_only, result_path, measure)
+    body = table(result)
+    print(body)
+    report = write_report_section(study, result["date"], marker or study, body, title, intro)
+    print(f"wrote {result_path} and {report}")
 
 
 def dated_report(study: str, day: str | None = None) -> str:

@@ -189,6 +189,13 @@ def ds_config(cfg: dict) -> dict:
     }
 
 
+def run_topology(cfg: dict) -> Topology:
+    """The run's grid of ranks, checked: torchrun's ``WORLD_SIZE`` where a launcher set it,
+    else ``nprocs``; the DP size priced by ``plan=auto`` and recorded in checkpoints is its."""
+    world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
+    return Topology(world, cfg["tensor_parallel_size"], cfg["pipeline_stages"])
+
+
 def cuda_ranks() -> bool:
     """Whether this run's ranks will sit on GPUs: CUDA is visible and DeepSpeed is not told
     to use its CPU accelerator (``CUDA_VISIBLE_DEVICES=`` or ``DS_ACCELERATOR=cpu`` train on CPU)."""
@@ -217,8 +224,7 @@ def validate(cfg: dict) -> None:
     check_data(DataConfig(**cfg["data"]), model.vocab_size, model.seq_len, masked_lm=model.family == "bert")
     check_csv(cfg["metrics"]["csv"])
     check_tensorboard(cfg["metrics"]["tensorboard"])
-    world = int(os.environ.get("WORLD_SIZE", cfg["nprocs"]))
-    Topology(world, oases.tensor_parallel_size, oases.pipeline_stages)
+    topology = run_topology(cfg)
     if cuda_ranks():
         check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
     if not oases.plan:
@@ -263,7 +269,7 @@ def validate(cfg: dict) -> None:
     ckpt = cfg["checkpoint"]
     expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
                                     cfg["bf16"], cfg["zero_stage"],
-                                    world // (oases.tensor_parallel_size * oases.pipeline_stages),
+                                    topology.dp_size,
                                     [len(s.layers) for s in stages])
     preflight(ckpt["dir"], ckpt["resume"], expected)
 
@@ -293,7 +299,7 @@ def check_auto_plan(cfg: dict) -> tuple[float, ModelConfig] | None:
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
     model = model_config(cfg["model"])
     model.check_tp(cfg["tensor_parallel_size"])
-    Topology(cfg["nprocs"], cfg["tensor_parallel_size"], 1)
+    run_topology(cfg)
     return limit, model
 
 
@@ -313,8 +319,8 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
                        link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"],
                        sequence_parallel=cfg["sequence_parallel"])
-    dp = cfg["nprocs"] // (cfg["tensor_parallel_size"] * cfg["pipeline_stages"])
-    states = ModelStates("bf16" if cfg["bf16"] else "fp32", cfg["zero_stage"], cfg["offload"], dp)  # as this run holds them
+    states = ModelStates("bf16" if cfg["bf16"] else "fp32", cfg["zero_stage"], cfg["offload"],
+                         run_topology(cfg).dp_size)  # as this run holds them
     request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"],
                           model_states=states)
     print(f"oases-train: plan=auto: planning degrees and recompute policies for memory_limit="

@@ -75,6 +75,8 @@ SAME_AS_PREVIOUS = -1
 """An :attr:`OpMemory.outputs` entry: the same tensor as the output before it (BERT's ``(x, x)``)."""
 
 TERMS: tuple[str, ...] = ("checkpoint", "kept", "transient", "logits", "comm")
+"""Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
+
 
 def sequence_sliced(ops: Sequence[Op]) -> list[bool]:
     """Which ops run on this rank's ``1/t`` slice of the sequence: those after a ReduceScatter
@@ -86,7 +88,6 @@ def sequence_sliced(ops: Sequence[Op]) -> list[bool]:
             sliced = op.forward == "reduce_scatter"
         out.append(sliced and not isinstance(op, CommOp))
     return out
-"""Activation terms of :class:`MemoryEstimate`, in the order they are reported."""
 
 
 @dataclass(frozen=True)

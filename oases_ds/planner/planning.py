@@ -193,8 +193,9 @@ def load_table(request: PlanRequest) -> LoadedTable:
 
 def _priced_states(request: PlanRequest, loaded: LoadedTable) -> LoadedTable:
     """``loaded`` with its model states at ``request.model_states`` (unchanged at the default)."""
-    if request.model_states == ModelStates() or request.profile is None:
+    if request.model_states == ModelStates():
         return loaded
+    assert request.profile is not None  # PlanRequest refuses table= with other states
     table = with_model_states(loaded.table, request.model_states, request.profile.model)
     return LoadedTable(table, f"{loaded.source}; states {request.model_states.label()}")
 
