@@ -220,9 +220,10 @@ def offload_device(config: dict) -> str | None:
 def check_deepspeed_section(config: dict) -> None:
     """Refuse DeepSpeed features the Oases engine does not drive: ZeRO-3 gathers
     parameters in forward hooks, which the executor's per-operator schedule never runs;
-    fp16 loss scaling is not wired through the schedule; DeepSpeed's
-    ``torch_autocast`` would wrap only ``engine(batch)`` (evaluation), never the schedule,
-    and make activations differ in dtype from the parameters a pipeline receive is sized by."""
+    DeepSpeed's ``torch_autocast`` and fp16's ``auto_cast`` would wrap only ``engine(batch)``
+    (evaluation), never the schedule, and make activations differ in dtype from the
+    parameters a pipeline receive is sized by.  fp16 itself trains: the executor seeds its
+    backward with DeepSpeed's loss scale (:meth:`oases_ds.engine.OasesEngine.current_loss_scale`)."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
@@ -235,8 +236,13 @@ def check_deepspeed_section(config: dict) -> None:
     if zero.get("overlap_comm", False):
         raise OasesConfigError("zero_optimization.overlap_comm=true is not supported with oases (its gradient hooks "
                                "would reduce inside the schedule); set it to false")
-    if (config.get("fp16") or {}).get("enabled", False):
-        raise OasesConfigError("fp16.enabled=true is not supported with oases; use bf16 or fp32")
+    fp16 = config.get("fp16") or {}
+    if fp16.get("enabled", False) and (config.get("bf16") or {}).get("enabled", False):
+        raise OasesConfigError("fp16.enabled=true and bf16.enabled=true: choose one precision (bf16 where the device "
+                               "has it, fp16 with loss scaling where it does not)")
+    if fp16.get("enabled", False) and fp16.get("auto_cast", False):
+        raise OasesConfigError("fp16.auto_cast=true is not supported with oases (the schedule runs outside "
+                               "DeepSpeed's forward); remove it: fp16.enabled=true alone trains the model in fp16")
     if (config.get("torch_autocast") or {}).get("enabled", False):
         raise OasesConfigError("torch_autocast.enabled=true is not supported with oases (the schedule runs outside "
                                "DeepSpeed's forward); use bf16.enabled=true for bf16 training")

@@ -354,6 +354,8 @@ class OasesEngine(DeepSpeedEngine):
         # non_blocking: a blocking host-to-device copy waits for the device's queue
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         losses, timelines, tokens = [], [], 0
+        skipped_before = self.skipped_steps
+        self.executor.grad_scale = self.current_loss_scale()
         if self.pipelined:
             losses.append(self._run_pipeline(micro_batches, gas, micro))
             timelines.append(self.executor.timeline)
@@ -383,8 +385,13 @@ class OasesEngine(DeepSpeedEngine):
             "exposed_comm_s": exposed,
             "exposed_comm_frac": exposed / elapsed,
             "emulated_link": float(self.oases_comm.emulated),
+            "loss_scale": self.executor.grad_scale,  # the step's own (DeepSpeed's step may have changed it since)
+            "skipped": float(self.skipped_steps > skipped_before),
         }
-        if not math.isfinite(self.last_stats["loss"]):  # float(loss) above was the step's one host sync
+        # float(loss) above was the step's one host sync.  An fp16 step whose gradients overflowed
+        # was skipped on every rank (DeepSpeed's check reduces over TMP x PP; DP's sum spreads an
+        # inf): its weights are unchanged and trustworthy, the loss scale already lowered.
+        if not math.isfinite(self.last_stats["loss"]) and not self.last_stats["skipped"]:
             raise NonFiniteLossError(
                 f"loss is {self.last_stats['loss']} at optimizer step {self.global_steps} (1-based, engine.global_steps): "
                 "lower the learning rate, set gradient_clipping, or check the data; the weights are no longer trustworthy, "
@@ -434,6 +441,12 @@ class OasesEngine(DeepSpeedEngine):
             raise RuntimeError(USE_TRAIN_BATCH)
         self._mark_sharded_grads()
         return super().step(*args, **kwargs)
+
+    def current_loss_scale(self) -> float:
+        """fp16's current loss scale (DeepSpeed's dynamic or static scaler, at ZeRO 0, 1 or 2);
+        1.0 in fp32 and bf16, which need none.  The executor seeds the loss's backward with it
+        (:attr:`~oases_ds.runtime.executor.Executor.grad_scale`)."""
+        return float(self.optimizer.loss_scale) if self.fp16_enabled() else 1.0
 
     def _mark_sharded_grads(self) -> None:
         """Give each TMP-sharded parameter's gradient the parameter's ``tensor_model_parallel``
@@ -492,7 +505,15 @@ class OasesEngine(DeepSpeedEngine):
             self.optimizer.clear_backward_seen_flag()  # what DeepSpeedEngine.forward does
         if all(g is None for g in grads):
             raise RuntimeError(no_grad_message)
-        surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+        if self.executor.grad_scale == 1.0:
+            surrogate = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+        else:  # fp16: g is already scaled (in fp32, so the surrogate's value cannot overflow)
+            surrogate = sum((p.float() * g.float()).sum() for p, g in zip(params, grads) if g is not None)
+            if isinstance(self.optimizer, ZeROOptimizer):
+                # DeepSpeed 0.19.8's engine.backward scales the loss for its ZeRO optimizers only
+                # (scale_if_loss); its ZeRO-0 FP16_UnfusedOptimizer gets the loss unscaled and
+                # divides by the scale in step(), so there g must arrive as scaled as it is.
+                surrogate = surrogate / self.executor.grad_scale
         register_output_backward_hooks(
             surrogate, preprocess_once_fn=self._backward_prologue, preprocess_per_tensor_fn=self._backward_prologue_per_tensor
         )
@@ -555,7 +576,8 @@ class OasesEngine(DeepSpeedEngine):
     def checkpoint_meta(self) -> CheckpointMeta:
         """What a checkpoint of this engine must match to be loaded by it."""
         degrees = [layout.degree for pair in self.module.sharding.layouts for layout in pair]
-        return CheckpointMeta.build(self.module.cfg, self.parallel_context.tp_size, degrees, self.bfloat16_enabled(),
+        precision = "bf16" if self.bfloat16_enabled() else "fp16" if self.fp16_enabled() else "fp32"
+        return CheckpointMeta.build(self.module.cfg, self.parallel_context.tp_size, degrees, precision,
                                     self.zero_optimization_stage(), self.parallel_context.dp_size,
                                     [len(s.layers) for s in self.oases.stages(self.module.cfg.num_layers)])
 

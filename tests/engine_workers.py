@@ -393,3 +393,98 @@ def oases_runs(runs: list[tuple]) -> list[dict]:
     DeepSpeed once for all of them (a launch costs seconds of imports on a small CPU machine).
     Each run builds its own engine and groups; none shares state with the one before."""
     return [oases_run(*args) for args in runs]
+
+
+
+def fp16_run(runs: list[dict]) -> list[dict]:
+    """Each of ``runs`` (keyword arguments of :func:`_fp16_one`) in turn, in one launch."""
+    return [_fp16_one(**run) for run in runs]
+
+
+def _fp16_engine(precision: str, zero: int, micro: int = 4, tp: int = 2, model: dict | None = None,
+                 initial_scale_power: int = 8, pipeline_stages: int = 1, optimizer: str = "adamw"):
+    """OasesEngine in ``precision`` ("fp16" with DeepSpeed's dynamic loss scaling, "bf16" or
+    "fp32") on ``model`` (default: the tiny GPT), with AdamW or :func:`sgd`."""
+    import oases_ds
+    from oases_ds.models.config import ModelConfig
+
+    cfg_model = ModelConfig(**model) if model else tiny_config("gpt")
+    cfg = ds_config(micro, 1, zero, clip=1.0, oases={"enabled": True, "tensor_parallel_size": tp, "seed": 7,
+                                                     "process_group_timeout_s": 120, "pipeline_stages": pipeline_stages})
+    if optimizer == "adamw":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    if precision == "fp16":  # hysteresis 1: the first overflow halves the scale (DeepSpeed's ZeRO default is 2)
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": initial_scale_power,
+                       "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+    elif precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = oases_ds.initialize(model=cfg_model, config=cfg, optimizer=sgd if optimizer == "sgd" else None)
+    return engine, cfg_model
+
+
+def _fp16_train(engine, cfg_model, steps: range, micro: int = 4, inject: tuple[int, int] | None = None) -> dict:
+    """Train ``steps`` (0-based batch indices); per step the loss, the loss scale the step ran
+    at, whether DeepSpeed skipped it, the scale after it and whether any parameter changed.
+    ``inject = (step, rank)``: after the schedule of that step that global rank alone puts an
+    inf into one gradient element, before DeepSpeed sees the gradients."""
+    ctx = engine.parallel_context
+    name = "run_step" if engine.pipelined else "run"
+    run = getattr(engine.executor, name)
+    step_now = [0]
+
+    def injected(*args, **kwargs):
+        loss = run(*args, **kwargs)
+        if inject is not None and step_now[0] == inject[0] and ctx.rank == inject[1]:
+            grad = next(p.grad for p in engine.module.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+        return loss
+
+    setattr(engine.executor, name, injected)
+    out: dict[str, list] = {"losses": [], "scales_run": [], "scales_after": [], "skipped": [], "changed": []}
+    for step in steps:
+        step_now[0] = step
+        full = make_batch(cfg_model, micro * ctx.dp_size, step)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        out["losses"].append(float(engine.train_batch({k: v[ctx.dp_rank * micro:(ctx.dp_rank + 1) * micro]
+                                                       for k, v in full.items()})))
+        out["scales_run"].append(engine.last_stats["loss_scale"])
+        out["skipped"].append(int(engine.last_stats["skipped"]))
+        out["scales_after"].append(engine.current_loss_scale())
+        out["changed"].append(any(not torch.equal(b, p.detach()) for b, p in zip(before, engine.module.parameters())))
+    setattr(engine.executor, name, run)
+    return out
+
+
+def _fp16_one(precision: str, zero: int, steps: int, micro: int = 4, inject: tuple[int, int] | None = None,
+              **engine_args) -> dict:
+    """:func:`_fp16_train` of ``steps`` steps on a new :func:`_fp16_engine`, with its final full parameters."""
+    engine, cfg_model = _fp16_engine(precision, zero, micro, **engine_args)
+    ctx = engine.parallel_context
+    out = _fp16_train(engine, cfg_model, range(steps), micro, inject)
+    return {**out, "rank": ctx.rank, "skipped_steps": engine.skipped_steps,
+            "dtype": str(next(engine.module.parameters()).dtype), "optimizer": type(engine.optimizer).__name__,
+            "params": _full_params(engine, ctx)}
+
+
+def _scaler_state(engine) -> dict:
+    opt = engine.optimizer
+    scaler = getattr(opt, "loss_scaler", None) or opt.loss_scale_config
+    return {"cur_scale": float(scaler.cur_scale), "cur_iter": int(scaler.cur_iter),
+            "last_overflow_iter": int(scaler.last_overflow_iter)}
+
+
+def fp16_checkpoint_run(root: str) -> dict:
+    """fp16 at TMP 2, ZeRO 0: 3 steps, an overflow at step 1 (scale 256 -> 128), saved; then
+    resumed in the same layout (DeepSpeed's own files) and at TMP 1 x DP 2 under ZeRO-2 (the
+    portable state).  Returns each engine's scaler state and, for the resumed ones, the next
+    step's scale.  Run on 2 ranks."""
+    engine, cfg_model = _fp16_engine("fp16", 0)
+    _fp16_train(engine, cfg_model, range(3), inject=(1, 0))
+    engine.save_checkpoint(root)
+    out = {"saved": _scaler_state(engine)}
+    for label, tp, zero in (("native", 2, 0), ("portable", 1, 2)):
+        engine, cfg_model = _fp16_engine("fp16", zero, tp=tp)
+        engine.load_checkpoint(root)
+        out[label] = {**_scaler_state(engine), "global_steps": engine.global_steps,
+                      "next": _fp16_train(engine, cfg_model, range(3, 4))}
+    return out

@@ -44,7 +44,8 @@ class CheckpointMeta:
         tensor_parallel_size: the TMP degree (DeepSpeed's mp ranks = shard files).
         block_degrees: TMP degree of each block in execution order (attn0, mlp0, ...):
             a plan's layout, or every block at ``tensor_parallel_size``.
-        precision: "bf16" or "fp32" (master weights and optimizer state layout).
+        precision: "bf16", "fp16" or "fp32" (the weights' dtype, master weights and optimizer
+            state layout; fp16 also carries its loss scaler).
         zero_stage: 0 or 1 (whether optimizer state is partitioned).
         data_parallel_size: DP ranks; compared only when ``zero_stage`` partitions
             the optimizer state across them.
@@ -75,12 +76,12 @@ class CheckpointMeta:
     global_steps: int = 0
 
     @classmethod
-    def build(cls, model: ModelConfig, tensor_parallel_size: int, block_degrees: Sequence[int] | None, bf16: bool,
+    def build(cls, model: ModelConfig, tensor_parallel_size: int, block_degrees: Sequence[int] | None, precision: str,
               zero_stage: int, data_parallel_size: int, pipeline_layers: Sequence[int] | None = None) -> CheckpointMeta:
         """The one constructor the engine (from itself) and ``oases-train`` (from its config) share."""
         degrees = tuple(block_degrees) if block_degrees else (tensor_parallel_size,) * (2 * model.num_layers)
         layers = tuple(int(n) for n in pipeline_layers) if pipeline_layers else (model.num_layers,)
-        return cls(model.to_dict(), tensor_parallel_size, tuple(int(d) for d in degrees), "bf16" if bf16 else "fp32",
+        return cls(model.to_dict(), tensor_parallel_size, tuple(int(d) for d in degrees), precision,
                    int(zero_stage), data_parallel_size, layers)
 
     @classmethod

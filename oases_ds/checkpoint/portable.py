@@ -14,8 +14,9 @@ shard exactly like the weights.  Next to DeepSpeed's files a checkpoint therefor
   (the master copy under bf16, of which the bf16 weight is the rounding) and each
   elementwise optimizer state (``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``).
 * ``common.pt``: the optimizer's hyper-parameters per group and its scalar state (Adam's
-  ``step``), the LR scheduler, the engine's step counters (the step is also the data
-  position: ``oases-train`` reads batch ``step`` of the corpus), the client state.
+  ``step``), fp16's dynamic loss scaler (:data:`SCALER_FIELDS`), the LR scheduler, the
+  engine's step counters (the step is also the data position: ``oases-train`` reads batch
+  ``step`` of the corpus), the client state.
 * ``index.json``: every parameter's file, shape and state keys: what a loader checks
   before any rank starts.
 
@@ -50,6 +51,12 @@ PORTABLE_DIR = "portable"
 INDEX_FILE = "index.json"
 COMMON_FILE = "common.pt"
 PORTABLE_FORMAT = 1
+
+
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+"""The state of fp16's dynamic loss scaler that a resume continues (DeepSpeed's own checkpoint
+keeps the same): the scale, the iteration counters that time its next raise, and ZeRO's
+remaining hysteresis."""
 
 
 class PortableStateError(ValueError):
@@ -107,6 +114,31 @@ class _OptimizerAccess:
         """Scalar state (Adam's ``step``): one value for every parameter, since all are updated each step."""
         first = next(iter(self.inner.state.values()), {})
         return {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in first.items() if not _elementwise(v)}
+
+    def _dynamic_scaler(self) -> Any:
+        """fp16's dynamic loss scaler: ``loss_scaler`` of DeepSpeed's ZeRO optimizer,
+        ``loss_scale_config`` of its ZeRO-0 ``FP16_UnfusedOptimizer``; None in fp32/bf16 and
+        for a static scale (which the config, not the state, sets)."""
+        scaler = getattr(self.wrapper, "loss_scaler", None) or getattr(self.wrapper, "loss_scale_config", None)
+        dynamic = getattr(scaler, "dynamic", None) or getattr(scaler, "dynamic_loss_scale", False)
+        return scaler if dynamic else None
+
+    def scaler_state(self) -> dict[str, float] | None:
+        """The dynamic loss scaler's state (:data:`SCALER_FIELDS` it has), or None."""
+        scaler = self._dynamic_scaler()
+        if scaler is None:
+            return None
+        return {k: float(getattr(scaler, k)) for k in SCALER_FIELDS if getattr(scaler, k, None) is not None}
+
+    def set_scaler_state(self, state: dict[str, float] | None) -> None:
+        """Continue fp16's loss scale where the checkpoint left it (under any ZeRO stage:
+        the fields both scalers have; ZeRO's hysteresis counter only between ZeRO runs)."""
+        scaler = self._dynamic_scaler()
+        if scaler is None or not state:
+            return
+        for key, value in state.items():
+            if key in SCALER_FIELDS and hasattr(scaler, key):
+                setattr(scaler, key, value if key == "cur_scale" else int(value))
 
     def hyper(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
@@ -213,7 +245,7 @@ def save(engine: Any, tag_dir: str, client_state: dict | None = None) -> None:
     _finish(directory, {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                         "skipped_steps": engine.skipped_steps,
                         "optimizer": {"class": type(access.inner).__name__, "hyper": access.hyper(),
-                                      "scalars": access.scalars()},
+                                      "scalars": access.scalars(), "loss_scaler": access.scaler_state()},
                         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                         "client_state": dict(client_state or {})}, params)
 
@@ -371,6 +403,10 @@ def _common_problem(held: Any) -> str | None:
     for key, kind in _COMMON_TYPES.items():
         if not isinstance(held.get(key), kind):
             return f"lacks {key}" if key not in held else f"holds {key} as a {type(held[key]).__name__}"
+    scaler = held["optimizer"].get("loss_scaler")
+    if scaler is not None and not (isinstance(scaler, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in scaler.values())):
+        return f"holds optimizer.loss_scaler as {scaler!r}, not numbers"
     if held.get("lr_scheduler") is not None and not isinstance(held["lr_scheduler"], dict):
         return f"holds lr_scheduler as a {type(held['lr_scheduler']).__name__}"
     return None
@@ -466,6 +502,7 @@ def load(engine: Any, tag_dir: str, optimizer_states: bool = True, lr_scheduler_
             raise PortableStateError(f"checkpoint {tag_dir} holds optimizer state but its {PORTABLE_DIR}/{COMMON_FILE} "
                                      "has no optimizer hyper-parameters; copy the whole checkpoint again")
         access.set_state(states, common["optimizer"]["scalars"], common["optimizer"]["hyper"])
+        access.set_scaler_state(common["optimizer"].get("loss_scaler"))
     if module_only:
         return dict(common["client_state"])
     if lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -37,10 +37,11 @@ from oases_ds.checkpoint.meta import CheckpointError, CheckpointMeta
 from oases_ds.checkpoint.tags import LATEST, read_latest
 from oases_ds.models.config import ModelConfig
 
-SAFE_GLOBALS: tuple[type, ...] = (LossScaler, ZeroStageEnum, fragment_address)
-"""Beyond tensors and plain containers, what DeepSpeed 0.19.8 pickles into fp32/bf16
-checkpoints with ZeRO 0 or 1: the ZeRO optimizer state's static loss scaler, its
-stage enum and its parameter-fragment addresses.  Nothing else is unpickled."""
+SAFE_GLOBALS: tuple[type, ...] = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+"""Beyond tensors and plain containers, what DeepSpeed 0.19.8 pickles into fp32/bf16/fp16
+checkpoints with ZeRO 0, 1 or 2: the ZeRO optimizer state's loss scaler (static, or fp16's
+dynamic one: numbers and a dtype), its stage enum and its parameter-fragment addresses.
+Nothing else is unpickled."""
 
 
 class SafeCheckpointEngine(TorchCheckpointEngine):

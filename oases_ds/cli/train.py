@@ -92,6 +92,7 @@ class TrainSchema:
     plan: Optional[str] = None
     memory_limit: Any = None  # with plan=auto: bytes or a string such as 2GiB (schema.parse_bytes)
     bf16: bool = False
+    fp16: bool = False
     seed: int = 1234
     log_every: int = 10
     eval_every: int = 0
@@ -153,6 +154,11 @@ def states_label(engine: Any) -> str:
     return f"ZeRO-{stage}, {type(inner).__name__}{where} | "
 
 
+def precision(cfg: dict) -> str:
+    """The run's training precision, as checkpoints and the planner name it."""
+    return "bf16" if cfg["bf16"] else "fp16" if cfg["fp16"] else "fp32"
+
+
 def ds_config(cfg: dict) -> dict:
     """The DeepSpeed JSON this run would use (with its "oases" section)."""
     sched, link = cfg["schedule"], cfg["cluster"].get("link")
@@ -167,6 +173,8 @@ def ds_config(cfg: dict) -> dict:
         "zero_optimization": {"stage": cfg["zero_stage"],
                               **({"offload_optimizer": {"device": "cpu"}} if cfg["offload"] else {})},
         "bf16": {"enabled": cfg["bf16"]},
+        # DeepSpeed's dynamic loss scale at its defaults (2^16, halved on overflow, doubled after 1000 clean steps)
+        **({"fp16": {"enabled": True}} if cfg["fp16"] else {}),
         "oases": {
             "enabled": True,
             "tensor_parallel_size": cfg["tensor_parallel_size"],
@@ -209,6 +217,9 @@ def validate(cfg: dict) -> None:
     from oases_ds.checkpoint import CheckpointMeta, preflight
 
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
+    if cfg["bf16"] and cfg["fp16"]:
+        raise ValueError("bf16=true and fp16=true: choose one (bf16 where the device has it, fp16 with loss scaling "
+                         "where it does not)")
     model = model_config(cfg["model"])
     if cfg["export_hf"] and cfg["pipeline_stages"] > 1:
         raise ValueError(f"export_hf={cfg['export_hf']}: not supported with pipeline_stages={cfg['pipeline_stages']} "
@@ -259,7 +270,7 @@ def validate(cfg: dict) -> None:
                                                         if replicas > 1 else "")
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
     if oases.link:  # else every rank starts, then waits out timeout_s on its first collective
-        element_size = (torch.bfloat16 if cfg["bf16"] else torch.float32).itemsize
+        element_size = 4 if precision(cfg) == "fp32" else 2
         slow = slow_link_message(oases.link.model(), oases.process_group_timeout_s,
                                  [activation_all_reduce(model, cfg["micro_batch"], sub_batches, oases.tensor_parallel_size,
                                                         element_size)],
@@ -268,7 +279,7 @@ def validate(cfg: dict) -> None:
             raise ValueError(slow)
     ckpt = cfg["checkpoint"]
     expected = CheckpointMeta.build(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else None,
-                                    cfg["bf16"], cfg["zero_stage"],
+                                    precision(cfg), cfg["zero_stage"],
                                     topology.dp_size,
                                     [len(s.layers) for s in stages])
     preflight(ckpt["dir"], ckpt["resume"], expected)
@@ -319,7 +330,7 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
                        micro_batch=cfg["micro_batch"], schedule=ScheduleSpec.from_mapping(cfg["schedule"]),
                        link=link_from_config(cfg["cluster"].get("link")), cluster=cfg["cluster"]["name"],
                        sequence_parallel=cfg["sequence_parallel"])
-    states = ModelStates("bf16" if cfg["bf16"] else "fp32", cfg["zero_stage"], cfg["offload"],
+    states = ModelStates(precision(cfg), cfg["zero_stage"], cfg["offload"],
                          run_topology(cfg).dp_size)  # as this run holds them
     request = PlanRequest(profile=spec, memory_limit_bytes=limit, recompute="auto", timeout_s=cfg["timeout_s"],
                           model_states=states)
@@ -373,9 +384,11 @@ def train_rank(cfg: dict) -> dict[str, Any]:
             stats = dict(engine.last_stats, step=step + 1, lr=float(engine.get_lr()[0]))
             history.append(stats)
             if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
+                scale = (f" | loss scale {stats['loss_scale']:g}{' (overflow: step skipped)' if stats['skipped'] else ''}"
+                         if cfg["fp16"] else "")
                 print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
-                      f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}",
-                      flush=True)
+                      f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}"
+                      f"{scale}", flush=True)
             eval_loss = None
             if (cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0) or step + 1 == cfg["steps"]:
                 eval_loss = evaluate()
@@ -404,6 +417,7 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         "final_loss": done.get("loss"), "eval_loss": eval_loss, "evals": evals, "elapsed_s": elapsed,
         "median_tokens_per_s": sorted(h["tokens_per_s"] for h in history)[len(history) // 2] if history else 0.0,
         "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
+        "skipped_steps": int(sum(h["skipped"] for h in history)),  # fp16 overflows this run (none in bf16/fp32)
     }
     if is_main and cfg["stats_out"]:
         write_json_atomic(cfg["stats_out"], {"summary": summary, "history": history, "config": cfg})
@@ -416,7 +430,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         return
     print(f"done: {summary['steps_run']} steps in {summary['elapsed_s']:.1f}s | loss {summary['first_loss']:.4f} -> "
           f"{summary['final_loss']:.4f} | held-out loss {summary['eval_loss']:.4f} | "
-          f"median {summary['median_tokens_per_s']:,.0f} tok/s | schedule {summary['schedule']}", flush=True)
+          f"median {summary['median_tokens_per_s']:,.0f} tok/s | schedule {summary['schedule']}"
+          f"{f' | {skipped} steps skipped (fp16 overflow)' if (skipped := summary.get('skipped_steps')) else ''}", flush=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

@@ -131,6 +131,11 @@ class Executor:
         """Complete replica blocks' gradients at the end of :meth:`run`; a caller that sums
         them later itself (the DP reducer folds the sum into its AllReduce at the
         accumulation boundary, which is exact because both sums are linear) turns it off."""
+        self.grad_scale = 1.0
+        """The seed of the loss's backward: fp16's dynamic loss scale, which the engine sets
+        from DeepSpeed's scaler before each run, so every gradient the schedule computes in
+        fp16 is ``grad_scale`` times the true one (small gradients stay above fp16's
+        underflow) and DeepSpeed's optimizer unscales, checks for overflow and skips."""
         self._handlers: dict[type, Callable[[Instruction], None]] = {
             Forward: self._forward,
             Recompute: self._recompute,
@@ -342,7 +347,8 @@ class Executor:
             return
         slots, outputs = self._buffers[("graph", ins.op, ins.sub)]
         if op.is_loss:
-            torch.autograd.backward(outputs[0])
+            loss = outputs[0]
+            torch.autograd.backward(loss, None if self.grad_scale == 1.0 else torch.full_like(loss, self.grad_scale))
         else:
             grads = self._buffers[("grad", ins.op + 1, ins.sub)]
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]

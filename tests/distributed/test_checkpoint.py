@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def meta(**overrides) -> CheckpointMeta:
-    args = dict(model=ModelConfig(), tensor_parallel_size=2, block_degrees=None, bf16=False, zero_stage=0,
+    args = dict(model=ModelConfig(), tensor_parallel_size=2, block_degrees=None, precision="fp32", zero_stage=0,
                 data_parallel_size=1)
     args.update(overrides)
     return CheckpointMeta.build(**args)
@@ -97,7 +97,7 @@ def test_meta_mismatch_is_one_line_naming_both_values(tmp_path):
     assert str(err.value) == ("checkpoint runs/ckpt/global_step4 was saved with tensor_parallel_size=2, "
                               "this run has tensor_parallel_size=1")
     cases = {
-        "model.num_layers=2, precision=fp32": meta(model=ModelConfig(num_layers=3), bf16=True),
+        "model.num_layers=2, precision=fp32": meta(model=ModelConfig(num_layers=3), precision="bf16"),
         "plan block degrees=[2, 2, 2, 2]": meta(block_degrees=[2, 1, 2, 2]),
         "zero_stage=0": meta(zero_stage=1),
     }
@@ -223,7 +223,7 @@ def test_preflight_names_checkpoint_dir_when_it_cannot_be_used(tmp_path):
 # and model-parallel rank ("bf16_" in front in bf16).
 LAYOUTS = {
     "tmp2": (meta(), ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]),
-    "tmp2_dp2_zero1_bf16": (meta(zero_stage=1, data_parallel_size=2, bf16=True), [
+    "tmp2_dp2_zero1_bf16": (meta(zero_stage=1, data_parallel_size=2, precision="bf16"), [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
         "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"]),
@@ -334,7 +334,7 @@ def test_preflight_resume_needs_a_checkpoint_that_matches(tmp_path):
     complete_checkpoint(tmp_path, meta(), ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"])
     preflight(str(tmp_path), resume=True, expected=meta())
     with pytest.raises(CheckpointError, match=r"was saved with precision=fp32, this run has precision=bf16$"):
-        preflight(str(tmp_path), resume=True, expected=meta(bf16=True))
+        preflight(str(tmp_path), resume=True, expected=meta(precision="bf16"))
 
 
 # -- the engine, one real rank -------------------------------------------------------

@@ -145,6 +145,12 @@ def test_malformed_oases_section_and_zero3_are_rejected():
     overlap["zero_optimization"]["overlap_comm"] = True
     with pytest.raises(OasesConfigError, match=r"^zero_optimization.overlap_comm=true is not supported with oases"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=overlap)
+    both = {**ew.ds_config(4, 1, bf16=True, oases={"enabled": True}), "fp16": {"enabled": True}}
+    with pytest.raises(OasesConfigError, match=r"^fp16.enabled=true and bf16.enabled=true: choose one precision"):
+        oases_ds.initialize(model=ew.tiny_config("gpt"), config=both)
+    cast = {**ew.ds_config(4, 1, oases={"enabled": True}), "fp16": {"enabled": True, "auto_cast": True}}
+    with pytest.raises(OasesConfigError, match=r"^fp16.auto_cast=true is not supported with oases"):
+        oases_ds.initialize(model=ew.tiny_config("gpt"), config=cast)
     with pytest.raises(OasesConfigError, match=r"^oases.schedule: Input should be"):
         oases_ds.initialize(model=ew.tiny_config("gpt"), config=ew.ds_config(4, 1, oases={"enabled": True, "schedule": "gpipe"}))
 

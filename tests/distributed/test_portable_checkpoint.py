@@ -100,9 +100,9 @@ def test_another_layout_without_portable_state_or_another_model_is_one_line(save
     tag_dir = os.path.join(directory, read_latest(directory))
     meta = CheckpointMeta.read(tag_dir)
     assert meta.portable
-    run = CheckpointMeta.build(pw.model_config(), 4, None, False, 0, 1)
+    run = CheckpointMeta.build(pw.model_config(), 4, None, "fp32", 0, 1)
     assert meta.load_route(tag_dir, run) == "portable"
-    assert meta.load_route(tag_dir, CheckpointMeta.build(pw.model_config(), 2, None, False, 0, 1, [2, 2])) == "native"
+    assert meta.load_route(tag_dir, CheckpointMeta.build(pw.model_config(), 2, None, "fp32", 0, 1, [2, 2])) == "native"
     from dataclasses import replace
 
     with pytest.raises(CheckpointError) as err:
@@ -111,7 +111,7 @@ def test_another_layout_without_portable_state_or_another_model_is_one_line(save
                               "stage)=[2, 2], this run has tensor_parallel_size=4, pipeline_layers (layers per stage)=[4]; "
                               "it holds no portable state (saved with oases.portable_checkpoint=false, or by an older "
                               "oases_ds), so only its own layout loads it")
-    other = CheckpointMeta.build(pw.tiny_config("llama", num_layers=4, hidden_size=64), 4, None, False, 0, 1)
+    other = CheckpointMeta.build(pw.tiny_config("llama", num_layers=4, hidden_size=64), 4, None, "fp32", 0, 1)
     with pytest.raises(CheckpointError, match=r"saved with model\.hidden_size=32, this run has model\.hidden_size=64$"):
         meta.load_route(tag_dir, other)
 

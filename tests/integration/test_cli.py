@@ -22,16 +22,18 @@ def run(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["oases"])
-def test_train_loss_falls_on_embedded_text(tmp_path, schedule, capfd):
+@pytest.mark.parametrize("schedule, precision", [("oases", "fp32"), ("oases", "fp16")])
+def test_train_loss_falls_on_embedded_text(tmp_path, schedule, precision, capfd):
     """25 steps of the default schedule.  The other schedules compute the same gradients
     (``distributed/test_parity.py``, against the unsharded reference) and each trains from
-    this CLI in ``test_examples.py``'s sweep, so one schedule shows the loss falls."""
+    this CLI in ``test_examples.py``'s sweep, so one schedule shows the loss falls; in fp16
+    too (``fp16=true``: DeepSpeed's dynamic loss scale, shown per logged step)."""
     out = tmp_path / "stats.json"
     proc = train_cli(capfd, f"schedule={schedule}", "steps=25", "log_every=5", "model.num_layers=2", f"stats_out={out}",
-                     cwd=tmp_path)
+                     *(["fp16=true"] if precision == "fp16" else []), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 25 steps" in proc.stdout and f"schedule {schedule}" in proc.stdout
+    assert ("| loss scale 65536" in proc.stdout) == (precision == "fp16")  # DeepSpeed's initial 2^16
     summary = json.loads(out.read_text())["summary"]
     assert summary["final_loss"] < summary["first_loss"] - 1.0  # bytes: ~5.5 -> below 4.5
 
@@ -61,10 +63,11 @@ def test_checkpoint_resume_from_the_cli(tmp_path, capfd):
         ("schedule.name=gpipe", "error: oases.schedule: Input should be"),
         ("zero_stage=3", "error: zero_optimization.stage=3 is not supported with oases (stage 3 gathers"),
         ("offload=true", "error: zero_optimization.offload_optimizer.device=cpu needs zero_optimization.stage 1 or 2"),
+        ("bf16=true fp16=true", "error: bf16=true and fp16=true: choose one"),
     ],
 )
 def test_bad_config_is_one_clear_line(override, message, capsys, monkeypatch, tmp_path):
-    assert refused(capsys, monkeypatch, tmp_path, train, override).startswith(message)
+    assert refused(capsys, monkeypatch, tmp_path, train, *override.split()).startswith(message)
 
 
 @pytest.mark.distributed

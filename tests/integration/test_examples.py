@@ -90,11 +90,11 @@ def test_the_planning_script_writes_a_plan_oases_train_takes(tmp_path, capfd):
     assert train.returncode == 0, train.stderr[-3000:]
 
 
-def _readme_block(heading: str) -> list[str]:
-    """The command lines of the first ``bash`` block under README heading ``heading``."""
+def _readme_block(heading: str, index: int = 0) -> list[str]:
+    """The command lines of ``bash`` block ``index`` (0: the first) under README heading ``heading``."""
     text = open(os.path.join(ROOT, "README.md")).read()
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    block = section.split("```bash\n")[1 + index].split("```", 1)[0]
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -114,6 +114,21 @@ def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     assert all(re.search(r"^done: 20 steps", out, re.M) for out in (outputs[0], outputs[2]))
     plan = Plan.from_json(tmp_path / "plan.json")
     assert "-sp|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
+
+
+@pytest.mark.distributed
+def test_the_readme_shrinks_the_model_states_as_written(tmp_path, capfd):
+    """The second block of "Fit a larger model", as written: ZeRO-2 with the optimizer in host
+    memory (DeepSpeed's CPU Adam) in fp16 at TMP 2 x DP 2, then oases-plan pricing those states."""
+    commands = _readme_block("Fit a larger model", 1)
+    assert [c.split()[0] for c in commands] == ["oases-train", "oases-plan"]
+    train, plan = (train_cli(capfd, *c.split()[1:], cwd=tmp_path) if c.startswith("oases-train")
+                   else plan_cli(*c.split()[1:], cwd=tmp_path) for c in commands)
+    for command, done in zip(commands, (train, plan)):
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    assert "TMP 2 x DP 2" in train.stdout and "ZeRO-2, DeepSpeedCPUAdam in host memory" in train.stdout
+    assert "| loss scale 65536" in train.stdout and re.search(r"^done: 10 steps", train.stdout, re.M)
+    assert "states fp16, ZeRO 2 over DP 2, optimizer in host memory: 4 B" in plan.stdout, plan.stdout
 
 
 @pytest.mark.distributed
