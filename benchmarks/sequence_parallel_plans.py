@@ -32,6 +32,7 @@ from oases_ds.bench.provenance import git_commit, publish_study, study_arguments
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.parallel.link import link_from_config  # noqa: E402
 from oases_ds.planner.analytic import DeviceModel  # noqa: E402
+from oases_ds.planner.costs import ModelStates  # noqa: E402
 from oases_ds.planner.plan import PlanInfeasibleError  # noqa: E402
 from oases_ds.planner.planning import PipelineRequest, PlanRequest, make_plan  # noqa: E402
 from oases_ds.planner.profile import ProfileSpec  # noqa: E402
@@ -58,14 +59,16 @@ def _yaml(group: str, name: str) -> dict:
 
 
 def plan_case(name: str, model: dict | str, cluster_name: str, devices: int, micro_batch: int, stages: int,
-              stage_gbps: float | None, limit_gib: float, sp: bool) -> dict:
+              stage_gbps: float | None, limit_gib: float, sp: bool, states: ModelStates = ModelStates()) -> dict:
+    """One case planned as ``oases-plan planner.recompute=auto`` plans it, model states priced at ``states``."""
     cfg = ModelConfig(**(_yaml("model", model) if isinstance(model, str) else model))
     cluster = _yaml("cluster", cluster_name)
     spec = ProfileSpec(model=cfg, devices=devices, micro_batch=micro_batch, link=link_from_config(cluster["link"]),
                        cluster=cluster["name"], min_degree=devices, sequence_parallel=sp)
     request = PlanRequest(profile=spec, cost="analytic", device=DeviceModel.from_cluster(cluster), cache_dir=None,
                           memory_limit_bytes=limit_gib * GiB, recompute="auto",
-                          pipeline=PipelineRequest(stages, None, stage_gbps) if stages > 1 else None)
+                          pipeline=PipelineRequest(stages, None, stage_gbps) if stages > 1 else None,
+                          model_states=states)
     row = {"case": name, "sequence_parallel": sp, "limit_bytes": limit_gib * GiB, "devices": devices,
            "micro_batch": micro_batch, "pipeline_stages": stages, "layers": cfg.num_layers}
     try:
