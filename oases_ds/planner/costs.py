@@ -103,6 +103,14 @@ class ModelStates:
         optimizer = 8 if (self.precision == "fp32" and self.zero_stage == 0) else 12
         return 2 * weight + optimizer / (self.data_parallel_size if self.zero_stage else 1)
 
+    def overlapped_dp_reduction(self) -> bool:
+        """Whether the engine reduces gradients over DP overlapped with the schedule (its
+        default where it reproduces DeepSpeed's reduction: DP > 1, ZeRO 0 or 1, no offload,
+        not fp16; ``OasesEngine._overlapped_dp_reducer``), whose in-flight flat copies the
+        memory model then charges (:func:`~oases_ds.planner.memory.dp_in_flight_bytes`)."""
+        return (self.data_parallel_size > 1 and self.zero_stage <= 1 and not self.offload
+                and self.precision != "fp16")
+
     def label(self) -> str:
         where = ", optimizer in host memory" if self.offload else ""
         return (f"{self.precision}, ZeRO {self.zero_stage} over DP {self.data_parallel_size}{where}: "

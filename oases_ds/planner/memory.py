@@ -60,7 +60,7 @@ from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_cou
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes
-from oases_ds.planner.costs import STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
+from oases_ds.planner.costs import PRECISIONS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
 from oases_ds.schedule.instructions import Backward, Forward, Recompute, StartAsync, Sync
@@ -409,13 +409,37 @@ def state_bytes(cfg: ModelConfig, attn_degrees: Sequence[int], mlp_degrees: Sequ
     return float(params * bytes_per_param)
 
 
+def dp_in_flight_bytes(cfg: ModelConfig, devices: int, states: ModelStates, degree: int | None = None) -> float:
+    """The overlapped DP reduction's flat gradient copies alive at once on a rank, at most.
+
+    :class:`~oases_ds.runtime.dp_overlap.DPGradReducer` reduces one bucket per block (and one
+    for the head, one for the embedding) in the order the backward finishes them -- head,
+    last layer's MLP and attention, ..., first layer's attention, embedding -- and keeps at
+    most :data:`~oases_ds.runtime.dp_overlap.MAX_IN_FLIGHT` of them reducing: the bound is the
+    largest such run of consecutive buckets, in the gradients' dtype.  Blocks are counted at
+    ``degree`` (default: the full TMP degree ``devices``); the ends, the largest buckets, are
+    sharded over the full group in every plan.  0 where the reduction is not overlapped."""
+    from oases_ds.runtime.dp_overlap import MAX_IN_FLIGHT
+
+    if not states.overlapped_dp_reduction():
+        return 0.0
+    block = layer_parameter_counts(cfg, degree or devices)
+    embed = end_parameter_counts(cfg, devices)["embed"]
+    head = embed_head_parameter_count(cfg, devices) - embed  # one stage: a tied head holds no table of its own
+    order = [head] + [block[kind] for _ in range(cfg.num_layers) for kind in ("mlp", "attn")] + [embed]
+    window = max(sum(order[i:i + MAX_IN_FLIGHT]) for i in range(len(order)))
+    return float(window * PRECISIONS[states.precision])
+
+
 def with_model_states(table: CostTable, states: ModelStates, cfg: ModelConfig) -> CostTable:
     """``table`` re-priced for ``states``: every table is priced at :data:`STATE_BYTES_PER_PARAM`
     (the profiler and the analytic model alike), so each block's ``state_bytes`` and the
     embedding's and head's states inside ``fixed_bytes`` (and each pipeline role's) are
-    scaled to ``states.bytes_per_param()``; activations are untouched."""
+    scaled to ``states.bytes_per_param()``, and the overlapped DP reduction's in-flight copies
+    (:func:`dp_in_flight_bytes`) added to the fixed bytes; activations are untouched."""
     per_param = states.bytes_per_param()
-    if per_param == STATE_BYTES_PER_PARAM:
+    in_flight = dp_in_flight_bytes(cfg, table.devices, states)
+    if per_param == STATE_BYTES_PER_PARAM and not in_flight:
         return table
     ratio = per_param / STATE_BYTES_PER_PARAM
 
@@ -429,7 +453,8 @@ def with_model_states(table: CostTable, states: ModelStates, cfg: ModelConfig) -
                    for role, value in table.stage_fixed_bytes.items()}
     return dataclasses.replace(table, blocks=scaled(table.blocks), store_blocks=scaled(table.store_blocks),
                                gathered_blocks=scaled(table.gathered_blocks),
-                               fixed_bytes=table.fixed_bytes + delta * embed_head_parameter_count(cfg, table.devices),
+                               fixed_bytes=(table.fixed_bytes + delta * embed_head_parameter_count(cfg, table.devices)
+                                            + in_flight),
                                stage_fixed_bytes=stage_fixed)
 
 

@@ -54,6 +54,10 @@ from oases_ds.schedule.instructions import Backward, Instruction
 
 BlockKey = tuple[int, str]  # (layer, block) as the operators name them
 
+MAX_IN_FLIGHT = 2
+"""Buckets reducing at once by default: the flat copies alive beside the gradients, which the
+memory model charges (:func:`oases_ds.planner.memory.dp_in_flight_bytes`)."""
+
 _LAYER_PARAM = re.compile(r"^layers\.(\d+)\.(attn|mlp)(_norm)?\.")
 
 
@@ -115,7 +119,7 @@ class DPGradReducer:
     """
 
     def __init__(self, model: OperatorModel, schedule: Schedule, comm: Communicator, dp_group: dist.ProcessGroup | None,
-                 max_in_flight: int = 2, replica_dp_group: Callable[[int], dist.ProcessGroup | None] | None = None,
+                 max_in_flight: int = MAX_IN_FLIGHT, replica_dp_group: Callable[[int], dist.ProcessGroup | None] | None = None,
                  predivide: bool = False, clock: Clock | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 (buckets reducing at once), got {max_in_flight}")

@@ -146,3 +146,33 @@ def test_a_plan_prices_model_states_as_requested_and_fits_more_where_they_shrink
 def test_a_table_file_with_other_model_states_is_refused():
     with pytest.raises(ValueError, match="re-pricing model states needs the model; plan from the model"):
         PlanRequest(None, table_path="t.json", model_states=ModelStates(zero_stage=1, data_parallel_size=2))
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("gpt", True)])
+def test_dp_in_flight_bytes_bound_the_reducers_buckets_in_backward_order(family, tied):
+    """The memory model's bound on the overlapped DP reduction's flat copies is the largest run of
+    MAX_IN_FLIGHT consecutive buckets, bucketed as DPGradReducer buckets (``block_of``) and ordered
+    as the backward finishes them; none where the reduction is not overlapped."""
+    import torch
+
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.planner.memory import dp_in_flight_bytes
+    from oases_ds.runtime.dp_overlap import MAX_IN_FLIGHT, block_of
+
+    cfg = ModelConfig(family=family, vocab_size=96, hidden_size=32, num_heads=4, num_layers=3, seq_len=8,
+                      tie_embeddings=tied)
+    with torch.device("meta"):
+        model = OperatorModel(cfg)
+    buckets: dict = {}
+    for name, p in model.named_parameters():
+        key = block_of(name, cfg.num_layers)
+        buckets[key] = buckets.get(key, 0) + p.numel()
+    order = sorted(buckets, key=lambda k: (-k[0], k[1] != "head", k[1] != "mlp"))  # head, L2.mlp, L2.attn, ..., embed
+    assert order[0] == (cfg.num_layers, "head") if not tied else order[-1] == (-1, "embed")
+    sizes = [buckets[k] for k in order]
+    window = max(sum(sizes[i:i + MAX_IN_FLIGHT]) for i in range(len(sizes)))
+    assert dp_in_flight_bytes(cfg, 1, ModelStates("fp32", 1, data_parallel_size=2)) == window * 4
+    assert dp_in_flight_bytes(cfg, 1, ModelStates("bf16", 0, data_parallel_size=2)) == window * 2
+    for quiet in (ModelStates("fp32", 1), ModelStates("bf16", 2, data_parallel_size=2),
+                  ModelStates("bf16", 1, offload=True, data_parallel_size=2), ModelStates("fp16", 0, data_parallel_size=2)):
+        assert dp_in_flight_bytes(cfg, 1, quiet) == 0.0  # DP 1, or DeepSpeed's reducer after the schedule
