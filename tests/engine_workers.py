@@ -236,16 +236,19 @@ def plant_payload(path: str, marker: str) -> None:
 
 
 def checkpoint_safety_run(root: str) -> dict:
-    """One rank.  (1) fp32/bf16 x ZeRO 0/1 with Adam + WarmupLR: save, load into a fresh
-    engine through the safe loader, compare; (2) a bf16 checkpoint loaded by an fp32 engine;
+    """One rank.  (1) fp32/bf16 x ZeRO 0/1/2 and fp16 x ZeRO 0/2 (its loss scaler) with Adam +
+    WarmupLR: save, load into a fresh engine through the safe loader, compare; (2) a bf16
+    checkpoint loaded by an fp32 engine;
     (3) a planted payload; (4) ``latest`` pointing outside the directory."""
     import shutil
 
     import oases_ds
     from oases_ds.checkpoint import CheckpointError
 
-    def engine_for(bf16: bool, zero: int):
+    def engine_for(bf16: bool, zero: int, fp16: bool = False):
         cfg = ds_config(4, 1, zero, oases={"enabled": True, "tensor_parallel_size": 1, "seed": 7}, bf16=bf16)
+        if fp16:
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}}
         return oases_ds.initialize(model=tiny_config("gpt"), config=cfg)[0]
@@ -258,17 +261,19 @@ def checkpoint_safety_run(root: str) -> dict:
         return "loaded"
 
     out: dict = {"roundtrip": {}}
-    for bf16 in (False, True):
-        for zero in (0, 1):
-            mode = f"{'bf16' if bf16 else 'fp32'}_zero{zero}"
-            saver = engine_for(bf16, zero)
-            saver.train_batch(make_batch(tiny_config("gpt"), 4, 0))
-            saver.save_checkpoint(os.path.join(root, mode))
-            loader = engine_for(bf16, zero)
-            path, _ = loader.load_checkpoint(os.path.join(root, mode))
-            same = all(torch.equal(a, b) for a, b in zip(saver.module.state_dict().values(), loader.module.state_dict().values()))
-            out["roundtrip"][mode] = {"path": path, "same_params": same, "global_steps": loader.global_steps,
-                                      "lr": loader.get_lr() == saver.get_lr()}
+    modes = [(precision, zero) for precision in ("fp32", "bf16") for zero in (0, 1, 2)] + [("fp16", 0), ("fp16", 2)]
+    for precision, zero in modes:
+        mode = f"{precision}_zero{zero}"
+        saver = engine_for(precision == "bf16", zero, precision == "fp16")
+        saver.train_batch(make_batch(tiny_config("gpt"), 4, 0))
+        if precision == "fp16":  # a scale the loader would not start from: 2^8 -> 2^7
+            saver.optimizer.loss_scale = 128.0
+        saver.save_checkpoint(os.path.join(root, mode))
+        loader = engine_for(precision == "bf16", zero, precision == "fp16")
+        path, _ = loader.load_checkpoint(os.path.join(root, mode))
+        same = all(torch.equal(a, b) for a, b in zip(saver.module.state_dict().values(), loader.module.state_dict().values()))
+        out["roundtrip"][mode] = {"path": path, "same_params": same, "global_steps": loader.global_steps,
+                                  "lr": loader.get_lr() == saver.get_lr(), "loss_scale": loader.current_loss_scale()}
     fp32 = engine_for(False, 0)
     out["mismatch"] = refused(fp32, os.path.join(root, "bf16_zero0"))
     evil = os.path.join(root, "evil")

@@ -353,9 +353,11 @@ def test_a_planted_payload_is_proven_live():
 @pytest.mark.distributed
 def test_engine_loads_every_mode_safely_and_refuses_bad_checkpoints(tmp_path):
     out = launch(ew.checkpoint_safety_run, 1, (str(tmp_path),), timeout_s=600)[0]
-    assert set(out["roundtrip"]) == {"fp32_zero0", "fp32_zero1", "bf16_zero0", "bf16_zero1"}
-    for mode, got in out["roundtrip"].items():  # the allowlist covers what DeepSpeed saves
+    assert set(out["roundtrip"]) == {f"{p}_zero{z}" for p in ("fp32", "bf16") for z in (0, 1, 2)} | {"fp16_zero0",
+                                                                                                    "fp16_zero2"}
+    for mode, got in out["roundtrip"].items():  # the allowlist covers what DeepSpeed saves (fp16 ZeRO: its scaler)
         assert got["path"] and got["same_params"] and got["global_steps"] == 1 and got["lr"], mode
+        assert got["loss_scale"] == (128.0 if mode.startswith("fp16") else 1.0), mode  # DeepSpeed's own files keep it
     assert out["mismatch"] == (f"checkpoint {tmp_path / 'bf16_zero0' / 'global_step1'} was saved with "
                                "precision=bf16, this run has precision=fp32")
     assert re.match(rf"refusing to load checkpoint file {re.escape(out['evil_file'])}: it holds a pickled (io|builtins)\.open,",
