@@ -43,22 +43,24 @@ VARIANTS = (  # label, policy of every block, sequence parallel
 )
 
 
-def spec_of(model: dict, gbps: float, repeats: int, warmup: int) -> dict:
+def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants: tuple = VARIANTS) -> dict:
+    """The ``measure_rank`` spec of ``variants`` (label, policy of every block, sequence parallel)
+    at TMP 2, on a link emulated at ``gbps`` (``None``: no emulation, the compute-only step)."""
     from oases_ds.bench.spec import bench_defaults, resolve
 
     defaults = bench_defaults()
-    cluster = {"name": "emulated", "link": {"bandwidth_gbps": gbps, "latency_us": 0.0, "sharing": "ring"},
-               "device": None, "tensor_parallel_size": None}
+    link = {"bandwidth_gbps": gbps, "latency_us": 0.0, "sharing": "ring"} if gbps else None
+    cluster = {"name": "emulated" if gbps else "local", "link": link, "device": None, "tensor_parallel_size": None}
     spec = resolve({**defaults, "model": model, "schedules": ["oases"], "micro_batch": MICRO_BATCH, "micro_batches": [],
                     "tensor_parallel_size": TP, "data_parallel_size": 1, "warmup": warmup, "repeats": repeats,
                     "gantt": False, "memory_probe": False, "seed": 0, "timeout_s": 1800, "cluster": cluster,
-                    "emulation": {**defaults["emulation"], "mode": "literal"}})
+                    "emulation": {**defaults["emulation"], "mode": "literal" if gbps else "off"}})
     base = spec["variants"][0]
     every = list(range(2 * model["num_layers"]))
     spec["variants"] = [{**base, "label": label, "sequence_parallel": sp,
                          "stored_blocks": every if policy == "store" else [],
                          "gathered_blocks": every if policy == "oases_gathered" else []}
-                        for label, policy, sp in VARIANTS]
+                        for label, policy, sp in variants]
     return spec
 
 

@@ -186,7 +186,7 @@ class OasesEngine(DeepSpeedEngine):
             self.executor = Executor.for_schedule(model, spec, link, model.rng, record=oases.record_timeline, comm=comm)
         self.schedule = self.executor.schedule
         self.oases_comm = self.executor.comm
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, Any] = {}
         self._oases_data_iter: Iterator | None = None
         self.dp_reducer = self._overlapped_dp_reducer()
         if self.dp_reducer is not None:
@@ -372,7 +372,12 @@ class OasesEngine(DeepSpeedEngine):
         elapsed = ended - begun
         dp_wait = self.dp_reducer.wait_s if self.dp_reducer is not None else 0.0  # the window's one boundary (arm resets it)
         exposed = sum(timeline.busy("wait") for timeline in timelines) + dp_wait
+        by_phase = {"optimizer boundary": dp_wait}
+        for timeline in timelines:
+            for where, seconds in timeline.exposed_by_phase().items():
+                by_phase[where] = by_phase.get(where, 0.0) + seconds
         stats = self.oases_comm.stats
+        link_s = sum(s for phase, s in stats.link_s.items() if phase != "eval")
         self.last_stats = {
             "loss": float(loss),
             "step_s": elapsed,
@@ -384,6 +389,12 @@ class OasesEngine(DeepSpeedEngine):
             "pipeline_bytes": float(stats.bytes_in("pipeline")),
             "exposed_comm_s": exposed,
             "exposed_comm_frac": exposed / elapsed,
+            "exposed_by_phase_s": by_phase,
+            # The physical limit of the step (issue 43): it can be no shorter than its work without
+            # any wait, nor than its traffic's time on the emulated link (0 without emulation).
+            "compute_only_s": elapsed - exposed,
+            "link_s": link_s,
+            "limit_s": max(elapsed - exposed, link_s),
             "emulated_link": float(self.oases_comm.emulated),
             "loss_scale": self.executor.grad_scale,  # the step's own (DeepSpeed's step may have changed it since)
             "skipped": float(self.skipped_steps > skipped_before),

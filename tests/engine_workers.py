@@ -493,3 +493,16 @@ def fp16_checkpoint_run(root: str) -> dict:
         out[label] = {**_scaler_state(engine), "global_steps": engine.global_steps,
                       "next": _fp16_train(engine, cfg_model, range(3, 4))}
     return out
+
+
+def link_limit_run(bandwidth_gbps: float) -> dict:
+    """The tiny GPT at TMP 2 on a link emulated at ``bandwidth_gbps`` (no latency), 2 steps:
+    the last step's stats and the communicator's payload bytes per (phase, kind)."""
+    import oases_ds
+
+    cfg = ds_config(4, 1, oases={"enabled": True, "tensor_parallel_size": 2, "seed": 7,
+                                 "link": {"bandwidth_gbps": bandwidth_gbps, "latency_us": 0.0, "sharing": "ring"}})
+    engine, *_ = oases_ds.initialize(model=tiny_config("gpt"), optimizer=sgd, config=cfg)
+    for step in range(2):
+        engine.train_batch(make_batch(tiny_config("gpt"), 4, step))
+    return {"stats": dict(engine.last_stats), "bytes": {f"{p}/{k}": b for (p, k), b in engine.oases_comm.stats.bytes.items()}}

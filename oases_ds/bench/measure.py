@@ -211,8 +211,8 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     runners = {v["label"]: build(v, link) for v in spec["variants"]}
     labels = [v["label"] for v in spec["variants"]]
     mb_of = {v["label"]: v["micro_batch"] for v in spec["variants"]}
-    out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": [], "compute_phase_s": []}
-                                      for l in labels}
+    out: dict[str, dict[str, Any]] = {l: {"step_s": [], "exposed_comm_frac": [], "compute_util": [], "compute_phase_s": [],
+                                          "compute_s": [], "exposed_by_phase_s": [], "link_s": []} for l in labels}
     world_group = None
     for rep in range(spec["warmup"] + spec["repeats"]):
         for label in rotated(labels, rep):
@@ -230,6 +230,9 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 out[label]["exposed_comm_frac"].append(summary["exposed_comm_frac"])
                 out[label]["compute_util"].append(summary["compute_util"])
                 out[label]["compute_phase_s"].append({p: summary[f"compute_{p}_s"] for p in ("fwd", "rec", "bwd")})
+                out[label]["compute_s"].append(summary["compute_s"])
+                out[label]["exposed_by_phase_s"].append(executor.timeline.exposed_by_phase())
+                out[label]["link_s"].append(sum(executor.comm.stats.link_s.values()))  # 0 without an emulated link
                 out[label]["comm_bytes"] = executor.comm.stats.as_dict()
     for label in labels:
         executor, model = runners[label]

@@ -386,6 +386,9 @@ def train_rank(cfg: dict) -> dict[str, Any]:
             if is_main and ((step + 1) % cfg["log_every"] == 0 or step == start_step or step + 1 == cfg["steps"]):
                 scale = (f" | loss scale {stats['loss_scale']:g}{' (overflow: step skipped)' if stats['skipped'] else ''}"
                          if cfg["fp16"] else "")
+                if link:  # the step against max(its work without waits, its traffic's time on the emulated link)
+                    scale += (f" | {stats['step_s'] / stats['limit_s']:.2f}x the limit (work {stats['compute_only_s']:.2f} s, "
+                              f"link {stats['link_s']:.2f} s)")
                 print(f"step {step + 1:>5}/{cfg['steps']} | loss {loss:7.4f} | {stats['tokens_per_s']:>7,.0f} tok/s | "
                       f"TMP {stats['tmp_bytes'] / 2**20:7.2f} MiB/step | exposed comm {stats['exposed_comm_frac']:5.1%}"
                       f"{scale}", flush=True)
@@ -418,6 +421,9 @@ def train_rank(cfg: dict) -> dict[str, Any]:
         "median_tokens_per_s": sorted(h["tokens_per_s"] for h in history)[len(history) // 2] if history else 0.0,
         "schedule": cfg["schedule"]["name"], "emulated_link": bool(link),
         "skipped_steps": int(sum(h["skipped"] for h in history)),  # fp16 overflows this run (none in bf16/fp32)
+        # on an emulated link: the median step over max(work without waits, link time of its traffic)
+        "median_vs_limit": (sorted(h["step_s"] / h["limit_s"] for h in history)[len(history) // 2]
+                            if history and link else None),
     }
     if is_main and cfg["stats_out"]:
         write_json_atomic(cfg["stats_out"], {"summary": summary, "history": history, "config": cfg})
@@ -431,6 +437,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"done: {summary['steps_run']} steps in {summary['elapsed_s']:.1f}s | loss {summary['first_loss']:.4f} -> "
           f"{summary['final_loss']:.4f} | held-out loss {summary['eval_loss']:.4f} | "
           f"median {summary['median_tokens_per_s']:,.0f} tok/s | schedule {summary['schedule']}"
+          f"{f' | median {limit:.2f}x the limit' if (limit := summary.get('median_vs_limit')) else ''}"
           f"{f' | {skipped} steps skipped (fp16 overflow)' if (skipped := summary.get('skipped_steps')) else ''}", flush=True)
 
 

@@ -49,14 +49,18 @@ _REDUCE_OPS = {dist.ReduceOp.SUM: "all_reduce.sum", dist.ReduceOp.MAX: "all_redu
 
 @dataclass
 class CommStats:
-    """Calls and payload bytes per (phase, kind) of collective."""
+    """Calls and payload bytes per (phase, kind) of collective, and on an emulated link the
+    seconds each phase's traffic occupies it (:meth:`LinkModel.seconds`, one after another)."""
 
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    link_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def add(self, phase: str, kind: str, nbytes: int) -> None:
+    def add(self, phase: str, kind: str, nbytes: int, link_s: float = 0.0) -> None:
         self.calls[(phase, kind)] += 1
         self.bytes[(phase, kind)] += nbytes
+        if link_s:
+            self.link_s[phase] += link_s
 
     def bytes_in(self, phase: str, kind: str | None = None) -> int:
         return sum(v for (p, k), v in self.bytes.items() if p == phase and (kind is None or k == kind))
@@ -73,6 +77,7 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.link_s.clear()
 
 
 class Communicator:
@@ -260,9 +265,10 @@ class Communicator:
         nbytes = tensor.numel() * tensor.element_size()
         if kind == "all_gather":
             nbytes *= ranks  # size of the gathered result
-        self.stats.add(phase, kind, nbytes)
         if self._emulator is None:
+            self.stats.add(phase, kind, nbytes)
             return pending
+        self.stats.add(phase, kind, nbytes, self.link.seconds(kind, nbytes, ranks))  # type: ignore[union-attr]
         return self._emulator.hold(kind, nbytes, ranks, group, pending)
 
 

@@ -35,6 +35,10 @@ import torch
 from oases_ds.utils.io import write_json_atomic
 
 LANES = ("compute", "comm", "wait")  # Chrome trace thread ids 0, 1, 2 in this order
+EXPOSURE_PHASES = ("forward", "recompute", "backward", "embedding/head")
+"""Where :meth:`Timeline.exposed_by_phase` puts a wait; the engine adds the optimizer boundary's
+(the DP reduction's wait after the schedule)."""
+_PASS_NAMES = {"fwd": "forward", "rec": "recompute", "bwd": "backward"}
 
 
 def op_label(name: str, layer: int, block: str) -> str:
@@ -189,6 +193,19 @@ class Timeline:
             "compute_util": compute / span if span else 0.0,
             "exposed_comm_frac": exposed / span if span else 0.0,
         }
+
+    def exposed_by_phase(self) -> dict[str, float]:
+        """Exposed (blocking) communication seconds by where the schedule waited
+        (:data:`EXPOSURE_PHASES`): the embedding's and the head's collectives apart -- the first
+        and last of each pass, which two sub-batches have the least work to cover -- and the
+        blocks' by pass: forward, recomputation (the cross-pass phase of the Oases schedule),
+        backward."""
+        out = dict.fromkeys(EXPOSURE_PHASES, 0.0)
+        for e in self.events:
+            if e.lane == "wait":
+                where = "embedding/head" if e.op.startswith(("embed", "head")) else _PASS_NAMES.get(e.phase, "backward")
+                out[where] += e.end - e.start
+        return out
 
     def chrome_trace(self, rank: int = 0) -> dict:
         """Chrome trace-event JSON: metadata events (``"ph": "M"``) name the process

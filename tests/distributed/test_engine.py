@@ -390,3 +390,22 @@ def test_guard_mode_through_the_engine_changes_no_number_and_records_every_reduc
     assert off[0]["steps"] == [1, 2]
     by_env = launch(ew.guarded_engine_run, 2, (False,), timeout_s=240, env={"OASES_CHECK_COLLECTIVES": "1"})
     assert [r["guard"] for r in by_env] == [True, True]
+
+
+def test_the_step_reports_its_limit_and_where_its_exposed_time_is():
+    """On an emulated link the step can be no shorter than its traffic's link time (the sum of
+    each collective's LinkModel time: payload, ring factor, bandwidth), which the engine reports
+    beside its work without waits; the exposed time is split by phase without loss."""
+    from oases_ds.parallel.link import LinkModel
+
+    gbps = 0.05
+    out = launch(ew.link_limit_run, 2, (gbps,), timeout_s=300)[0]
+    stats, link = out["stats"], LinkModel(gbps)
+    expected = sum(link.wire_bytes(key.split("/")[1], b, 2) * 8 / (gbps * 1e9) for key, b in out["bytes"].items()
+                   if key.split("/")[0] not in ("eval", "metrics"))
+    assert stats["link_s"] == pytest.approx(expected, rel=1e-9) and expected > 0
+    assert stats["compute_only_s"] == pytest.approx(stats["step_s"] - stats["exposed_comm_s"], rel=1e-9)
+    assert stats["limit_s"] == max(stats["compute_only_s"], stats["link_s"])
+    assert stats["step_s"] >= 0.95 * stats["link_s"]  # the emulator holds every collective to the link
+    assert sum(stats["exposed_by_phase_s"].values()) == pytest.approx(stats["exposed_comm_s"], rel=1e-9)
+    assert set(stats["exposed_by_phase_s"]) == {"forward", "recompute", "backward", "embedding/head", "optimizer boundary"}

@@ -4,6 +4,7 @@ which start no rank: ``support.refused``), and as a real subprocess where only o
 behaviour (a clean run's output, teardown included)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,21 @@ def test_train_loss_falls_on_embedded_text(tmp_path, schedule, precision, capfd)
     assert ("| loss scale 65536" in proc.stdout) == (precision == "fp16")  # DeepSpeed's initial 2^16
     summary = json.loads(out.read_text())["summary"]
     assert summary["final_loss"] < summary["first_loss"] - 1.0  # bytes: ~5.5 -> below 4.5
+
+
+@pytest.mark.distributed
+def test_train_on_an_emulated_link_reports_each_step_against_its_limit(tmp_path, capfd):
+    """With a cluster whose link is emulated, every logged step and the summary say how far the
+    step is from max(its work without waits, its traffic's link time); the stats carry both."""
+    out = tmp_path / "stats.json"
+    proc = train_cli(capfd, "model=gpt_tiny", "steps=2", "log_every=1", "cluster=cpu_0_2g", f"stats_out={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = re.findall(r"^step .*\| (\d+\.\d\d)x the limit \(work (\d+\.\d\d) s, link (\d+\.\d\d) s\)$", proc.stdout, re.M)
+    assert len(steps) == 2, proc.stdout
+    assert re.search(r"^done: 2 steps .* \| median \d+\.\d\dx the limit$", proc.stdout, re.M), proc.stdout
+    for h in json.loads(out.read_text())["history"]:
+        assert h["link_s"] > 0 and h["limit_s"] == max(h["compute_only_s"], h["link_s"])
+        assert h["step_s"] >= 0.95 * h["limit_s"]  # the emulated link holds each collective to it
 
 
 @pytest.mark.distributed

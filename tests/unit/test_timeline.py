@@ -57,3 +57,30 @@ def test_event_without_an_op_is_named_by_its_token():
     tl.add("F3.1", "compute", 1, 0.0, 1.0)
     (span,) = [e for e in tl.chrome_trace()["traceEvents"] if e["ph"] == "X"]
     assert span["name"] == "F3.1 sb1"
+
+
+def test_exposed_time_is_split_by_where_the_schedule_waited():
+    """Waits on the embedding's and head's collectives apart, the blocks' by pass; compute and
+    in-flight communication are not exposure."""
+    from oases_ds.runtime.timeline import EXPOSURE_PHASES
+
+    tl = Timeline()
+    tl.add("W1.0", "wait", 0, 0.0, 0.5, "L0.attn.attn_reduce", "fwd")
+    tl.add("W1.0", "wait", 0, 1.0, 1.25, "L1.mlp.mlp_reduce", "bwd")
+    tl.add("W2.0", "wait", 0, 2.0, 2.125, "embed.embed_reduce", "fwd")
+    tl.add("W3.0", "wait", 1, 3.0, 3.0625, "head.head_copy", "bwd")
+    tl.add("W4.0", "wait", 1, 4.0, 4.5, "L1.attn.attn_reduce", "rec")
+    tl.add("F1.0", "compute", 0, 5.0, 9.0, "L0.attn.qkv", "fwd")
+    tl.add("C1.0", "comm", 0, 5.0, 9.0, "L0.attn.attn_reduce", "fwd")
+    assert tuple(tl.exposed_by_phase()) == EXPOSURE_PHASES
+    assert tl.exposed_by_phase() == {"forward": 0.5, "recompute": 0.5, "backward": 0.25, "embedding/head": 0.1875}
+    assert sum(tl.exposed_by_phase().values()) == tl.busy("wait")
+
+
+def test_a_real_run_puts_its_exposure_where_its_waits_are():
+    model = OperatorModel(CFG, seed=1)
+    ex = Executor.for_schedule(model, ScheduleSpec("oases"))
+    tokens = torch.randint(0, 32, (4, 8))
+    ex.run({"tokens": tokens, "labels": tokens})
+    by_phase = ex.timeline.exposed_by_phase()
+    assert abs(sum(by_phase.values()) - ex.timeline.busy("wait")) < 1e-12 and ex.timeline.busy("wait") > 0
