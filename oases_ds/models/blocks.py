@@ -159,6 +159,16 @@ def end_parameter_counts(cfg: ModelConfig, degree: int) -> dict[str, int]:
     return counts
 
 
+def largest_parameter_count(cfg: ModelConfig, degree: int) -> int:
+    """The most elements one parameter holds on one device at TMP degree ``degree`` (usually the
+    word embedding's or the head's shard): what DeepSpeed's optimizer offload sizes its device
+    staging buffer by (the memory model's ``offload_staging_bytes``)."""
+    cfg.check_tp(degree)
+    with torch.device("meta"):
+        modules = (Embedding(cfg, None), Head(cfg, None), TransformerLayer(cfg, None, None))
+    return max(_per_device(p, degree) for module in modules for p in module.parameters())
+
+
 def _per_device(param: nn.Parameter, degree: int) -> int:
     """A parameter split over TMP ranks (``tp_dim`` set) is held ``1/degree`` per device, a replicated one whole."""
     return param.numel() // degree if getattr(param, "tp_dim", None) is not None else param.numel()

@@ -56,7 +56,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
-from oases_ds.models.blocks import embed_head_parameter_count, end_parameter_counts, layer_parameter_counts
+from oases_ds.models.blocks import (embed_head_parameter_count, end_parameter_counts, largest_parameter_count,
+                                    layer_parameter_counts)
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes
@@ -431,14 +432,24 @@ def dp_in_flight_bytes(cfg: ModelConfig, devices: int, states: ModelStates, degr
     return float(window * PRECISIONS[states.precision])
 
 
+def offload_staging_bytes(cfg: ModelConfig, devices: int, states: ModelStates) -> float:
+    """Under optimizer offload, the device buffer DeepSpeed 0.19.8's ZeRO optimizer stages each
+    gradient through on its way to the host (``temp_grad_buffer_for_gpu_offload``): the largest
+    parameter's shard, in the gradients' dtype; 0 without offload."""
+    if not states.offload:
+        return 0.0
+    return float(largest_parameter_count(cfg, devices) * PRECISIONS[states.precision])
+
+
 def with_model_states(table: CostTable, states: ModelStates, cfg: ModelConfig) -> CostTable:
     """``table`` re-priced for ``states``: every table is priced at :data:`STATE_BYTES_PER_PARAM`
     (the profiler and the analytic model alike), so each block's ``state_bytes`` and the
     embedding's and head's states inside ``fixed_bytes`` (and each pipeline role's) are
     scaled to ``states.bytes_per_param()``, and the overlapped DP reduction's in-flight copies
-    (:func:`dp_in_flight_bytes`) added to the fixed bytes; activations are untouched."""
+    (:func:`dp_in_flight_bytes`) or offload's staging buffer (:func:`offload_staging_bytes`)
+    added to the fixed bytes; activations are untouched."""
     per_param = states.bytes_per_param()
-    in_flight = dp_in_flight_bytes(cfg, table.devices, states)
+    in_flight = dp_in_flight_bytes(cfg, table.devices, states) + offload_staging_bytes(cfg, table.devices, states)
     if per_param == STATE_BYTES_PER_PARAM and not in_flight:
         return table
     ratio = per_param / STATE_BYTES_PER_PARAM

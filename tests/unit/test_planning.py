@@ -176,3 +176,19 @@ def test_dp_in_flight_bytes_bound_the_reducers_buckets_in_backward_order(family,
     for quiet in (ModelStates("fp32", 1), ModelStates("bf16", 2, data_parallel_size=2),
                   ModelStates("bf16", 1, offload=True, data_parallel_size=2), ModelStates("fp16", 0, data_parallel_size=2)):
         assert dp_in_flight_bytes(cfg, 1, quiet) == 0.0  # DP 1, or DeepSpeed's reducer after the schedule
+
+
+def test_offload_staging_is_the_largest_parameter_shard_in_the_gradients_dtype():
+    """DeepSpeed's offload stages each gradient through one device buffer of the largest
+    parameter's size: the memory model charges exactly that, and only under offload."""
+    import torch
+
+    from oases_ds.models.operator_model import OperatorModel
+    from oases_ds.planner.memory import offload_staging_bytes
+
+    cfg = ModelConfig(family="llama", vocab_size=96, hidden_size=32, num_heads=4, num_layers=2, seq_len=8)
+    with torch.device("meta"):
+        largest = max(p.numel() for p in OperatorModel(cfg).parameters())  # TMP 1: whole parameters
+    assert offload_staging_bytes(cfg, 1, ModelStates("fp32", 1, offload=True)) == largest * 4
+    assert offload_staging_bytes(cfg, 1, ModelStates("bf16", 2, offload=True, data_parallel_size=2)) == largest * 2
+    assert offload_staging_bytes(cfg, 1, ModelStates("fp32", 1)) == 0.0
