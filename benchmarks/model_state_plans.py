@@ -33,10 +33,9 @@ sys.path.insert(0, ROOT)
 
 from sequence_parallel_plans import LLAMA_7B, LLAMA_13B, plan_case  # noqa: E402
 
-from oases_ds.bench.provenance import git_commit, publish_study, study_arguments  # noqa: E402
+from oases_ds.bench.provenance import git_commit, study_main  # noqa: E402
 from oases_ds.planner.costs import ModelStates  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "model_state_plans.json")
 GiB = 2**30
 LIMIT_GIB = 22
 MODELS = (("llama_7b", LLAMA_7B), ("llama_13b", LLAMA_13B))
@@ -99,11 +98,5 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = study_arguments(__doc__).parse_args()
-    publish_study("model_state_plans", RESULTS, run, table, "Model states, planned (analytic)",
-                  "\n\n".join(__doc__.split("\n\n")[1:4]), report_only=args.report_only)
-
-
 if __name__ == "__main__":
-    main()
+    study_main("model_state_plans", __doc__, run, table, "Model states, planned (analytic)", slice(1, 4))

@@ -28,9 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from oases_ds.bench.provenance import git_commit, machine, publish_study, study_arguments  # noqa: E402
+from oases_ds.bench.provenance import git_commit, machine, study_main  # noqa: E402
 
-RESULT = os.path.join(ROOT, "benchmarks", "results", "model_states_step.json")
 MODEL = dict(family="llama", vocab_size=8000, hidden_size=1024, num_heads=16, num_layers=4, seq_len=256, dropout=0.0)
 TMP, DP, MICRO = 2, 2, 2
 CASES = (("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-1 + offload", 1, True), ("ZeRO-2 + offload", 2, True))
@@ -101,11 +100,5 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = study_arguments(__doc__).parse_args()
-    publish_study("model_states_step", RESULT, run, table, "ZeRO-2 and optimizer offload: step time (issue 41)",
-                  "\n\n".join(__doc__.split("\n\n")[1:3]), report_only=args.report_only)
-
-
 if __name__ == "__main__":
-    main()
+    study_main("model_states_step", __doc__, run, table, "ZeRO-2 and optimizer offload: step time (issue 41)", slice(1, 3))

@@ -28,7 +28,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from oases_ds.bench.provenance import git_commit, publish_study, study_arguments  # noqa: E402
+from oases_ds.bench.provenance import git_commit, study_main  # noqa: E402
 from oases_ds.models.config import ModelConfig  # noqa: E402
 from oases_ds.parallel.link import link_from_config  # noqa: E402
 from oases_ds.planner.analytic import DeviceModel  # noqa: E402
@@ -38,7 +38,6 @@ from oases_ds.planner.planning import PipelineRequest, PlanRequest, make_plan  #
 from oases_ds.planner.profile import ProfileSpec  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "oases_ds", "configs")
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel_plans.json")
 GiB = 2**30
 
 LLAMA_7B = dict(family="llama", vocab_size=32000, hidden_size=4096, num_heads=32, num_layers=32, ffn_size=11008,
@@ -131,11 +130,5 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = study_arguments(__doc__).parse_args()
-    publish_study("sequence_parallel_plans", RESULTS, run, table, "Sequence parallelism, planned (analytic)",
-                  "\n\n".join(__doc__.split("\n\n")[1:4]), report_only=args.report_only)
-
-
 if __name__ == "__main__":
-    main()
+    study_main("sequence_parallel_plans", __doc__, run, table, "Sequence parallelism, planned (analytic)", slice(1, 4))

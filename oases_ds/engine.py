@@ -371,11 +371,11 @@ class OasesEngine(DeepSpeedEngine):
         begun, ended = clock.resolve([start, clock.mark()])
         elapsed = ended - begun
         dp_wait = self.dp_reducer.wait_s if self.dp_reducer is not None else 0.0  # the window's one boundary (arm resets it)
-        exposed = sum(timeline.busy("wait") for timeline in timelines) + dp_wait
-        by_phase = {"optimizer boundary": dp_wait}
+        by_phase = {"optimizer boundary": dp_wait}  # every wait, by where: one pass over each timeline
         for timeline in timelines:
             for where, seconds in timeline.exposed_by_phase().items():
                 by_phase[where] = by_phase.get(where, 0.0) + seconds
+        exposed = sum(by_phase.values())
         stats = self.oases_comm.stats
         link_s = sum(s for phase, s in stats.link_s.items() if phase != "eval")
         self.last_stats = {

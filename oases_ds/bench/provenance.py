@@ -80,6 +80,21 @@ def publish_study(study: str, result_path: str, measure: Callable[[], dict[str, 
     print(f"wrote {result_path} and {report}")
 
 
+def result_path(study: str) -> str:
+    """``benchmarks/results/<study>.json``: where a dated study keeps its result by default."""
+    return os.path.join(REPO_ROOT, "benchmarks", "results", f"{study}.json")
+
+
+def study_main(study: str, doc: str, measure: Callable[[], dict[str, Any]], table: Callable[[dict[str, Any]], str],
+               title: str, intro: slice) -> None:
+    """The whole command line of a study without options of its own: ``--report-only`` parsed,
+    the result at :func:`result_path`, the report's intro the ``intro`` paragraphs of ``doc``
+    (the script's docstring), then :func:`publish_study`."""
+    args = study_arguments(doc).parse_args()
+    publish_study(study, result_path(study), measure, table, title, "\n\n".join(doc.split("\n\n")[intro]),
+                  report_only=args.report_only)
+
+
 def dated_report(study: str, day: str | None = None) -> str:
     """``benchmarks/reports/<study>-<day>.md``, ``day`` the ISO date its result was measured (default
     today): where a benchmark script writes its generated section, beside the hand-written reading of

@@ -48,6 +48,7 @@ from oases_ds.models.operator_model import check_sequence_parallel
 from oases_ds.parallel.context import check_devices
 from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
+from oases_ds.planner.costs import PRECISIONS
 from oases_ds.planner.plan import Plan
 from oases_ds.utils.io import write_json_atomic
 from oases_ds.utils.metrics import MetricsLog, check_csv, check_tensorboard
@@ -217,9 +218,6 @@ def validate(cfg: dict) -> None:
     from oases_ds.checkpoint import CheckpointMeta, preflight
 
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
-    if cfg["bf16"] and cfg["fp16"]:
-        raise ValueError("bf16=true and fp16=true: choose one (bf16 where the device has it, fp16 with loss scaling "
-                         "where it does not)")
     model = model_config(cfg["model"])
     if cfg["export_hf"] and cfg["pipeline_stages"] > 1:
         raise ValueError(f"export_hf={cfg['export_hf']}: not supported with pipeline_stages={cfg['pipeline_stages']} "
@@ -270,7 +268,7 @@ def validate(cfg: dict) -> None:
                                                         if replicas > 1 else "")
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
     if oases.link:  # else every rank starts, then waits out timeout_s on its first collective
-        element_size = 4 if precision(cfg) == "fp32" else 2
+        element_size = PRECISIONS[precision(cfg)]
         slow = slow_link_message(oases.link.model(), oases.process_group_timeout_s,
                                  [activation_all_reduce(model, cfg["micro_batch"], sub_batches, oases.tensor_parallel_size,
                                                         element_size)],

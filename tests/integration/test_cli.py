@@ -79,7 +79,7 @@ def test_checkpoint_resume_from_the_cli(tmp_path, capfd):
         ("schedule.name=gpipe", "error: oases.schedule: Input should be"),
         ("zero_stage=3", "error: zero_optimization.stage=3 is not supported with oases (stage 3 gathers"),
         ("offload=true", "error: zero_optimization.offload_optimizer.device=cpu needs zero_optimization.stage 1 or 2"),
-        ("bf16=true fp16=true", "error: bf16=true and fp16=true: choose one"),
+        ("bf16=true fp16=true", "error: fp16.enabled=true and bf16.enabled=true: choose one precision"),
     ],
 )
 def test_bad_config_is_one_clear_line(override, message, capsys, monkeypatch, tmp_path):
