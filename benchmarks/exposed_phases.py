@@ -35,14 +35,15 @@ from oases_ds.runtime.timeline import EXPOSURE_PHASES  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "exposed_phases.json")
 MODEL = dict(family="llama", vocab_size=32000, hidden_size=1024, num_heads=16, num_layers=4, seq_len=256, dropout=0.0)
-VARIANTS = (("oases", "oases", False), ("store", "store", False))
+VARIANTS = (("oases", "oases", False), ("store", "store", False), ("oases-k4", "oases", False, 4),
+            ("store-k4", "store", False, 4))
 RATIOS = (0.5, 0.9, 2.0)
 TARGET = 1.10
 
 
 def _rows(ranks: list[dict]) -> dict:
     rows = {}
-    for label, _, _ in VARIANTS:
+    for label, *_ in VARIANTS:
         mine = ranks[0]["variants"][label]
         steps = [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in ranks))]
         compute = [max(cs) for cs in zip(*(r["variants"][label]["compute_s"] for r in ranks))]

@@ -44,8 +44,9 @@ VARIANTS = (  # label, policy of every block, sequence parallel
 
 
 def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants: tuple = VARIANTS) -> dict:
-    """The ``measure_rank`` spec of ``variants`` (label, policy of every block, sequence parallel)
-    at TMP 2, on a link emulated at ``gbps`` (``None``: no emulation, the compute-only step)."""
+    """The ``measure_rank`` spec of ``variants`` (label, policy of every block, sequence parallel
+    and optionally the sub-batches, else the schedule's default) at TMP 2, on a link emulated at
+    ``gbps`` (``None``: no emulation, the compute-only step)."""
     from oases_ds.bench.spec import bench_defaults, resolve
 
     defaults = bench_defaults()
@@ -57,10 +58,13 @@ def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants
                     "emulation": {**defaults["emulation"], "mode": "literal" if gbps else "off"}})
     base = spec["variants"][0]
     every = list(range(2 * model["num_layers"]))
-    spec["variants"] = [{**base, "label": label, "sequence_parallel": sp,
-                         "stored_blocks": every if policy == "store" else [],
-                         "gathered_blocks": every if policy == "oases_gathered" else []}
-                        for label, policy, sp in variants]
+
+    def variant(label: str, policy: str, sp: bool, sub_batches: int | None = None) -> dict:
+        return {**base, "label": label, "sequence_parallel": sp, "sub_batches": sub_batches or base["sub_batches"],
+                "stored_blocks": every if policy == "store" else [],
+                "gathered_blocks": every if policy == "oases_gathered" else []}
+
+    spec["variants"] = [variant(*v) for v in variants]
     return spec
 
 

@@ -33,6 +33,15 @@ EXTRA_VARIANTS = [
     # under sequence parallelism: attn0 keeps its gathered input, mlp0 re-gathers, attn1 stored, mlp1 gathered
     ("oases-gathered-mixed", ScheduleSpec("oases", stored_blocks=(2,), gathered_blocks=(0, 3))),
     ("oases-gathered-all", ScheduleSpec("oases", gathered_blocks=tuple(range(8)))),
+    # more sub-batches than the paper's two (issue 43): every sub-batched schedule at k = 3 and 4
+    ("split_overlap-k3", ScheduleSpec("split_overlap", sub_batches=3)),
+    ("split_overlap-k4", ScheduleSpec("split_overlap", sub_batches=4)),
+    ("oases-k3", ScheduleSpec("oases", sub_batches=3)),
+    ("oases-k4", ScheduleSpec("oases", sub_batches=4)),
+    ("oases-k4-no-cross-pass", ScheduleSpec("oases", sub_batches=4, cross_pass=False)),
+    ("oases-k4-no-fine-grained", ScheduleSpec("oases", sub_batches=4, fine_grained_recompute=False)),
+    ("oases-k3-store-mixed", ScheduleSpec("oases", sub_batches=3, stored_blocks=(0, 3))),
+    ("oases-k4-store-all", ScheduleSpec("oases", sub_batches=4, stored_blocks=tuple(range(8)))),
 ]
 """Run only where a test names them (``variants``), not in every parity sweep."""
 
