@@ -24,16 +24,17 @@ import os
 import statistics
 import sys
 from datetime import datetime, timezone
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sequence_parallel_step import QUICK, spec_of, wire_bytes  # noqa: E402
 
-from oases_ds.bench.provenance import git_commit, machine, publish_study, stored_or_measured, study_arguments  # noqa: E402
+from oases_ds.bench.provenance import (git_commit, machine, publish_study, result_path, stored_or_measured,  # noqa: E402
+                                       study_arguments)
 from oases_ds.runtime.timeline import EXPOSURE_PHASES  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "exposed_phases.json")
 MODEL = dict(family="llama", vocab_size=32000, hidden_size=1024, num_heads=16, num_layers=4, seq_len=256, dropout=0.0)
 VARIANTS = (("oases", "oases", False), ("store", "store", False), ("oases-k4", "oases", False, 4),
             ("store-k4", "store", False, 4))
@@ -41,9 +42,9 @@ RATIOS = (0.5, 0.9, 2.0)
 TARGET = 1.10
 
 
-def _rows(ranks: list[dict]) -> dict:
+def _rows(ranks: list[dict], variants: tuple = VARIANTS) -> dict:
     rows = {}
-    for label, *_ in VARIANTS:
+    for label, *_ in variants:
         mine = ranks[0]["variants"][label]
         steps = [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in ranks))]
         compute = [max(cs) for cs in zip(*(r["variants"][label]["compute_s"] for r in ranks))]
@@ -54,19 +55,22 @@ def _rows(ranks: list[dict]) -> dict:
     return rows
 
 
-def run(model: dict, repeats: int, warmup: int) -> dict:
+def run(model: dict, repeats: int, warmup: int, variants: tuple = VARIANTS, micro_steps: int = 1) -> dict:
+    """One launch without a link (each variant's compute), then one per ratio; ``micro_steps``
+    micro-batches per step, and the bandwidth of each ratio from the first variant's traffic."""
     from oases_ds.bench.measure import measure_rank
     from oases_ds.launcher import launch
 
     def measured(gbps: float | None) -> dict:
-        spec = spec_of(model, gbps, repeats, warmup, VARIANTS)
-        return _rows(launch(measure_rank, 2, (spec,), timeout_s=3600, threads_per_rank=1))
+        spec = spec_of(model, gbps, repeats, warmup, variants, micro_steps)
+        return _rows(launch(measure_rank, 2, (spec,), timeout_s=3600, threads_per_rank=1), variants)
 
     out: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
-                 "machine": machine(), "model": model, "tensor_parallel_size": 2, "repeats": repeats, "warmup": warmup}
+                 "machine": machine(), "model": model, "tensor_parallel_size": 2, "micro_batches_per_step": micro_steps,
+                 "repeats": repeats, "warmup": warmup}
     alone = measured(None)
     out["no_link"] = alone
-    base = alone["oases"]
+    base = alone[variants[0][0]]
     compute = statistics.median(base["compute_s"])
     out["ratios"] = {}
     for ratio in RATIOS:
@@ -102,21 +106,29 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = study_arguments(__doc__)
+def study(name: str, doc: str, title: str, render: Callable[[dict], str], variants: tuple = VARIANTS,
+          micro_steps: int = 1) -> None:
+    """The command line of a study measured as this one (``--quick``, ``--repeats``, ``--out``,
+    ``--report-only``): :func:`run` of ``variants``, rendered by ``render`` into its dated report."""
+    parser = study_arguments(doc)
     parser.add_argument("--quick", action="store_true", help="tiny dims, 1 repeat: the path only (give --out elsewhere)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=result_path(name))
     args = parser.parse_args()
 
     def measure() -> dict:
-        return run(QUICK if args.quick else MODEL, 1 if args.quick else args.repeats, 0 if args.quick else 1)
+        quick = args.quick
+        return run(QUICK if quick else MODEL, 1 if quick else args.repeats, 0 if quick else 1, variants, micro_steps)
 
     if args.quick:
-        stored_or_measured(False, args.out, measure)
+        print(render(stored_or_measured(False, args.out, measure)))
         return
-    publish_study("exposed_phases", args.out, measure, table, "Exposed communication by phase, against the limit",
-                  "\n\n".join(__doc__.split("\n\n")[2:4]), report_only=args.report_only)
+    publish_study(name, args.out, measure, render, title, "\n\n".join(doc.split("\n\n")[2:4]),
+                  report_only=args.report_only)
+
+
+def main() -> None:
+    study("exposed_phases", __doc__, "Exposed communication by phase, against the limit", table)
 
 
 if __name__ == "__main__":

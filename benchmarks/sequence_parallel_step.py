@@ -43,10 +43,12 @@ VARIANTS = (  # label, policy of every block, sequence parallel
 )
 
 
-def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants: tuple = VARIANTS) -> dict:
+def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants: tuple = VARIANTS,
+            micro_steps: int = 1) -> dict:
     """The ``measure_rank`` spec of ``variants`` (label, policy of every block, sequence parallel
-    and optionally the sub-batches, else the schedule's default) at TMP 2, on a link emulated at
-    ``gbps`` (``None``: no emulation, the compute-only step)."""
+    and optionally the sub-batches, else the schedule's default, and whether the step's
+    ``micro_steps`` micro-batches run overlapped) at TMP 2, on a link emulated at ``gbps``
+    (``None``: no emulation, the compute-only step)."""
     from oases_ds.bench.spec import bench_defaults, resolve
 
     defaults = bench_defaults()
@@ -54,13 +56,15 @@ def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants
     cluster = {"name": "emulated" if gbps else "local", "link": link, "device": None, "tensor_parallel_size": None}
     spec = resolve({**defaults, "model": model, "schedules": ["oases"], "micro_batch": MICRO_BATCH, "micro_batches": [],
                     "tensor_parallel_size": TP, "data_parallel_size": 1, "warmup": warmup, "repeats": repeats,
+                    "pipeline_micro_batches": micro_steps,
                     "gantt": False, "memory_probe": False, "seed": 0, "timeout_s": 1800, "cluster": cluster,
                     "emulation": {**defaults["emulation"], "mode": "literal" if gbps else "off"}})
     base = spec["variants"][0]
     every = list(range(2 * model["num_layers"]))
 
-    def variant(label: str, policy: str, sp: bool, sub_batches: int | None = None) -> dict:
+    def variant(label: str, policy: str, sp: bool, sub_batches: int | None = None, overlap: bool = False) -> dict:
         return {**base, "label": label, "sequence_parallel": sp, "sub_batches": sub_batches or base["sub_batches"],
+                "overlap_micro_batches": overlap,
                 "stored_blocks": every if policy == "store" else [],
                 "gathered_blocks": every if policy == "oases_gathered" else []}
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.stages import Stage, split_stages
@@ -89,6 +89,12 @@ class OasesConfig(BaseModel):
             degree for every block.
         flight_records: collectives each rank remembers for a hang's diagnosis
             (:mod:`oases_ds.parallel.flight`); 0 keeps none.
+        overlap_micro_batches: run a step's micro-batches (``gradient_accumulation_steps``) as one
+            cross-pass merge, each micro-batch's forward under the previous one's recomputation and
+            backward (:func:`~oases_ds.schedule.generators.micro_batch_merge`): where the link is as slow
+            as the compute, a forward is link-bound and a backward compute-bound, and only two micro-batches
+            can mix them.  One stage, schedule ``oases`` with ``cross_pass``; at most two micro-batches in
+            flight.  The DP reduction then runs after the step's schedule (not overlapped with it).
         portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
             optimizer state of every parameter (:mod:`oases_ds.checkpoint.portable`), so that a run
             with another TMP degree, plan, pipeline split, DP size or ZeRO stage can resume
@@ -117,6 +123,20 @@ class OasesConfig(BaseModel):
     sequence_parallel: bool = False
     flight_records: int = Field(default=DEFAULT_RECORDS, ge=0)
     portable_checkpoint: bool = True
+    overlap_micro_batches: bool = False
+
+    @model_validator(mode="after")
+    def _overlap_runs_one_stage_of_oases(self) -> OasesConfig:
+        if not self.overlap_micro_batches:
+            return self
+        if self.pipeline_stages > 1:
+            raise ValueError(f"overlap_micro_batches=true runs the micro-batches of one stage; with pipeline_stages="
+                             f"{self.pipeline_stages} the pipeline order overlaps them: turn it off")
+        if self.schedule != "oases" or not self.cross_pass:
+            raise ValueError(f"overlap_micro_batches=true merges micro-batches with the cross-pass oases schedule, "
+                             f"not schedule={self.schedule} with cross_pass={str(self.cross_pass).lower()}; set "
+                             f"schedule=oases and cross_pass=true, or turn it off")
+        return self
 
     @field_validator("plan")
     @classmethod
@@ -191,6 +211,8 @@ def one_line(err: ValidationError, prefix: str) -> str:
     """First pydantic error as ``prefix.field: message (got value)``."""
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
+    if not loc:  # a check across fields (a model validator): its message names them
+        return f"{prefix}: {first['msg'].removeprefix('Value error, ')}"
     got = f" (got {first['input']!r})" if "input" in first and first["type"] != "missing" else ""
     hint = "; remove it or check its spelling" if first["type"] == "extra_forbidden" else ""
     return f"{prefix}.{loc}: {first['msg']}{got}{hint}"

@@ -104,6 +104,7 @@ from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.runtime.timeline import clock_for
 from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.schedule.pipeline import OVERLAP
 
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 HANDOFF_BUCKET_ELEMENTS = 1024
@@ -165,6 +166,8 @@ class OasesEngine(DeepSpeedEngine):
         # then sealed: a group some rank asks for later would hang NCCL (ParallelContext)
         parallel_context.create_plan_groups([lay.degree for pair in model.sharding.layouts for lay in pair])
         self.pipelined = parallel_context.pp_size > 1
+        # all micro-batches of a step through one schedule: pipeline stages, or one stage's overlapped merge
+        self.step_schedule = self.pipelined or oases.overlap_micro_batches
         # One communicator for the schedule, the model's eager forward (evaluation) and the step's
         # metrics: one flight record of the rank, one guard (oases.check_collectives or $OASES_CHECK_COLLECTIVES).
         try:
@@ -178,9 +181,10 @@ class OasesEngine(DeepSpeedEngine):
         comm = Communicator.for_run(link, oases.flight_records, check)
         model.comm = comm
         spec = planned_schedule(oases)
-        if self.pipelined:  # all micro-batches of a step through one pipeline schedule
+        if self.step_schedule:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
-                model, spec, oases.pipeline_schedule, self.gradient_accumulation_steps(),
+                model, spec, OVERLAP if oases.overlap_micro_batches else oases.pipeline_schedule,
+                self.gradient_accumulation_steps(),
                 StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline, comm=comm)
         else:
             self.executor = Executor.for_schedule(model, spec, link, model.rng, record=oases.record_timeline, comm=comm)
@@ -227,7 +231,7 @@ class OasesEngine(DeepSpeedEngine):
         DeepSpeed's ``BF16_Optimizer``) DeepSpeed's own reducer runs after the schedule;
         ``None`` then, and with one DP rank."""
         dtype = next(self.module.parameters()).dtype
-        if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.pipelined
+        if (not self.oases.dp_overlap or self.parallel_context.dp_size == 1 or self.step_schedule
                 or self.fp16_enabled()
                 or not self.gradient_average or self.gradient_predivide_factor() != 1.0
                 or self.communication_data_type != dtype
@@ -356,11 +360,11 @@ class OasesEngine(DeepSpeedEngine):
         losses, timelines, tokens = [], [], 0
         skipped_before = self.skipped_steps
         self.executor.grad_scale = self.current_loss_scale()
-        if self.pipelined:
+        if self.step_schedule:
             losses.append(self._run_pipeline(micro_batches, gas, micro))
             timelines.append(self.executor.timeline)
             tokens = sum(mb["tokens"].numel() for mb in micro_batches)
-        for acc, mb in enumerate([] if self.pipelined else micro_batches):
+        for acc, mb in enumerate([] if self.step_schedule else micro_batches):
             offset = (acc * ctx.dp_size + ctx.dp_rank) * micro
             losses.append(self._run_schedule(mb, offset, gas * ctx.dp_size * micro))
             timelines.append(self.executor.timeline)  # read after the loop: on CUDA reading waits for the device

@@ -82,7 +82,8 @@ def _full_params(engine, ctx) -> dict[str, torch.Tensor]:
 
 def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: int = 0, schedule: str = "oases",
               bf16: bool = False, optimizer: str = "sgd", plan: str | None = None, dp_overlap: bool = True,
-              sequence_parallel: bool = False, check_collectives: bool = False, offload: bool = False) -> dict:
+              sequence_parallel: bool = False, check_collectives: bool = False, offload: bool = False,
+              overlap_micro_batches: bool = False) -> dict:
     """OasesEngine on this rank's TMP shard and DP share; returns full params after each step,
     and the global gradient norm DeepSpeed's optimizer clipped with (ZeRO-1; None otherwise)."""
     import oases_ds
@@ -90,7 +91,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
 
     ctx_cfg = {"enabled": True, "tensor_parallel_size": tp, "schedule": schedule, "seed": 7,
                "process_group_timeout_s": 120, "dp_overlap": dp_overlap, **({"plan": plan} if plan else {}),
-               "sequence_parallel": sequence_parallel, "check_collectives": check_collectives}
+               "sequence_parallel": sequence_parallel, "check_collectives": check_collectives,
+               "overlap_micro_batches": overlap_micro_batches}
     cfg = ds_config(micro, gas, zero, oases=ctx_cfg, bf16=bf16, offload=offload)
     if optimizer == "adam":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
@@ -124,7 +126,8 @@ def oases_run(family: str, tp: int, steps: int, micro: int, gas: int = 1, zero: 
             "partition_gradients": bool(getattr(engine.optimizer, "partition_gradients", False)),
             "cpu_offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
             "sequence_parallel": engine.module.sequence_parallel,
-            "deepspeed_reductions": ds_reductions[0], "handoff_buffer_elements": handoff_buffers}
+            "deepspeed_reductions": ds_reductions[0], "handoff_buffer_elements": handoff_buffers,
+            "pipeline_order": getattr(getattr(engine.executor, "pipe", None), "name", None)}
 
 
 def _record_handoff_buffers(engine) -> list[int]:

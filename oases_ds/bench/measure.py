@@ -56,7 +56,9 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.models.stages import split_stages
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
+from oases_ds.runtime.timeline import Timeline
 from oases_ds.schedule.generators import ScheduleSpec
+from oases_ds.schedule.pipeline import OVERLAP
 from oases_ds.utils.rounds import rotated
 
 RUNS_DIR = "runs"  # git-ignored; relative to the directory oases-bench runs in
@@ -133,6 +135,19 @@ def _flat_grad_sync(model, comm, dp_group) -> None:
     all_reduce_grads(list(model.parameters()), comm, dp_group, mean=True)
 
 
+def _step_summary(timelines: list[Timeline]) -> dict[str, Any]:
+    """:meth:`Timeline.summary` and :meth:`Timeline.exposed_by_phase` of a step that ran as several
+    executor runs (a micro-batch each): busy and waiting seconds summed, fractions of the summed spans."""
+    parts = [t.summary() for t in timelines]
+    summed = {key: sum(p[key] for p in parts) for key in ("span_s", "compute_s", "exposed_comm_s", "compute_fwd_s",
+                                                           "compute_rec_s", "compute_bwd_s")}
+    span = summed["span_s"]
+    phases = [t.exposed_by_phase() for t in timelines]
+    return {**summed, "compute_util": summed["compute_s"] / span if span else 0.0,
+            "exposed_comm_frac": summed["exposed_comm_s"] / span if span else 0.0,
+            "exposed_by_phase_s": {key: sum(p[key] for p in phases) for key in phases[0]}}
+
+
 def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Everything one rank does: calibrate the link, then run the variants interleaved."""
     import resource  # local: Unix only, and only a measuring rank reads its peak RSS
@@ -151,11 +166,17 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     def build(variant: dict, link) -> tuple[Executor, OperatorModel]:
         """A variant's executor; besides the schedule keys it may name ``stored_blocks`` /
-        ``gathered_blocks`` (per-block policies) and ``sequence_parallel``."""
+        ``gathered_blocks`` (per-block policies), ``sequence_parallel`` and ``overlap_micro_batches``."""
         schedule = ScheduleSpec(variant["schedule"], variant["sub_batches"], variant["cross_pass"],
                                 variant["fine_grained_recompute"], tuple(variant.get("stored_blocks", ())),
                                 tuple(variant.get("gathered_blocks", ())))
         sp = bool(variant.get("sequence_parallel"))
+        if variant.get("overlap_micro_batches"):  # one stage, the step's micro-batches as one merge
+            if stage is not None:
+                raise ValueError("overlap_micro_batches runs one stage; set pipeline_stages=1")
+            model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], sequence_parallel=sp)
+            return PipelineExecutor.for_pipeline(model, schedule, OVERLAP, micro_steps, StageLinks.of(ctx), link,
+                                                 RNGTracker()), model
         if stage is not None:
             model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], stage=stage, sequence_parallel=sp)
             return PipelineExecutor.for_pipeline(model, schedule, spec["pipeline_schedule"], micro_steps,
@@ -163,19 +184,23 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
         model = OperatorModel(cfg, group=ctx.tp_group, seed=spec["seed"], sequence_parallel=sp)
         return Executor.for_schedule(model, schedule, link, RNGTracker()), model
 
-    def step(executor: Executor, micro: int) -> None:
-        """Forward and backward of the step's micro-batches (accumulated), without the DP sync."""
+    def step(executor: Executor, micro: int) -> list[Timeline]:
+        """Forward and backward of the step's micro-batches (accumulated), without the DP sync; the
+        timelines of the step (one per executor run: a run per micro-batch without a step schedule)."""
         mbs = batches[micro]
-        if len(mbs) == 1 and stage is None:  # one micro-batch: the plain call, as before pipeline_micro_batches
-            executor.run(mbs[0])
-            return
+        if len(mbs) == 1 and stage is None and not isinstance(executor, PipelineExecutor):
+            executor.run(mbs[0])  # one micro-batch: the plain call, as before pipeline_micro_batches
+            return [executor.timeline]
         offsets = [(a * dp + ctx.dp_rank) * micro for a in range(len(mbs))]
         global_batch = micro * len(mbs) * dp
         if isinstance(executor, PipelineExecutor):
             executor.run_step(mbs, offsets, global_batch)
-        else:
-            for mb, offset in zip(mbs, offsets):
-                executor.run(mb, offset, global_batch)
+            return [executor.timeline]
+        timelines = []
+        for mb, offset in zip(mbs, offsets):
+            executor.run(mb, offset, global_batch)
+            timelines.append(executor.timeline)  # each run starts a fresh one
+        return timelines
 
     mode, emulation = spec["emulation"]["mode"], {"mode": spec["emulation"]["mode"]}
     link = None
@@ -220,18 +245,18 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
             executor.comm.stats.reset()
             dist.barrier(world_group)
             t0 = time.perf_counter()
-            step(executor, mb_of[label])
+            timelines = step(executor, mb_of[label])
             _flat_grad_sync(model, executor.comm, ctx.dp_group)
             dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
             if rep >= spec["warmup"]:
-                summary = executor.timeline.summary()
+                summary = _step_summary(timelines)
                 out[label]["step_s"].append(dt)
                 out[label]["exposed_comm_frac"].append(summary["exposed_comm_frac"])
                 out[label]["compute_util"].append(summary["compute_util"])
                 out[label]["compute_phase_s"].append({p: summary[f"compute_{p}_s"] for p in ("fwd", "rec", "bwd")})
                 out[label]["compute_s"].append(summary["compute_s"])
-                out[label]["exposed_by_phase_s"].append(executor.timeline.exposed_by_phase())
+                out[label]["exposed_by_phase_s"].append(summary["exposed_by_phase_s"])
                 out[label]["link_s"].append(sum(executor.comm.stats.link_s.values()))  # 0 without an emulated link
                 out[label]["comm_bytes"] = executor.comm.stats.as_dict()
     for label in labels:
@@ -271,12 +296,17 @@ def assemble(spec: dict, config: dict, ranks: list[dict], wall_s: float) -> dict
         steps = [max(ts) for ts in zip(*(p["step_s"] for p in per_rank))]  # a step ends when its last rank does
         med = statistics.median(steps)
         tokens = v["micro_batch"] * spec["micro_steps"] * model["seq_len"] * spec["dp"]
+        # the step's physical limit (issue 43): max(its compute, the link time of its traffic), the
+        # compute a step's slowest rank spent computing (its waits left out), medians over the repeats
+        compute = statistics.median(max(cs) for cs in zip(*(p["compute_s"] for p in per_rank)))
+        link_time = statistics.median(rank0["variants"][label]["link_s"])
         entry = {
             **{k: v[k] for k in ("schedule", "sub_batches", "cross_pass", "fine_grained_recompute", "micro_batch")},
             "step_s": steps, "median_s": med, "min_s": min(steps), "max_s": max(steps),
             "tokens_per_step": tokens, "tokens_per_s": tokens / med,
             "exposed_comm_frac": statistics.median(rank0["variants"][label]["exposed_comm_frac"]),
             "compute_util": statistics.median(rank0["variants"][label]["compute_util"]),
+            "compute_s": compute, "link_s": link_time, "limit_s": max(compute, link_time),
             "comm_bytes_rank0": rank0["variants"][label].get("comm_bytes", {}),
         }
         if "gantt" in rank0["variants"][label]:
@@ -343,9 +373,12 @@ def summary_lines(record: dict) -> list[str]:
              f"{record['data_parallel_size']} | {link}"]
     variants = record["variants"]
     base = next(iter(variants.values()))["median_s"]
-    lines.append(f"{'variant':<24}{'median s':>10}{'min':>8}{'max':>8}{'speedup':>9}{'tok/s':>9}{'exposed':>9}{'util':>7}")
+    lines.append(f"{'variant':<24}{'median s':>10}{'min':>8}{'max':>8}{'speedup':>9}{'tok/s':>9}{'exposed':>9}{'util':>7}"
+                 f"{'limit s':>9}{'x limit':>9}")
     for label, v in variants.items():
         lines.append(f"{label:<24}{v['median_s']:>10.4f}{v['min_s']:>8.4f}{v['max_s']:>8.4f}{base / v['median_s']:>8.2f}x"
-                     f"{v['tokens_per_s']:>9.0f}{v['exposed_comm_frac']:>9.1%}{v['compute_util']:>7.1%}")
+                     f"{v['tokens_per_s']:>9.0f}{v['exposed_comm_frac']:>9.1%}{v['compute_util']:>7.1%}"
+                     f"{v['limit_s']:>9.4f}{v['median_s'] / v['limit_s']:>8.3f}x")
+    lines.append("limit: max(compute, link time of the step's traffic); x limit: the median step against it")
     lines.append(f"appended to {os.path.abspath(record['config']['out'])} ({record['wall_s']:.1f}s)")
     return lines

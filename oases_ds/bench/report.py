@@ -114,11 +114,17 @@ def comm_mib(v: dict, phase: str) -> float:
     return sum(d["bytes"] for k, d in v["comm_bytes_rank0"].items() if k.startswith(phase + "/")) / MiB
 
 
+def limit_cell(v: dict) -> str:
+    """The median step against its limit max(compute, link time of its traffic) (``-``: a record from before
+    the limit was measured)."""
+    return f"{v['median_s'] / v['limit_s']:.3f}x" if v.get("limit_s") else "-"
+
+
 def record_table(r: dict) -> list[str]:
     variants = r["variants"]
     has_mem = any("peak_activation_bytes_per_rank" in v for v in variants.values())
     head = ["variant", "median step s", "min-max s", "tokens/s", f"vs {BASELINE} (min-max)", "exposed comm",
-            "compute util", "TMP MiB/step fwd/rec/bwd"]
+            "compute util", "step / limit", "TMP MiB/step fwd/rec/bwd"]
     if r["data_parallel_size"] > 1:
         head.append("DP sync MiB")
     if has_mem:
@@ -126,7 +132,7 @@ def record_table(r: dict) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, v in variants.items():
         row = [f"`{label}`", f"{v['median_s']:.4f}", f"{v['min_s']:.4f}-{v['max_s']:.4f}", f"{v['tokens_per_s']:,.0f}",
-               ratio_cell(r, label), f"{v['exposed_comm_frac']:.1%}", f"{v['compute_util']:.1%}",
+               ratio_cell(r, label), f"{v['exposed_comm_frac']:.1%}", f"{v['compute_util']:.1%}", limit_cell(v),
                "/".join(f"{comm_mib(v, p):.2f}" for p in ("forward", "recompute", "backward"))]
         if r["data_parallel_size"] > 1:
             row.append(f"{comm_mib(v, 'grad_sync'):.2f}")

@@ -86,6 +86,7 @@ class TrainSchema:
     steps: int = 60
     micro_batch: int = 8
     grad_accum: int = 1
+    overlap_micro_batches: bool = False
     lr: float = 2.0e-3
     warmup_steps: int = 10
     zero_stage: int = 0
@@ -193,6 +194,7 @@ def ds_config(cfg: dict) -> dict:
             **({"plan": cfg["plan"]} if cfg.get("plan") else {}),
             "pipeline_stages": cfg["pipeline_stages"],
             "pipeline_schedule": cfg["pipeline_schedule"],
+            "overlap_micro_batches": cfg["overlap_micro_batches"],
             **({"pipeline_layers": list(cfg["pipeline_layers"])} if cfg.get("pipeline_layers") else {}),
         },
     }

@@ -37,6 +37,7 @@ Timelines for one block ``(F_i, C_i, F_j)``, two sub-batches ``0``/``1``::
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -395,7 +396,8 @@ def _backward_stream(ops: Sequence[Op], seg: Segment, sub: int) -> list[_Item]:
 
 
 # -- merge ----------------------------------------------------------------------
-def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | None = None) -> list[Instruction]:
+def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | None = None,
+          gates: Mapping[tuple[int, int], tuple[int, int]] | None = None) -> list[Instruction]:
     """Interleave sub-batch streams, switching sub-batch at every collective.
 
     A sub-batch runs until it reaches a collective, starts it and yields; when
@@ -412,6 +414,11 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
     at collectives alone leaves one of the two with nothing but that norm to hide behind.
     The generators pass ``light`` only for a sequence-parallel operator sequence; every other
     keeps the merge it was planned, profiled and measured with.
+
+    ``gates[(j, p)] = (i, q)``: stream ``j`` emits its item ``p`` only once stream ``i`` has emitted
+    its first ``q`` items; until then ``j`` yields as at a collective.  Why: a step that runs several
+    micro-batches as one merge (:func:`micro_batch_streams`) must start a micro-batch's backward only
+    after its forward, which another stream runs.  A gate no stream can open is an error.
     """
     out: list[Instruction] = []
     pos = [0] * len(streams)
@@ -443,14 +450,25 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
             out.append(StartAsync(nxt.op, nxt.sub, nxt.phase))  # type: ignore[union-attr]
             pending[sub], started[sub], pos[sub] = nxt, heavy, end + 1  # type: ignore[assignment]
 
+    gates = gates or {}
+
+    def closed(sub: int) -> bool:
+        gate = gates.get((sub, pos[sub]))
+        return gate is not None and pos[gate[0]] < gate[1]
+
     while active:
+        moved = False
         for sub in list(active):
             if pending[sub] is not None:
                 c = pending[sub]
                 out.append(Sync(c.op, c.sub, c.phase))
                 pending[sub] = None
+                moved = True
             stream = streams[sub]
             while pos[sub] < len(stream):
+                if closed(sub):
+                    break
+                moved = True
                 item = stream[pos[sub]]
                 pos[sub] += 1
                 if isinstance(item, _Comm):
@@ -463,30 +481,88 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
                 out.append(item)
             if pos[sub] >= len(stream) and pending[sub] is None:
                 active.remove(sub)
+        if not moved:
+            raise ValueError(f"merge: every stream waits on a gate no stream can open: "
+                             f"{[(sub, pos[sub]) for sub in active][:4]}")
+    return out
+
+
+def _light_rule(ops: Sequence[Op]) -> Callable[[int], bool] | None:
+    """The merge's ``light`` test: hops only under sequence parallelism, where they are needed; every
+    other sequence keeps the merge it was planned, profiled and measured with (a reshard's collective
+    can follow a light op too)."""
+    def marked(i: int) -> bool:
+        return bool(getattr(ops[i], "light", False))
+
+    return marked if any(sequence_gather(op) for op in ops) else None
+
+
+def _backward_pass(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_Item]:
+    """One sub-batch's recomputation and backward, last segment first (the cross-pass stream's tail)."""
+    out: list[_Item] = []
+    for seg in reversed(segs):
+        out += _recompute_stream(ops, seg, sub) + _backward_stream(ops, seg, sub)
     return out
 
 
 def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool) -> list[Instruction]:
-    def marked(i: int) -> bool:
-        return bool(getattr(ops[i], "light", False))
-
-    # Hops only under sequence parallelism, where they are needed: every other sequence keeps the
-    # merge it was planned, profiled and measured with (a reshard's collective can follow a light op too).
-    light = marked if any(sequence_gather(op) for op in ops) else None
-
+    light = _light_rule(ops)
     if cross_pass:
-        streams = []
-        for sub in range(subs):
-            s = _forward_stream(ops, segs, sub)
-            for seg in reversed(segs):
-                s += _recompute_stream(ops, seg, sub) + _backward_stream(ops, seg, sub)
-            streams.append(s)
-        return merge(streams, light)
+        return merge([_forward_stream(ops, segs, sub) + _backward_pass(ops, segs, sub) for sub in range(subs)], light)
     out = merge([_forward_stream(ops, segs, sub) for sub in range(subs)], light)
     for seg in reversed(segs):
         out += merge([_recompute_stream(ops, seg, sub) for sub in range(subs)], light)
         out += merge([_backward_stream(ops, seg, sub) for sub in range(subs)], light)
     return out
+
+
+def micro_batch_merge(spec: ScheduleSpec, ops: Sequence[Op], micro_batches: int) -> list[tuple[int, Instruction]]:
+    """One step of ``micro_batches`` micro-batches as one cross-pass merge: ``(micro-batch, instruction)``
+    in order, each micro-batch's forward running under the previous one's recomputation and backward.
+
+    Why: where the link is as slow as the compute, a micro-batch's forward is link-bound (half the
+    step's traffic under a quarter of its compute, with recomputation) and its backward compute-bound;
+    two sub-batches of one micro-batch cannot mix the two, since a sub-batch's backward needs its whole
+    forward.  With gradient accumulation the next micro-batch's forward can.  Each sub-batch ``s`` gets
+    two streams, merged round-robin (:func:`merge`)::
+
+        lane A   F0.s  B0.s        B1.s        B2.s  ...  B(M-1).s
+        lane B         F1.s        F2.s        F3.s  ...
+                 (F(m+1).s starts once B(m).s has; B(m).s waits for F(m).s)
+
+    so at most two micro-batches are in flight (the forward of one, the backward of the other), the
+    cross-pass merge of one micro-batch (its forward's tail under its backward's head) is kept, and one
+    micro-batch is exactly the ``oases`` schedule.  Gradients are sums over micro-batches, whatever the
+    order.  Only the cross-pass ``oases`` schedule is merged so (the others define their passes apart).
+    """
+    spec = _checked(spec)
+    if spec.name != "oases" or not spec.cross_pass:
+        raise ValueError(f"overlap_micro_batches merges micro-batches with the cross-pass oases schedule, not "
+                         f"{spec.label}; set schedule=oases with cross_pass=true, or turn overlap_micro_batches off")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if not ops or not getattr(ops[-1], "is_loss", False):
+        raise ValueError("operator sequence must end with the loss operator")
+    segs = schedule_segments(spec, ops)
+    k = spec.effective_sub_batches
+
+    def relabelled(items: list[_Item], micro: int) -> list[_Item]:  # a sub-batch id unique per micro-batch
+        return [dataclasses.replace(item, sub=micro * k + item.sub) for item in items]
+
+    forward = [_forward_stream(ops, segs, s) for s in range(k)]
+    backward = [_backward_pass(ops, segs, s) for s in range(k)]
+    f_len, b_len = len(forward[0]), len(backward[0])
+    lane_a = [relabelled(forward[s], 0) + [item for m in range(micro_batches) for item in relabelled(backward[s], m)]
+              for s in range(k)]
+    lane_b = [[item for m in range(1, micro_batches) for item in relabelled(forward[s], m)] for s in range(k)]
+    gates: dict[tuple[int, int], tuple[int, int]] = {}
+    for s in range(k):
+        a, b = s, k + s
+        for m in range(1, micro_batches):
+            gates[(b, (m - 1) * f_len)] = (a, f_len + (m - 1) * b_len)  # F(m) starts once B(m-1) has
+            gates[(a, f_len + m * b_len)] = (b, m * f_len)  # B(m) waits for the end of F(m)
+    merged = merge(lane_a + lane_b, _light_rule(ops), gates)
+    return [(ins.sub // k, dataclasses.replace(ins, sub=ins.sub % k)) for ins in merged]
 
 
 # -- the schedules --------------------------------------------------------------

@@ -65,7 +65,7 @@ from typing import Callable, Literal, Sequence
 
 from oases_ds.models.ops import Op
 from oases_ds.schedule.dataflow import effects
-from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule
+from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule, micro_batch_merge
 from oases_ds.schedule.instructions import (
     Forward,
     Instruction,
@@ -247,10 +247,35 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Order:
     return order
 
 
+OVERLAP = "overlap"
+"""The one-stage order of ``oases.overlap_micro_batches``: a step's micro-batches as one merge, each
+forward under the previous micro-batch's backward (:func:`build_overlapped`).  Not a registered
+order of halves: its halves interleave instruction by instruction."""
+
+
+def build_overlapped(spec: ScheduleSpec, ops: Sequence[Op], micro_batches: int) -> PipelineSchedule:
+    """One stage (no neighbours) running a step's ``micro_batches`` micro-batches as one cross-pass merge
+    (:func:`~oases_ds.schedule.generators.micro_batch_merge`); ``order`` lists the halves as each begins."""
+    body = stage_body(spec, ops, first=True, last=True)
+    steps = tuple(PipeStep(m, ins) for m, ins in micro_batch_merge(spec, ops, micro_batches))
+    order: list[tuple[Half, int]] = []
+    for step in steps:
+        half: Half = "F" if _is_forward(step.ins) else "B"
+        if (half, step.micro) not in order:
+            order.append((half, step.micro))
+    return PipelineSchedule(OVERLAP, 0, 1, micro_batches, body, tuple(order), steps)
+
+
 def build_pipeline(name: str, spec: ScheduleSpec, ops: Sequence[Op], stage: int, stages: int,
                    micro_batches: int) -> PipelineSchedule:
     """Stage ``stage``'s instruction list for one optimizer step of ``micro_batches``
-    micro-batches: the pipeline order ``name`` over the halves of ``spec``'s TMP schedule."""
+    micro-batches: the pipeline order ``name`` over the halves of ``spec``'s TMP schedule
+    (or, for :data:`OVERLAP` on a single stage, :func:`build_overlapped`)."""
+    if name == OVERLAP:
+        if stages != 1:
+            raise ValueError(f"overlap_micro_batches runs the micro-batches of one stage; with pipeline_stages="
+                             f"{stages} the pipeline order overlaps them (pipeline_schedule=1f1b): turn it off")
+        return build_overlapped(spec, ops, micro_batches)
     if name not in _ORDERS:
         raise ValueError(f"pipeline_schedule={name!r} unknown; choose one of {', '.join(_ORDERS)}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:

@@ -214,6 +214,18 @@ def dp2_gas2():
 ZERO2_TOL = 1e-6  # ZeRO-2 against ZeRO-0 of the same launch: the same sums in another order (measured 3e-8)
 
 
+def test_overlapped_micro_batches_match_plain_deepspeed_at_every_zero_stage():
+    """``overlap_micro_batches=true`` (DP 2 x TMP 2, 2 micro-batches per step, ZeRO 0, 1 and 2): the step's
+    micro-batches run as one merge, DeepSpeed's reducer after it; the parameters of every step match the
+    reference's one big batch as the plain accumulation's do."""
+    args = [("gpt", 2, STEPS, GLOBAL_BATCH // 4, 2, zero, "oases", False, "sgd", None, True, False, False, False, True)
+            for zero in (0, 1, 2)]
+    for zero, out in zip((0, 1, 2), launch(ew.oases_runs, 4, (args,), timeout_s=600)[0]):
+        assert out["pipeline_order"] == "overlap" and not out["dp_overlap"], zero
+        assert_params_match(out, reference())
+        assert out["global_steps"] == STEPS
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_zero2_matches_zero0_and_plain_deepspeed(dp2_gas2, tp):
     """ZeRO-2 partitions the gradients over DP: DeepSpeed's reducer reduce-scatters each

@@ -50,9 +50,12 @@ def test_every_study_preset_runs_one_step(tmp_path, preset):
     assert set(record["variants"]) == {v["label"] for v in bench_spec.resolve(cfg)["variants"]}
     for v in record["variants"].values():
         assert len(v["step_s"]) == 1 and v["tokens_per_s"] > 0 and 0 < v["compute_util"] <= 1
+        # the limit: the larger of the step's compute and its traffic's link time, neither above the step
+        assert v["limit_s"] == max(v["compute_s"], v["link_s"]) and 0 < v["limit_s"] <= v["median_s"]
     if record["tensor_parallel_size"] > 1:
         emu = record["link_emulation"]
         assert emu["enabled"] and emu["emulated_bandwidth_gbps"] > 0
+        assert all(v["link_s"] > 0 for v in record["variants"].values())  # the emulated link timed the traffic
         # what the schedules promise, visible in the accounting: oases never re-runs a forward
         # AllReduce in its recomputation, megatron does
         if {"megatron", "oases"} <= record["variants"].keys():
@@ -616,3 +619,25 @@ def test_the_recompute_policies_report_is_the_render_of_the_stored_json(tmp_path
     row = next(line for line in text.splitlines() if line.startswith("| midpoint |"))
     assert f"| {mid['gap_closed_vs_all_store']:.2f} |" in row and f"| {mid['planned_ms']:.0f} |" in row
     assert "| recompute-everything | " in text and "no plan" in text  # the infeasible limit is shown, not dropped
+
+
+@pytest.mark.distributed
+def test_the_micro_batch_overlap_study_runs_its_path_on_tiny_dims(tmp_path):
+    """``benchmarks/micro_batch_overlap.py --quick``: a step of 4 micro-batches one after the other and
+    overlapped, each policy, at every ratio; the overlapped step moves exactly the sequential one's
+    bytes, and every step's compute and link time (summed over its micro-batches) are measured."""
+    out = tmp_path / "mbo.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "micro_batch_overlap.py"), "--quick",
+                           "--out", str(out)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["micro_batches_per_step"] == 4 and set(result["ratios"]) == {"0.5", "0.9", "2.0"}
+    for data in result["ratios"].values():
+        rows = data["variants"]
+        assert set(rows) == {"oases", "oases-overlap", "store", "store-overlap"}
+        for policy in ("oases", "store"):
+            assert rows[f"{policy}-overlap"]["wire_bytes"] == rows[policy]["wire_bytes"] > 0
+        for row in rows.values():
+            assert len(row["step_s"]) == 1 and row["compute_s"][0] > 0 and row["link_s"][0] > 0
+    assert "| 0.9 | oases | " in proc.stdout and "overlapped / sequential" in proc.stdout

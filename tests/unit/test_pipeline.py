@@ -13,10 +13,10 @@ from oases_ds.models.operator_model import OperatorModel
 from oases_ds.models.stages import Stage, split_stages, stage_layer_counts
 from oases_ds.parallel.topology import Coord, Topology
 from oases_ds.schedule.checker import ScheduleError, check_pipeline, check_pipeline_links, simulate_nccl
-from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
+from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import P2PStart, P2PSync, PipeStep, SendActivation
-from oases_ds.schedule.pipeline import (CHANNEL, PipelineSchedule, build_pipeline, gpipe_order, one_f_one_b_order,
-                                       transfers)
+from oases_ds.schedule.pipeline import (CHANNEL, OVERLAP, PipelineSchedule, build_pipeline, gpipe_order,
+                                       one_f_one_b_order, transfers)
 
 
 # -- topology ------------------------------------------------------------------------
@@ -270,6 +270,56 @@ def test_pipeline_names_and_micro_batches_are_validated():
         build_pipeline("1f1b", ScheduleSpec("none"), ops, 0, 2, 0)
     assert all(isinstance(s.ins, (P2PStart, P2PSync)) or s.ins.op < len(ops)
                for s in build_pipeline("gpipe", ScheduleSpec("oases"), ops, 0, 2, 2).steps)
+
+
+# -- one stage, micro-batches overlapped ---------------------------------------------------
+def _in_flight(pipe: PipelineSchedule) -> int:
+    """The most micro-batches begun and not finished at any instruction of ``pipe``."""
+    first = {m: min(i for i, s in enumerate(pipe.steps) if s.micro == m) for m in range(pipe.micro_batches)}
+    last = {m: max(i for i, s in enumerate(pipe.steps) if s.micro == m) for m in range(pipe.micro_batches)}
+    return max(sum(first[m] <= i <= last[m] for m in first) for i in range(len(pipe.steps)))
+
+
+@pytest.mark.parametrize("spec", [ScheduleSpec("oases"), ScheduleSpec("oases", sub_batches=3, stored_blocks=(0, 3)),
+                                  ScheduleSpec("oases", fine_grained_recompute=False), ScheduleSpec("oases", sub_batches=4)])
+@pytest.mark.parametrize("micro_batches", [1, 2, 5])
+def test_overlapped_micro_batches_pass_the_checker_with_two_in_flight(spec, micro_batches):
+    ops = OperatorModel(ModelConfig(family="llama", vocab_size=16, hidden_size=8, num_heads=2, num_layers=2,
+                                    seq_len=4)).ops
+    pipe = build_pipeline(OVERLAP, spec, ops, 0, 1, micro_batches)
+    check_pipeline(pipe, ops)  # every micro-batch a valid schedule of its own: each op once per sub-batch, in order
+    assert pipe.name == OVERLAP and len(pipe) == micro_batches * len(build_schedule(spec, ops))
+    if micro_batches == 1:  # one micro-batch is exactly the oases schedule
+        assert [s.ins for s in pipe.steps] == list(build_schedule(spec, ops).instructions)
+        return
+    assert _in_flight(pipe) == 2
+    # the next micro-batch's forward starts before this one's backward ends: they overlap
+    for m in range(micro_batches - 1):
+        end_of_backward = max(i for i, s in enumerate(pipe.steps) if s.micro == m)
+        assert min(i for i, s in enumerate(pipe.steps) if s.micro == m + 1) < end_of_backward
+
+
+def test_overlapped_micro_batches_are_refused_where_they_cannot_run():
+    from oases_ds.config import OasesConfigError, parse_oases_section
+
+    ops = _stage_models("gpt", 2)[0].ops
+    with pytest.raises(ValueError, match="runs the micro-batches of one stage; with pipeline_stages=2"):
+        build_pipeline(OVERLAP, ScheduleSpec("oases"), ops, 0, 2, 2)
+    ops = OperatorModel(ModelConfig(family="gpt", vocab_size=16, hidden_size=8, num_heads=2, num_layers=1, seq_len=4)).ops
+    with pytest.raises(ValueError, match="not oases\\[sb=2,cross=0,fine=1\\]; set schedule=oases with cross_pass=true"):
+        build_pipeline(OVERLAP, ScheduleSpec("oases", cross_pass=False), ops, 0, 1, 2)
+    cases = [({"pipeline_stages": 2}, "oases: overlap_micro_batches=true runs the micro-batches of one stage; with "
+                                      "pipeline_stages=2 the pipeline order overlaps them: turn it off"),
+             ({"schedule": "megatron"}, "oases: overlap_micro_batches=true merges micro-batches with the cross-pass "
+                                        "oases schedule, not schedule=megatron with cross_pass=true"),
+             ({"cross_pass": False}, "oases: overlap_micro_batches=true merges micro-batches with the cross-pass oases "
+                                     "schedule, not schedule=oases with cross_pass=false")]
+    for section, expected in cases:
+        with pytest.raises(OasesConfigError) as err:
+            parse_oases_section({"enabled": True, "overlap_micro_batches": True, **section})
+        assert str(err.value).startswith(expected), str(err.value)
+        assert "\n" not in str(err.value)
+    assert parse_oases_section({"overlap_micro_batches": True}).overlap_micro_batches
 
 
 # -- the "oases" section -----------------------------------------------------------------
