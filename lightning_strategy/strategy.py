@@ -96,6 +96,9 @@ class OasesStrategy(DeepSpeedStrategy):
             micro-batches over the stages; default: the config's, else ``1f1b``.
         sequence_parallel: split the sequence over the TMP ranks between blocks (the
             ``oases.sequence_parallel`` of a DeepSpeed config); default: the config's, else off.
+        overlap_micro_batches: run the ``accumulate_grad_batches`` micro-batches of a step as one
+            schedule, each forward under the previous micro-batch's backward (one stage, schedule
+            ``oases``); default: the config's, else off.
         config: a full DeepSpeed config (dict or JSON path), optionally with an
             ``"oases"`` section; the arguments above override that section.  Do not
             set ``gradient_accumulation_steps`` (it comes from
@@ -117,6 +120,7 @@ class OasesStrategy(DeepSpeedStrategy):
         pipeline_stages: Optional[int] = None,
         pipeline_schedule: Optional[str] = None,
         sequence_parallel: Optional[bool] = None,
+        overlap_micro_batches: Optional[bool] = None,
         config: Optional[Any] = None,
         zero_stage: int = 0,
         accelerator: Optional[Any] = None,
@@ -135,7 +139,7 @@ class OasesStrategy(DeepSpeedStrategy):
         for key, value in (("tensor_parallel_size", tensor_parallel_size), ("schedule", schedule),
                            ("sub_batches", sub_batches), ("seed", seed), ("plan", plan),
                            ("pipeline_stages", pipeline_stages), ("pipeline_schedule", pipeline_schedule),
-                           ("sequence_parallel", sequence_parallel)):
+                           ("sequence_parallel", sequence_parallel), ("overlap_micro_batches", overlap_micro_batches)):
             if value is not None:
                 section[key] = value
         self.oases = parse_oases_section(section)  # one-line error on a bad field, before any process starts

@@ -117,7 +117,8 @@ USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule:
 
 def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec:
     """``oases.schedule_spec()`` storing the blocks ``oases.plan`` gives policy ``store``
-    (:meth:`Plan.stored_blocks <oases_ds.planner.plan.Plan.stored_blocks>`): what the executor runs.
+    (:meth:`Plan.stored_blocks <oases_ds.planner.plan.Plan.stored_blocks>`), at the plan's sub-batches
+    where it records them (:attr:`Plan.sub_batches`): what the executor runs.
     A plan that stores blocks under a schedule that cannot store them is an
     :class:`OasesConfigError` naming both and the fix (``prefix``: how it names the plan key,
     ``oases.`` in a DeepSpeed JSON, nothing on the ``oases-train`` line)."""
@@ -136,7 +137,16 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
                                    f"which only schedule=oases with fine_grained_recompute=true runs; this run has "
                                    f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
                                    f"use that schedule or a plan without {policy} policies")
-    return replace(spec, stored_blocks=stored, gathered_blocks=gathered)
+    sub_batches = plan.sub_batches or spec.sub_batches  # the plan was chosen at its own sub-batches: they run
+    return replace(spec, stored_blocks=stored, gathered_blocks=gathered, sub_batches=sub_batches)
+
+
+def overridden_sub_batches(oases: OasesConfig, spec: ScheduleSpec) -> str | None:
+    """One line saying the plan's sub-batches replace the configured ones, where they differ (else None)."""
+    if spec.sub_batches == oases.sub_batches:
+        return None
+    return (f"plan={oases.plan} was chosen at sub_batches={spec.sub_batches} (oases-plan planner.sub_batches); "
+            f"running it so, not at the configured sub_batches={oases.sub_batches}")
 
 
 class BatchMismatchError(ValueError):
@@ -181,6 +191,9 @@ class OasesEngine(DeepSpeedEngine):
         comm = Communicator.for_run(link, oases.flight_records, check)
         model.comm = comm
         spec = planned_schedule(oases)
+        overridden = overridden_sub_batches(oases, spec)
+        if overridden and dist.get_rank() == 0:
+            warnings.warn(overridden, RuntimeWarning, stacklevel=2)
         if self.step_schedule:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
                 model, spec, OVERLAP if oases.overlap_micro_batches else oases.pipeline_schedule,

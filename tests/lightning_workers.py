@@ -95,6 +95,7 @@ def lightning_runs(work_dir: str) -> dict:
       end of epoch 0;
     * "resumed": a fresh Trainer resumed from that checkpoint for epoch 1;
     * "accumulate": accumulate_grad_batches=2 over half-size batches, 1 epoch;
+    * "accumulate_overlapped": the same with overlap_micro_batches=True;
     * "sequence_parallel": as "resumed" but from the start, with the sequence split between blocks;
     * "direct": the same steps (same samples in the order Lightning's sampler
       gives) through oases_ds.initialize + engine.train_batch;
@@ -123,6 +124,7 @@ def lightning_runs(work_dir: str) -> dict:
             "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
             "stored_blocks": tuple(engine.schedule.stored_blocks),
             "sequence_parallel": engine.module.sequence_parallel,
+            "pipeline_order": getattr(getattr(engine.executor, "pipe", None), "name", None),
         }
 
     assert os.environ.get("PL_DEEPSPEED_CONFIG_PATH"), "the test names the config with the seed"
@@ -134,6 +136,8 @@ def lightning_runs(work_dir: str) -> dict:
     # global batch), through its portable state
     run("resumed_tmp1", OasesStrategy(tensor_parallel_size=1, seed=SEED), Record(), batch_size=MICRO // 2, ckpt_path=ckpt)
     run("accumulate", OasesStrategy(tensor_parallel_size=2, seed=SEED), Record(), batch_size=MICRO // 2, accumulate=2)
+    run("accumulate_overlapped", OasesStrategy(tensor_parallel_size=2, seed=SEED, overlap_micro_batches=True), Record(),
+        batch_size=MICRO // 2, accumulate=2)
     # a plan with recomputation policies (every block at degree 2; attn0 and mlp1 stored, as
     # oases-plan planner.recompute=auto writes them): the same trajectory as "trainer"
     from oases_ds.planner.plan import Plan

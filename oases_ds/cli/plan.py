@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -31,7 +31,7 @@ from oases_ds.planner.analytic import DeviceModel
 from oases_ds.planner.costs import ModelStates
 from oases_ds.planner.plan import PlanInfeasibleError
 from oases_ds.planner.planning import (SOLVERS, LoadedTable, PipelineRequest, PlanRequest, PlanResult, check_source,
-                                       load_table, make_plan, result_lines)
+                                       choose_sub_batches, load_table, make_plan, result_lines)
 from oases_ds.planner.profile import ProfileSpec, profile_rows
 from oases_ds.utils.io import write_json_atomic
 
@@ -48,6 +48,7 @@ class PlannerSchema:
     seed: int = 0
     min_degree: int = 1
     recompute: str = "oases"
+    sub_batches: Optional[List[int]] = None
 
 
 @dataclass
@@ -130,6 +131,22 @@ def request_of(cfg: dict) -> PlanRequest:
         model_states=ModelStates(cfg["precision"], cfg["zero_stage"], cfg["offload"], cfg["data_parallel_size"]))
 
 
+def check_sub_batch_candidates(cfg: dict) -> tuple[int, ...]:
+    """``planner.sub_batches`` as candidates (empty: the schedule's own), refused in one line where no
+    choice among them can be made: with another mode, or analytic costs, which price no density loss
+    and would always take the most sub-batches."""
+    candidates = tuple(cfg["planner"].get("sub_batches") or ())
+    if not candidates:
+        return ()
+    if cfg["mode"] != "plan":
+        raise ValueError(f"planner.sub_batches chooses a plan's sub-batches (mode=plan), not with mode={cfg['mode']}; "
+                         f"set schedule.sub_batches instead")
+    if cfg["cost"] == "analytic" and len(set(candidates)) > 1:
+        raise ValueError("planner.sub_batches with cost=analytic: the analytic model has no arithmetic-density term "
+                         "and always prefers more sub-batches; profile the candidates (cost=profile) or give one")
+    return candidates
+
+
 def run(cfg: dict) -> None:
     check_ranges(cfg)
     check_solver(cfg)
@@ -137,6 +154,20 @@ def run(cfg: dict) -> None:
         raise ValueError(f"mode={cfg['mode']!r} unknown; choose plan, profile or accuracy")
     if cfg["mode"] == "accuracy" and cfg["cost"] == "analytic":
         raise ValueError("mode=accuracy measures plans on this machine against its profile; use cost=profile")
+    candidates = check_sub_batch_candidates(cfg)
+    if candidates:
+        request = request_of(cfg)
+        try:
+            choice = choose_sub_batches(request, candidates)
+        except PlanInfeasibleError as err:
+            raise ValueError(f"memory_limit: {err}") from None
+        result = choice.result
+        print(f"oases-plan: {result.loaded.table.key()} | {result.loaded.table.layers} layers | {result.loaded.source}")
+        print(choice.line())
+        print("\n".join(result_lines(result, request)))
+        result.plan.to_json(cfg["out"])
+        print(f"wrote {cfg['out']}")
+        return
     request = request_of(cfg)
     loaded = load_table(request)
     print(f"oases-plan: {loaded.table.key()} | {loaded.table.layers} layers | {loaded.source}", flush=True)

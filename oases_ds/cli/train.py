@@ -242,6 +242,7 @@ def validate(cfg: dict) -> None:
         model.check_tp(oases.tensor_parallel_size)
     stages = oases.stages(model.num_layers)
     replicas = 1
+    schedule = oases.schedule_spec()
     if oases.plan:
         plan = Plan.read("plan", oases.plan)
         if plan.layers != model.num_layers or plan.devices != oases.tensor_parallel_size:
@@ -256,15 +257,18 @@ def validate(cfg: dict) -> None:
         except OasesConfigError as err:
             raise ValueError(str(err)) from None
         replicas = plan.devices // min(plan.block_degrees())
-        from oases_ds.engine import planned_schedule  # DeepSpeed loads here, where the run needs it anyway
+        from oases_ds.engine import overridden_sub_batches, planned_schedule  # DeepSpeed loads here, where the run needs it anyway
 
         try:  # store policies need a schedule that stores blocks: refused here, not on every rank
-            planned_schedule(oases, prefix="")
+            schedule = planned_schedule(oases, prefix="")
         except OasesConfigError as err:
             raise ValueError(str(err)) from None
+        overridden = overridden_sub_batches(oases, schedule)
+        if overridden:
+            print(f"oases-train: {overridden}", file=sys.stderr)
     if oases.sequence_parallel and oases.tensor_parallel_size > 1:  # the sequence splits evenly, one degree throughout
         check_sequence_parallel(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else [])
-    sub_batches = oases.schedule_spec().effective_sub_batches
+    sub_batches = schedule.effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):
         what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
                                                         if replicas > 1 else "")

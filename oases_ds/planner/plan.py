@@ -57,6 +57,9 @@ class Plan:
     written before policies).  Given, ``mlp_policies`` must be too."""
     mlp_policies: tuple[str, ...] | None = None
     """Per layer, the MLP block's policy, as :attr:`attn_policies`."""
+    sub_batches: int | None = None
+    """The sub-batches the plan was chosen for among several (``oases-plan planner.sub_batches=[2,4]``,
+    :func:`~oases_ds.planner.planning.choose_sub_batches`); the run takes them.  None: the schedule's own."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -73,6 +76,9 @@ class Plan:
             for layer, degree in enumerate(getattr(self, name)):
                 check_degree(f"Plan.{name}[{layer}]", degree, self.devices)
         self._check_policies()
+        if self.sub_batches is not None and (isinstance(self.sub_batches, bool) or not isinstance(self.sub_batches, int)
+                                             or self.sub_batches < 1):
+            raise ValueError(f"Plan.sub_batches must be an int >= 1, got {self.sub_batches!r}")
 
     def _check_policies(self) -> None:
         """Both policy lists or neither, one known policy per layer."""

@@ -278,6 +278,71 @@ def make_plan(request: PlanRequest, loaded: LoadedTable | None = None) -> PlanRe
     return PlanResult(loaded, plan, replayed, best_uniform(table, limit, replayed), memory)
 
 
+@dataclass(frozen=True)
+class SubBatchChoice:
+    """What :func:`choose_sub_batches` chose and what it was chosen against.
+
+    Attributes:
+        result: the plan at the chosen ``k`` (its :attr:`Plan.sub_batches` set) and its table.
+        tried: per candidate ``k``, the plan's predicted step in ms, or the one line why none was made
+            (the micro-batch has no whole sub-batches, nothing fits the memory limit).
+    """
+
+    result: PlanResult
+    tried: tuple[tuple[int, float | str], ...]
+
+    def line(self) -> str:
+        """``sub-batches: 2 -> 1234.5 ms; 4 -> 1300.1 ms; chose 2``."""
+        cells = [f"{k} -> {ms:.3f} ms" if isinstance(ms, float) else f"{k} -> none ({ms})" for k, ms in self.tried]
+        return f"sub-batches: {'; '.join(cells)}; chose {self.result.plan.sub_batches}"
+
+
+def at_sub_batches(request: PlanRequest, sub_batches: int) -> PlanRequest:
+    """``request`` with its schedule split into ``sub_batches`` sub-batches (a table of its own)."""
+    assert request.profile is not None
+    schedule = dataclasses.replace(request.profile.schedule, sub_batches=sub_batches)
+    return dataclasses.replace(request, profile=dataclasses.replace(request.profile, schedule=schedule))
+
+
+def choose_sub_batches(request: PlanRequest, candidates: tuple[int, ...]) -> SubBatchChoice:
+    """Plan at each candidate number of sub-batches and keep the plan with the fastest predicted step.
+
+    Why per plan: more sub-batches hide more of the first and last collective of each pass
+    (``benchmarks/exposed_phases.py``), but each sub-batch is a smaller product, less dense work (on
+    2 CPU cores 4 sub-batches of one 256-token sample computed 1.10x longer than 2); which wins depends on
+    the model, the micro-batch and the link.  Each ``k`` is its own cost table (profiled at ``k``, so the
+    density is measured; :func:`load_table`) and its replay runs the schedule at ``k``.  The analytic
+    table has no density term and so always prefers the most sub-batches: ``oases-plan`` refuses it with
+    several candidates.  A ``k`` the micro-batch cannot split, or at which nothing fits, is reported, not
+    chosen; none left is a :class:`PlanInfeasibleError`.
+    """
+    if request.profile is None or request.table_path:
+        raise ValueError("planner.sub_batches: a cost-table file holds one sub-batch count; plan from the model "
+                         "(drop table=) or leave planner.sub_batches unset")
+    if request.pipeline is not None and request.pipeline.stages > 1:
+        raise ValueError("planner.sub_batches chooses among plans of one TMP group; with pipeline_stages > 1 set "
+                         "schedule.sub_batches instead")
+    if not candidates or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in candidates):
+        raise ValueError(f"planner.sub_batches must list sub-batch counts >= 1, got {list(candidates)}")
+    tried: list[tuple[int, float | str]] = []
+    best: PlanResult | None = None
+    for k in sorted(set(candidates)):
+        try:
+            result = make_plan(at_sub_batches(request, k))
+        except ValueError as err:  # a share the sub-batches do not divide; PlanInfeasibleError: nothing fits
+            tried.append((k, str(err).split("; ")[0]))
+            continue
+        ms = result.plan.predicted_step_ms
+        assert ms is not None
+        tried.append((k, float(ms)))
+        if best is None or ms < best.plan.predicted_step_ms:  # type: ignore[operator]
+            best = dataclasses.replace(result, plan=dataclasses.replace(result.plan, sub_batches=k))
+    if best is None:
+        raise PlanInfeasibleError("no candidate of planner.sub_batches gives a plan: " + "; ".join(
+            f"{k}: {why}" for k, why in tried))
+    return SubBatchChoice(best, tuple(tried))
+
+
 def _plan_stages(request: PlanRequest, table: CostTable) -> StagesResult:
     """The stage split and the even split beside it; the head's time only where the table is
     analytic (a profile has none: 0)."""

@@ -100,6 +100,16 @@ def test_accumulate_grad_batches_maps_to_gradient_accumulation_steps(runs):
     assert_params_close(acc["params"], direct["params"][1])
 
 
+def test_overlapped_micro_batches_train_the_accumulated_trajectory(runs):
+    """OasesStrategy(overlap_micro_batches=True) with accumulate_grad_batches=2: the two micro-batches of a
+    step run as one merge, and the trajectory is the direct engine's (the tolerance above)."""
+    ovl, direct = runs["accumulate_overlapped"], runs["direct"]
+    assert ovl["pipeline_order"] == "overlap" and runs["accumulate"]["pipeline_order"] is None
+    assert (ovl["gas"], ovl["global_step"], ovl["engine_steps"]) == (2, 2, 2)
+    assert ovl["losses"] == pytest.approx(direct["losses"][:2], rel=TOL)
+    assert_params_close(ovl["params"], direct["params"][1])
+
+
 def test_progress_bar_and_logs_show_throughput_and_tmp_bytes(runs):
     out = runs["trainer"]
     assert {"tokens_per_s", "tmp_bytes", "train_loss", "val_loss"} <= set(out["prog_bar"])

@@ -98,6 +98,17 @@ def _readme_block(heading: str, index: int = 0) -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
+def _run_readme_commands(capfd, cwd, commands: list[str]) -> list:
+    """Each ``oases-train`` / ``oases-plan`` command line in ``cwd``, in order, each required to succeed."""
+    outputs = []
+    for command in commands:
+        tool, *args = command.split()
+        done = train_cli(capfd, *args, cwd=cwd) if tool == "oases-train" else plan_cli(*args, cwd=cwd)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+        outputs.append(done)
+    return outputs
+
+
 @pytest.mark.distributed
 def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     """The commands of "Fit a larger model", in a fresh directory, as written: oases-train with
@@ -105,12 +116,7 @@ def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     that plan with sequence parallelism (its blocks stored, re-gathering or keeping the gather)."""
     commands = _readme_block("Fit a larger model")
     assert [c.split()[0] for c in commands] == ["oases-train", "oases-plan", "oases-train"]
-    outputs = []
-    for command in commands:
-        tool, *args = command.split()
-        done = train_cli(capfd, *args, cwd=tmp_path) if tool == "oases-train" else plan_cli(*args, cwd=tmp_path)
-        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
-        outputs.append(done.stdout)
+    outputs = [done.stdout for done in _run_readme_commands(capfd, tmp_path, commands)]
     assert all(re.search(r"^done: 20 steps", out, re.M) for out in (outputs[0], outputs[2]))
     plan = Plan.from_json(tmp_path / "plan.json")
     assert "-sp|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
@@ -129,6 +135,22 @@ def test_the_readme_shrinks_the_model_states_as_written(tmp_path, capfd):
     assert "TMP 2 x DP 2" in train.stdout and "ZeRO-2, DeepSpeedCPUAdam in host memory" in train.stdout
     assert "| loss scale 65536" in train.stdout and re.search(r"^done: 10 steps", train.stdout, re.M)
     assert "states fp16, ZeRO 2 over DP 2, optimizer in host memory: 4 B" in plan.stdout, plan.stdout
+
+
+@pytest.mark.distributed
+def test_the_readme_overlaps_micro_batches_and_chooses_sub_batches_as_written(tmp_path, capfd):
+    """The block of "Slow links": oases-train with its 4 micro-batches overlapped on an emulated
+    0.2 Gbit/s link (each step logged against its limit), oases-plan profiling 2 and 4 sub-batches
+    and keeping the faster, and oases-train running that plan at its sub-batches."""
+    commands = _readme_block("Slow links: overlap micro-batches, choose sub-batches")
+    assert [c.split()[0] for c in commands] == ["oases-train", "oases-plan", "oases-train"]
+    outputs = _run_readme_commands(capfd, tmp_path, commands)
+    assert re.search(r"x the limit \(work ", outputs[0].stdout) and re.search(r"^done: 10 steps", outputs[0].stdout, re.M)
+    chosen = Plan.from_json(tmp_path / "plan.json").sub_batches
+    assert re.search(r"^sub-batches: 2 -> [\d.]+ ms; 4 -> [\d.]+ ms; chose [24]$", outputs[1].stdout, re.M), outputs[1].stdout
+    assert chosen in (2, 4) and outputs[1].stdout.rstrip().endswith("wrote plan.json")
+    assert re.search(r"^done: 10 steps", outputs[2].stdout, re.M)
+    assert ("running it so" in outputs[2].stderr) == (chosen != 2)  # the configured schedule has 2
 
 
 @pytest.mark.distributed

@@ -240,6 +240,11 @@ def test_cli_plans_a_paper_size_model_without_launching(tmp_path):
     (("cluster=pcie_3090", "devices=8", "micro_batch=8"), "error: micro_batch=8: the degree-1 share"),
     (("cluster=pcie_3090", "mode=accuracy"), "error: mode=accuracy measures plans on this machine"),
     (("cluster=pcie_3090", "table=costs.json"), "error: table= and cost=analytic both supply the cost table"),
+    (("cluster=pcie_3090", "planner.sub_batches=[2,4]"),
+     "error: planner.sub_batches with cost=analytic: the analytic model has no arithmetic-density term and always "
+     "prefers more sub-batches; profile the candidates (cost=profile) or give one"),
+    (("cluster=pcie_3090", "mode=profile", "planner.sub_batches=[2]"),
+     "error: planner.sub_batches chooses a plan's sub-batches (mode=plan), not with mode=profile"),
 ])
 def test_cli_bad_analytic_input_is_one_line(tmp_path, overrides, message):
     proc = plan_cli("cost=analytic", *overrides, f"out={tmp_path / 'p.json'}")
@@ -247,6 +252,17 @@ def test_cli_bad_analytic_input_is_one_line(tmp_path, overrides, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_records_the_sub_batches_a_plan_was_chosen_at(tmp_path):
+    """One candidate with analytic costs (no choice to make, so allowed): the plan is made at it and
+    records it, which oases-train then runs (tests/unit/test_planning.py)."""
+    out = tmp_path / "plan.json"
+    proc = plan_cli("cost=analytic", "model=gpt_39_1b", "cluster=pcie_3090", "devices=8", "micro_batch=32",
+                    "layers=2", "planner.sub_batches=[4]", f"out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sub-batches: 4 -> " in proc.stdout and "; chose 4" in proc.stdout and "|oases[sb=4," in proc.stdout
+    assert Plan.from_json(out).sub_batches == 4
 
 
 def test_cli_unknown_cost_names_the_choices(tmp_path):

@@ -24,8 +24,8 @@ MODEL = ModelConfig(family="gpt", vocab_size=32000, hidden_size=2048, num_heads=
 RTX3090 = DeviceModel("rtx3090", 71.0, 0.4)
 
 
-def analytic(**kwargs) -> PlanRequest:
-    spec = ProfileSpec(model=MODEL, devices=4, micro_batch=8, link=LinkModel(10.0, 25.0), cluster="eth_10g")
+def analytic(micro_batch: int = 8, **kwargs) -> PlanRequest:
+    spec = ProfileSpec(model=MODEL, devices=4, micro_batch=micro_batch, link=LinkModel(10.0, 25.0), cluster="eth_10g")
     return PlanRequest(spec, cost="analytic", device=RTX3090, **kwargs)
 
 
@@ -192,3 +192,45 @@ def test_offload_staging_is_the_largest_parameter_shard_in_the_gradients_dtype()
     assert offload_staging_bytes(cfg, 1, ModelStates("fp32", 1, offload=True)) == largest * 4
     assert offload_staging_bytes(cfg, 1, ModelStates("bf16", 2, offload=True, data_parallel_size=2)) == largest * 2
     assert offload_staging_bytes(cfg, 1, ModelStates("fp32", 1)) == 0.0
+
+
+def test_sub_batches_are_chosen_per_plan_by_the_replayed_step():
+    """``choose_sub_batches`` plans at every candidate, each at its own table, and keeps the fastest
+    predicted step; a candidate the micro-batch cannot split is reported, not chosen.  (Analytic tables
+    here: the library allows them; oases-plan refuses them with several candidates, since they price no
+    density loss -- see test_cli_refuses_analytic_sub_batch_candidates.)"""
+    from oases_ds.planner.planning import at_sub_batches, choose_sub_batches
+
+    choice = choose_sub_batches(analytic(16), (4, 2, 3))
+    tried = dict(choice.tried)
+    assert set(tried) == {2, 3, 4} and isinstance(tried[2], float) and isinstance(tried[4], float)
+    assert "3 sub-batches" in tried[3]  # the degree-1 share of 4 samples has no 3 whole sub-batches
+    for k in (2, 4):  # each candidate's step is that k's own plan
+        assert tried[k] == make_plan(at_sub_batches(analytic(16), k)).plan.predicted_step_ms
+    chosen = choice.result.plan
+    assert chosen.sub_batches == min((2, 4), key=tried.get) and chosen.predicted_step_ms == min(tried[2], tried[4])
+    assert choice.result.loaded.table.sub_batches == chosen.sub_batches
+    assert choice.line().startswith("sub-batches: 2 -> ") and choice.line().endswith(f"chose {chosen.sub_batches}")
+    with pytest.raises(PlanInfeasibleError, match="no candidate of planner.sub_batches gives a plan: 3: "):
+        choose_sub_batches(analytic(16), (3,))
+    with pytest.raises(ValueError, match="planner.sub_batches: a cost-table file holds one sub-batch count"):
+        choose_sub_batches(PlanRequest(None, table_path=str(PROFILES / "gpt_t2_cm8.json")), (2, 4))
+
+
+def test_a_plan_keeps_its_sub_batches_and_the_run_takes_them(tmp_path):
+    from oases_ds.config import OasesConfig
+    from oases_ds.engine import overridden_sub_batches, planned_schedule
+    from oases_ds.planner.plan import Plan
+
+    path = tmp_path / "plan.json"
+    Plan((2, 2), (2, 2), 2, sub_batches=4).to_json(path)
+    assert Plan.from_json(path).sub_batches == 4
+    oases = OasesConfig(tensor_parallel_size=2, plan=str(path))
+    spec = planned_schedule(oases)
+    assert spec.sub_batches == 4 and overridden_sub_batches(oases, spec) == (
+        f"plan={path} was chosen at sub_batches=4 (oases-plan planner.sub_batches); running it so, not at the "
+        f"configured sub_batches=2")
+    Plan((2, 2), (2, 2), 2).to_json(path)  # a plan without its own: the configured ones, nothing said
+    assert planned_schedule(oases).sub_batches == 2 and overridden_sub_batches(oases, planned_schedule(oases)) is None
+    with pytest.raises(ValueError, match="Plan.sub_batches must be an int >= 1, got 0"):
+        Plan((2,), (2,), 2, sub_batches=0)
