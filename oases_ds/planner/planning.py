@@ -308,7 +308,7 @@ def choose_sub_batches(request: PlanRequest, candidates: tuple[int, ...]) -> Sub
     """Plan at each candidate number of sub-batches and keep the plan with the fastest predicted step.
 
     Why per plan: more sub-batches hide more of the first and last collective of each pass
-    (``benchmarks/exposed_phases.py``), but each sub-batch is a smaller product, less dense work (on
+    (the exposed-phases study), but each sub-batch is a smaller product, less dense work (on
     2 CPU cores 4 sub-batches of one 256-token sample computed 1.10x longer than 2); which wins depends on
     the model, the micro-batch and the link.  Each ``k`` is its own cost table (profiled at ``k``, so the
     density is measured; :func:`load_table`) and its replay runs the schedule at ``k``.  The analytic
