@@ -24,9 +24,13 @@ from oases_ds.models.config import ModelConfig
 
 
 def autotp_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the AutoTP pair (torchrun-style env set); returns ``{"variants": {"autotp": {"step_s": [...]}}}``.
+    """One rank of the AutoTP pair (torchrun-style env set); returns ``{"variants": {label: {"step_s": [...]}}}``.
 
-    ``spec``: ``model`` (ModelConfig fields), ``micro_batch``, ``warmup``, ``repeats``, ``seed``, ``timeout_s``.
+    ``spec``: ``model`` (ModelConfig fields), ``micro_batch``, ``warmup``, ``repeats``, ``seed``, ``timeout_s``;
+    optionally ``label`` (default ``autotp``), ``checkpointing`` (Hugging Face's recomputation of every
+    decoder layer, default on), ``tp_overlap_comm`` (DeepSpeed's overlap of AutoTP's collectives, default
+    off) and ``micro_steps`` (forward and backward of that many micro-batches per timed step, accumulated
+    as DeepSpeed accumulates them; default 1).
     """
     import deepspeed
     import transformers
@@ -38,12 +42,14 @@ def autotp_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(spec["seed"])
     model = transformers.LlamaForCausalLM(hf_config(cfg))
     model.config.use_cache = False
-    # transformers 5 renamed it; same recomputation of every decoder layer in backward
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if spec.get("checkpointing", True):
+        # transformers 5 renamed it; same recomputation of every decoder layer in backward
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
-    ds_config = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
-                 "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 0},
-                 "steps_per_print": 10 ** 9}
+    micro_steps = int(spec.get("micro_steps", 1))
+    ds_config = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": micro_steps,
+                 "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": bool(spec.get("tp_overlap_comm", False))},
+                 "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9}
     # DeepSpeed refuses backward() without an optimizer; an SGD that never steps costs nothing in the step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -53,8 +59,9 @@ def autotp_rank(spec: dict[str, Any]) -> dict[str, Any]:
     for rep in range(spec["warmup"] + spec["repeats"]):
         dist.barrier()
         t0 = time.perf_counter()
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
+        for _ in range(micro_steps):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
         dt = time.perf_counter() - t0
         engine.module.zero_grad(set_to_none=True)
         if rep >= spec["warmup"]:
@@ -62,7 +69,8 @@ def autotp_rank(spec: dict[str, Any]) -> dict[str, Any]:
     # which layers AutoTP sharded: evidence in the record that the TMP collectives run on the
     # process group (gloo, over the link) and e.g. the head is not reduced through shared memory
     sharded = sorted({type(m).__name__ for m in engine.module.modules() if type(m).__module__.startswith("deepspeed.")})
-    return {"rank": dist.get_rank(), "variants": {"autotp": {"step_s": steps}}, "sharded_module_types": sharded}
+    return {"rank": dist.get_rank(), "variants": {spec.get("label", "autotp"): {"step_s": steps}},
+            "sharded_module_types": sharded}
 
 
 def autotp_rank_reporting(spec: dict[str, Any]) -> dict[str, Any]:
