@@ -42,7 +42,7 @@ RATIOS = (0.5, 0.9, 2.0)
 TARGET = 1.10
 
 
-def _rows(ranks: list[dict], variants: tuple = VARIANTS) -> dict:
+def rows_of(ranks: list[dict], variants: tuple = VARIANTS) -> dict:
     rows = {}
     for label, *_ in variants:
         mine = ranks[0]["variants"][label]
@@ -63,7 +63,7 @@ def run(model: dict, repeats: int, warmup: int, variants: tuple = VARIANTS, micr
 
     def measured(gbps: float | None) -> dict:
         spec = spec_of(model, gbps, repeats, warmup, variants, micro_steps)
-        return _rows(launch(measure_rank, 2, (spec,), timeout_s=3600, threads_per_rank=1), variants)
+        return rows_of(launch(measure_rank, 2, (spec,), timeout_s=3600, threads_per_rank=1), variants)
 
     out: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
                  "machine": machine(), "model": model, "tensor_parallel_size": 2, "micro_batches_per_step": micro_steps,

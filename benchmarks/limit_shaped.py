@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from exposed_phases import MODEL, _rows  # noqa: E402
+from exposed_phases import MODEL, rows_of  # noqa: E402
 from micro_batch_overlap import MICRO_STEPS, VARIANTS  # noqa: E402
 from sequence_parallel_step import MICRO_BATCH, QUICK, spec_of  # noqa: E402
 
@@ -85,7 +85,7 @@ def run(model: dict, repeats: int, warmup: int, mtu: int, burst: int, timeout_s:
                 print(f"{name}: {group} failed: {errors[0]}", flush=True)
                 continue
             if group == "executor":
-                rows.update(_rows(ranks, VARIANTS))
+                rows.update(rows_of(ranks, VARIANTS))
             else:
                 rows[group] = {"step_s": [max(ts) for ts in zip(*(r["variants"][group]["step_s"] for r in ranks))]}
             print(f"{name}: " + ", ".join(f"{label} {statistics.median(r['step_s']):.3f} s"

@@ -21,7 +21,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.models.stages import Stage, split_stages
 from oases_ds.parallel.flight import DEFAULT_RECORDS
 from oases_ds.parallel.link import LinkModel
-from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec
+from oases_ds.schedule.generators import SCHEDULES, ScheduleSpec, overlap_refusal
 from oases_ds.schedule.pipeline import registered_pipelines
 
 PIPELINES = registered_pipelines()
@@ -93,8 +93,9 @@ class OasesConfig(BaseModel):
             cross-pass merge, each micro-batch's forward under the previous one's recomputation and
             backward (:func:`~oases_ds.schedule.generators.micro_batch_merge`): where the link is as slow
             as the compute, a forward is link-bound and a backward compute-bound, and only two micro-batches
-            can mix them.  One stage, schedule ``oases`` with ``cross_pass``; at most two micro-batches in
-            flight.  The DP reduction then runs after the step's schedule (not overlapped with it).
+            can mix them.  One stage, schedule ``oases`` with ``cross_pass``; each sub-batch holds at most two
+            micro-batches.  The DP reduction then runs after the step's schedule (not overlapped with it).
+            With one micro-batch per step there is nothing to overlap: the plain executor runs it.
         portable_checkpoint: save, next to DeepSpeed's rank files, the full value and
             optimizer state of every parameter (:mod:`oases_ds.checkpoint.portable`), so that a run
             with another TMP degree, plan, pipeline split, DP size or ZeRO stage can resume
@@ -127,15 +128,9 @@ class OasesConfig(BaseModel):
 
     @model_validator(mode="after")
     def _overlap_runs_one_stage_of_oases(self) -> OasesConfig:
-        if not self.overlap_micro_batches:
-            return self
-        if self.pipeline_stages > 1:
-            raise ValueError(f"overlap_micro_batches=true runs the micro-batches of one stage; with pipeline_stages="
-                             f"{self.pipeline_stages} the pipeline order overlaps them: turn it off")
-        if self.schedule != "oases" or not self.cross_pass:
-            raise ValueError(f"overlap_micro_batches=true merges micro-batches with the cross-pass oases schedule, "
-                             f"not schedule={self.schedule} with cross_pass={str(self.cross_pass).lower()}; set "
-                             f"schedule=oases and cross_pass=true, or turn it off")
+        refused = overlap_refusal(self.schedule, self.cross_pass, self.pipeline_stages)
+        if self.overlap_micro_batches and refused:
+            raise ValueError(refused)
         return self
 
     @field_validator("plan")

@@ -102,7 +102,7 @@ from oases_ds.planner.plan import Plan
 from oases_ds.runtime.dp_overlap import DPGradReducer
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
-from oases_ds.runtime.timeline import clock_for
+from oases_ds.runtime.timeline import clock_for, exposed_by_phase_of
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.schedule.pipeline import OVERLAP
 
@@ -177,7 +177,8 @@ class OasesEngine(DeepSpeedEngine):
         parallel_context.create_plan_groups([lay.degree for pair in model.sharding.layouts for lay in pair])
         self.pipelined = parallel_context.pp_size > 1
         # all micro-batches of a step through one schedule: pipeline stages, or one stage's overlapped merge
-        self.step_schedule = self.pipelined or oases.overlap_micro_batches
+        # (with one micro-batch per step nothing overlaps: the plain executor, with its overlapped DP reduction)
+        self.step_schedule = self.pipelined or (oases.overlap_micro_batches and self.gradient_accumulation_steps() > 1)
         # One communicator for the schedule, the model's eager forward (evaluation) and the step's
         # metrics: one flight record of the rank, one guard (oases.check_collectives or $OASES_CHECK_COLLECTIVES).
         try:
@@ -196,7 +197,7 @@ class OasesEngine(DeepSpeedEngine):
             warnings.warn(overridden, RuntimeWarning, stacklevel=2)
         if self.step_schedule:  # all micro-batches of a step through one pipeline schedule
             self.executor = PipelineExecutor.for_pipeline(
-                model, spec, OVERLAP if oases.overlap_micro_batches else oases.pipeline_schedule,
+                model, spec, oases.pipeline_schedule if self.pipelined else OVERLAP,
                 self.gradient_accumulation_steps(),
                 StageLinks.of(parallel_context), link, model.rng, record=oases.record_timeline, comm=comm)
         else:
@@ -388,10 +389,8 @@ class OasesEngine(DeepSpeedEngine):
         begun, ended = clock.resolve([start, clock.mark()])
         elapsed = ended - begun
         dp_wait = self.dp_reducer.wait_s if self.dp_reducer is not None else 0.0  # the window's one boundary (arm resets it)
-        by_phase = {"optimizer boundary": dp_wait}  # every wait, by where: one pass over each timeline
-        for timeline in timelines:
-            for where, seconds in timeline.exposed_by_phase().items():
-                by_phase[where] = by_phase.get(where, 0.0) + seconds
+        # every wait, by where: one pass over each timeline
+        by_phase = {"optimizer boundary": dp_wait, **exposed_by_phase_of(timelines)}
         exposed = sum(by_phase.values())
         stats = self.oases_comm.stats
         link_s = sum(s for phase, s in stats.link_s.items() if phase != "eval")

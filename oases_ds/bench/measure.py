@@ -56,7 +56,7 @@ from oases_ds.parallel.random import RNGTracker
 from oases_ds.models.stages import split_stages
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
-from oases_ds.runtime.timeline import Timeline
+from oases_ds.runtime.timeline import Timeline, exposed_by_phase_of
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.schedule.pipeline import OVERLAP
 from oases_ds.utils.rounds import rotated
@@ -142,10 +142,9 @@ def _step_summary(timelines: list[Timeline]) -> dict[str, Any]:
     summed = {key: sum(p[key] for p in parts) for key in ("span_s", "compute_s", "exposed_comm_s", "compute_fwd_s",
                                                            "compute_rec_s", "compute_bwd_s")}
     span = summed["span_s"]
-    phases = [t.exposed_by_phase() for t in timelines]
     return {**summed, "compute_util": summed["compute_s"] / span if span else 0.0,
             "exposed_comm_frac": summed["exposed_comm_s"] / span if span else 0.0,
-            "exposed_by_phase_s": {key: sum(p[key] for p in phases) for key in phases[0]}}
+            "exposed_by_phase_s": exposed_by_phase_of(timelines)}
 
 
 def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:

@@ -270,8 +270,9 @@ def validate(cfg: dict) -> None:
         check_sequence_parallel(model, oases.tensor_parallel_size, plan.block_degrees() if oases.plan else [])
     sub_batches = schedule.effective_sub_batches
     if cfg["micro_batch"] % (sub_batches * replicas):
-        what = f"schedule.sub_batches={sub_batches}" + (f" x {replicas} replicas of the plan's lowest-degree block"
-                                                        if replicas > 1 else "")
+        source = (f"plan={oases.plan}'s sub_batches={sub_batches} (chosen by oases-plan)"
+                  if sub_batches != oases.schedule_spec().effective_sub_batches else f"schedule.sub_batches={sub_batches}")
+        what = source + (f" x {replicas} replicas of the plan's lowest-degree block" if replicas > 1 else "")
         raise ValueError(f"micro_batch={cfg['micro_batch']} is not divisible by {what}")
     if oases.link:  # else every rank starts, then waits out timeout_s on its first collective
         element_size = PRECISIONS[precision(cfg)]
@@ -311,6 +312,10 @@ def check_auto_plan(cfg: dict) -> tuple[float, ModelConfig] | None:
     if cfg["schedule"]["name"] != "oases":
         raise ValueError(f"plan=auto chooses between storing and Oases' recompute per block, which needs "
                          f"schedule=oases, not schedule={cfg['schedule']['name']}")
+    if cfg["overlap_micro_batches"] and cfg["grad_accum"] > 1:
+        raise ValueError("plan=auto fits one micro-batch's activations to memory_limit, but overlap_micro_batches=true "
+                         "keeps two in flight; plan with oases-plan for half the memory and pass plan=FILE, or turn "
+                         "overlap_micro_batches off")
     schema.check_ranges(cfg, RANGES, positive=("lr", "timeout_s"))
     model = model_config(cfg["model"])
     model.check_tp(cfg["tensor_parallel_size"])

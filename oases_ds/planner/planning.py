@@ -326,11 +326,18 @@ def choose_sub_batches(request: PlanRequest, candidates: tuple[int, ...]) -> Sub
         raise ValueError(f"planner.sub_batches must list sub-batch counts >= 1, got {list(candidates)}")
     tried: list[tuple[int, float | str]] = []
     best: PlanResult | None = None
+    unsplit = 0
     for k in sorted(set(candidates)):
         try:
-            result = make_plan(at_sub_batches(request, k))
-        except ValueError as err:  # a share the sub-batches do not divide; PlanInfeasibleError: nothing fits
-            tried.append((k, str(err).split("; ")[0]))
+            at_k = at_sub_batches(request, k)
+        except ValueError as err:  # the micro-batch has no k whole sub-batches: ProfileSpec names the fix
+            tried.append((k, str(err)))
+            unsplit += 1
+            continue
+        try:
+            result = make_plan(at_k)
+        except PlanInfeasibleError as err:
+            tried.append((k, f"nothing fits: {err}"))
             continue
         ms = result.plan.predicted_step_ms
         assert ms is not None
@@ -338,8 +345,11 @@ def choose_sub_batches(request: PlanRequest, candidates: tuple[int, ...]) -> Sub
         if best is None or ms < best.plan.predicted_step_ms:  # type: ignore[operator]
             best = dataclasses.replace(result, plan=dataclasses.replace(result.plan, sub_batches=k))
     if best is None:
-        raise PlanInfeasibleError("no candidate of planner.sub_batches gives a plan: " + "; ".join(
-            f"{k}: {why}" for k, why in tried))
+        reasons = "; ".join(f"{k}: {why}" for k, why in tried)
+        if unsplit == len(tried):
+            raise ValueError(f"planner.sub_batches={sorted(set(candidates))}: the micro-batch splits into none of them: "
+                             f"{reasons}")
+        raise PlanInfeasibleError(f"no candidate of planner.sub_batches gives a plan that fits: {reasons}")
     return SubBatchChoice(best, tuple(tried))
 
 

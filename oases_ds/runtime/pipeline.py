@@ -118,8 +118,9 @@ class PipelineExecutor(Executor):
     def for_pipeline(cls, model: OperatorModel, spec: ScheduleSpec, pipeline: str, micro_batches: int,
                      links: StageLinks, link: LinkModel | None = None, rng: RNGTracker | None = None,
                      record: bool = True, comm: Communicator | None = None) -> "PipelineExecutor":
-        """Build ``pipeline``'s schedule (``1f1b``, ``gpipe``) with ``spec``'s TMP schedule
-        inside, for ``model``'s stage, prove it with the checker, and wrap it."""
+        """Build ``pipeline``'s schedule (``1f1b``, ``gpipe``, or on one stage ``overlap``: the step's
+        micro-batches as one merge) with ``spec``'s TMP schedule inside, for ``model``'s stage, prove it
+        with the checker, and wrap it."""
         stage = model.stage
         pipe = build_pipeline(pipeline, spec, model.ops, stage.index, stage.stages, micro_batches)
         check_pipeline(pipe, model.ops)

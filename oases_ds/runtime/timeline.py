@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -236,3 +236,13 @@ class Timeline:
     def save_chrome_trace(self, path: str, rank: int = 0) -> None:
         """Write atomically: a crash mid-write never leaves a truncated trace."""
         write_json_atomic(path, self.chrome_trace(rank))
+
+
+def exposed_by_phase_of(timelines: Sequence[Timeline]) -> dict[str, float]:
+    """:meth:`Timeline.exposed_by_phase` of a step that ran as several executor runs (one per
+    micro-batch without a step schedule), summed phase by phase."""
+    out = dict.fromkeys(EXPOSURE_PHASES, 0.0)
+    for timeline in timelines:
+        for where, seconds in timeline.exposed_by_phase().items():
+            out[where] += seconds
+    return out

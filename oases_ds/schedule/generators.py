@@ -417,7 +417,7 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
 
     ``gates[(j, p)] = (i, q)``: stream ``j`` emits its item ``p`` only once stream ``i`` has emitted
     its first ``q`` items; until then ``j`` yields as at a collective.  Why: a step that runs several
-    micro-batches as one merge (:func:`micro_batch_streams`) must start a micro-batch's backward only
+    micro-batches as one merge (:func:`micro_batch_merge`) must start a micro-batch's backward only
     after its forward, which another stream runs.  A gate no stream can open is an error.
     """
     out: list[Instruction] = []
@@ -428,13 +428,14 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
     active = [sub for sub, s in enumerate(streams) if s]
 
     def hop_run(sub: int) -> int | None:
-        """Items of ``sub`` up to and including its next collective, if all before it are light."""
+        """Items of ``sub`` up to and including its next collective, if all before it are light and no
+        gate before it is closed (a hop must not step over one)."""
         stream, end = streams[sub], pos[sub]
         while end < len(stream) and not isinstance(stream[end], _Comm):
-            if not light(stream[end].op):  # type: ignore[misc]
+            if not light(stream[end].op) or closed(sub, end):  # type: ignore[misc]
                 return None
             end += 1
-        return end if end < len(stream) else None
+        return end if end < len(stream) and not closed(sub, end) else None
 
     def hops(running: int) -> None:
         for sub in active:
@@ -452,8 +453,9 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
 
     gates = gates or {}
 
-    def closed(sub: int) -> bool:
-        gate = gates.get((sub, pos[sub]))
+    def closed(sub: int, at: int | None = None) -> bool:
+        """Whether ``sub``'s item ``at`` (default: its next) waits on a gate still closed."""
+        gate = gates.get((sub, pos[sub] if at is None else at))
         return gate is not None and pos[gate[0]] < gate[1]
 
     while active:
@@ -470,14 +472,15 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
                     break
                 moved = True
                 item = stream[pos[sub]]
-                pos[sub] += 1
                 if isinstance(item, _Comm):
+                    pos[sub] += 1
                     out.append(StartAsync(item.op, item.sub, item.phase))
                     pending[sub], started[sub] = item, heavy
                     break
                 if light is not None and not light(item.op):
-                    hops(sub)
+                    hops(sub)  # before this item counts as emitted: a gate waiting on it stays closed
                     heavy += 1
+                pos[sub] += 1
                 out.append(item)
             if pos[sub] >= len(stream) and pending[sub] is None:
                 active.remove(sub)
@@ -516,6 +519,19 @@ def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool)
     return out
 
 
+def overlap_refusal(schedule: str, cross_pass: bool, stages: int) -> str | None:
+    """Why ``overlap_micro_batches`` cannot run with this schedule and stage count (one line naming the
+    fields and the fix), or ``None``: the one check the config, the pipeline builder and the merge share."""
+    if stages > 1:
+        return (f"overlap_micro_batches=true runs the micro-batches of one stage; with pipeline_stages={stages} "
+                f"the pipeline order overlaps them: turn it off")
+    if schedule != "oases" or not cross_pass:
+        return (f"overlap_micro_batches=true merges micro-batches with the cross-pass oases schedule, not "
+                f"schedule={schedule} with cross_pass={str(cross_pass).lower()}; set schedule=oases and "
+                f"cross_pass=true, or turn it off")
+    return None
+
+
 def micro_batch_merge(spec: ScheduleSpec, ops: Sequence[Op], micro_batches: int) -> list[tuple[int, Instruction]]:
     """One step of ``micro_batches`` micro-batches as one cross-pass merge: ``(micro-batch, instruction)``
     in order, each micro-batch's forward running under the previous one's recomputation and backward.
@@ -530,15 +546,17 @@ def micro_batch_merge(spec: ScheduleSpec, ops: Sequence[Op], micro_batches: int)
         lane B         F1.s        F2.s        F3.s  ...
                  (F(m+1).s starts once B(m).s has; B(m).s waits for F(m).s)
 
-    so at most two micro-batches are in flight (the forward of one, the backward of the other), the
-    cross-pass merge of one micro-batch (its forward's tail under its backward's head) is kept, and one
-    micro-batch is exactly the ``oases`` schedule.  Gradients are sums over micro-batches, whatever the
+    so each sub-batch lane holds at most two micro-batches (the forward of one, the backward of the
+    other): at most ``2 k`` sub-batches' activations live.  (The lanes of different sub-batches drift
+    apart by a little: sub-batch 0 may begin micro-batch ``m + 2`` while sub-batch 1 still ends ``m``.)
+    The cross-pass merge of one micro-batch (its forward's tail under its backward's head) is kept, and
+    one micro-batch is exactly the ``oases`` schedule.  Gradients are sums over micro-batches, whatever the
     order.  Only the cross-pass ``oases`` schedule is merged so (the others define their passes apart).
     """
     spec = _checked(spec)
-    if spec.name != "oases" or not spec.cross_pass:
-        raise ValueError(f"overlap_micro_batches merges micro-batches with the cross-pass oases schedule, not "
-                         f"{spec.label}; set schedule=oases with cross_pass=true, or turn overlap_micro_batches off")
+    refused = overlap_refusal(spec.name, spec.cross_pass, 1)
+    if refused:
+        raise ValueError(refused)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
     if not ops or not getattr(ops[-1], "is_loss", False):

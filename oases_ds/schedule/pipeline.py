@@ -65,7 +65,7 @@ from typing import Callable, Literal, Sequence
 
 from oases_ds.models.ops import Op
 from oases_ds.schedule.dataflow import effects
-from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule, micro_batch_merge
+from oases_ds.schedule.generators import Schedule, ScheduleSpec, build_schedule, micro_batch_merge, overlap_refusal
 from oases_ds.schedule.instructions import (
     Forward,
     Instruction,
@@ -272,9 +272,9 @@ def build_pipeline(name: str, spec: ScheduleSpec, ops: Sequence[Op], stage: int,
     micro-batches: the pipeline order ``name`` over the halves of ``spec``'s TMP schedule
     (or, for :data:`OVERLAP` on a single stage, :func:`build_overlapped`)."""
     if name == OVERLAP:
-        if stages != 1:
-            raise ValueError(f"overlap_micro_batches runs the micro-batches of one stage; with pipeline_stages="
-                             f"{stages} the pipeline order overlaps them (pipeline_schedule=1f1b): turn it off")
+        refused = overlap_refusal(spec.name, spec.cross_pass, stages)
+        if refused:
+            raise ValueError(refused)
         return build_overlapped(spec, ops, micro_batches)
     if name not in _ORDERS:
         raise ValueError(f"pipeline_schedule={name!r} unknown; choose one of {', '.join(_ORDERS)}")

@@ -239,6 +239,9 @@ def test_subprocess_exits_2_with_one_line_and_no_traceback(tmp_path, module, arg
         (["plan=auto", "memory_limit=2GiB", "nprocs=4", "pipeline_stages=2"],
          "error: plan=auto plans one TMP group, not pipeline_stages=2"),
         (["plan=auto", "memory_limit=lots"], "error: memory_limit='lots' is not a size"),
+        (["plan=auto", "memory_limit=2GiB", "grad_accum=2", "overlap_micro_batches=true"],
+         "error: plan=auto fits one micro-batch's activations to memory_limit, but overlap_micro_batches=true keeps "
+         "two in flight"),
     ],
 )
 def test_plan_auto_refuses_what_it_cannot_plan_in_one_line_before_profiling(capsys, monkeypatch, tmp_path, args,

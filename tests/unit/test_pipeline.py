@@ -9,7 +9,7 @@ import random
 import pytest
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import OperatorModel
+from oases_ds.models.operator_model import OperatorModel, sequence_parallel_ops
 from oases_ds.models.stages import Stage, split_stages, stage_layer_counts
 from oases_ds.parallel.topology import Coord, Topology
 from oases_ds.schedule.checker import ScheduleError, check_pipeline, check_pipeline_links, simulate_nccl
@@ -273,30 +273,54 @@ def test_pipeline_names_and_micro_batches_are_validated():
 
 
 # -- one stage, micro-batches overlapped ---------------------------------------------------
-def _in_flight(pipe: PipelineSchedule) -> int:
-    """The most micro-batches begun and not finished at any instruction of ``pipe``."""
-    first = {m: min(i for i, s in enumerate(pipe.steps) if s.micro == m) for m in range(pipe.micro_batches)}
-    last = {m: max(i for i, s in enumerate(pipe.steps) if s.micro == m) for m in range(pipe.micro_batches)}
-    return max(sum(first[m] <= i <= last[m] for m in first) for i in range(len(pipe.steps)))
+def _in_flight(pipe: PipelineSchedule, sub: int) -> int:
+    """The most micro-batches that sub-batch ``sub`` has begun and not finished at any of its instructions."""
+    steps = [(i, s.micro) for i, s in enumerate(pipe.steps) if s.ins.sub == sub]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, m in steps:
+        first.setdefault(m, i)
+        last[m] = i
+    return max(sum(first[m] <= i <= last[m] for m in first) for i, _ in steps)
 
 
 @pytest.mark.parametrize("spec", [ScheduleSpec("oases"), ScheduleSpec("oases", sub_batches=3, stored_blocks=(0, 3)),
                                   ScheduleSpec("oases", fine_grained_recompute=False), ScheduleSpec("oases", sub_batches=4)])
 @pytest.mark.parametrize("micro_batches", [1, 2, 5])
-def test_overlapped_micro_batches_pass_the_checker_with_two_in_flight(spec, micro_batches):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_overlapped_micro_batches_pass_the_checker_with_two_in_flight(spec, micro_batches, sequence_parallel):
     ops = OperatorModel(ModelConfig(family="llama", vocab_size=16, hidden_size=8, num_heads=2, num_layers=2,
                                     seq_len=4)).ops
+    ops = sequence_parallel_ops(ops) if sequence_parallel else ops  # the merge then hops over light ops
     pipe = build_pipeline(OVERLAP, spec, ops, 0, 1, micro_batches)
     check_pipeline(pipe, ops)  # every micro-batch a valid schedule of its own: each op once per sub-batch, in order
     assert pipe.name == OVERLAP and len(pipe) == micro_batches * len(build_schedule(spec, ops))
     if micro_batches == 1:  # one micro-batch is exactly the oases schedule
         assert [s.ins for s in pipe.steps] == list(build_schedule(spec, ops).instructions)
         return
-    assert _in_flight(pipe) == 2
+    assert max(_in_flight(pipe, sub) for sub in range(pipe.sub_batches)) == 2  # per sub-batch lane
     # the next micro-batch's forward starts before this one's backward ends: they overlap
     for m in range(micro_batches - 1):
         end_of_backward = max(i for i, s in enumerate(pipe.steps) if s.micro == m)
         assert min(i for i, s in enumerate(pipe.steps) if s.micro == m + 1) < end_of_backward
+
+
+def test_merge_gates_hold_a_stream_and_a_hop_never_steps_over_one():
+    """``merge(gates=...)``: a stream waits at its gated item until the other stream has emitted enough,
+    also when the light-op hops would run it; a gate nothing can open is an error, not a hang."""
+    from oases_ds.schedule.generators import _Comm, merge
+    from oases_ds.schedule.instructions import Forward
+
+    # stream 0: a collective, then a light op (2) and its next collective; stream 1: heavy ops only, so
+    # each of them offers stream 0 a hop over its light op -- which the gate at that op must stop
+    a = [Forward(0, 0), _Comm(1, 0, "forward"), Forward(2, 0), _Comm(3, 0, "forward"), Forward(4, 0)]
+    b = [Forward(10, 1) for _ in range(6)]
+    gated = merge([a, b], light=lambda op: op == 2, gates={(0, 2): (1, 5)})
+    light_op = next(i for i, ins in enumerate(gated) if isinstance(ins, Forward) and ins.op == 2)
+    fifth_of_b = [i for i, ins in enumerate(gated) if ins.sub == 1][4]
+    assert light_op > fifth_of_b, " ".join(map(str, gated))  # op 2 only once stream 1 emitted 5 items
+    with pytest.raises(ValueError, match="every stream waits on a gate no stream can open"):
+        merge([a, a[:1] + [_Comm(1, 1, "forward")] + a[2:]], gates={(0, 1): (1, 2), (1, 1): (0, 2)})
 
 
 def test_overlapped_micro_batches_are_refused_where_they_cannot_run():
@@ -306,7 +330,7 @@ def test_overlapped_micro_batches_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="runs the micro-batches of one stage; with pipeline_stages=2"):
         build_pipeline(OVERLAP, ScheduleSpec("oases"), ops, 0, 2, 2)
     ops = OperatorModel(ModelConfig(family="gpt", vocab_size=16, hidden_size=8, num_heads=2, num_layers=1, seq_len=4)).ops
-    with pytest.raises(ValueError, match="not oases\\[sb=2,cross=0,fine=1\\]; set schedule=oases with cross_pass=true"):
+    with pytest.raises(ValueError, match="not schedule=oases with cross_pass=false; set schedule=oases and cross_pass=true"):
         build_pipeline(OVERLAP, ScheduleSpec("oases", cross_pass=False), ops, 0, 1, 2)
     cases = [({"pipeline_stages": 2}, "oases: overlap_micro_batches=true runs the micro-batches of one stage; with "
                                       "pipeline_stages=2 the pipeline order overlaps them: turn it off"),

@@ -198,7 +198,7 @@ def test_sub_batches_are_chosen_per_plan_by_the_replayed_step():
     """``choose_sub_batches`` plans at every candidate, each at its own table, and keeps the fastest
     predicted step; a candidate the micro-batch cannot split is reported, not chosen.  (Analytic tables
     here: the library allows them; oases-plan refuses them with several candidates, since they price no
-    density loss -- see test_cli_refuses_analytic_sub_batch_candidates.)"""
+    density loss -- see test_planner_analytic.py::test_cli_bad_analytic_input_is_one_line.)"""
     from oases_ds.planner.planning import at_sub_batches, choose_sub_batches
 
     choice = choose_sub_batches(analytic(16), (4, 2, 3))
@@ -211,8 +211,12 @@ def test_sub_batches_are_chosen_per_plan_by_the_replayed_step():
     assert chosen.sub_batches == min((2, 4), key=tried.get) and chosen.predicted_step_ms == min(tried[2], tried[4])
     assert choice.result.loaded.table.sub_batches == chosen.sub_batches
     assert choice.line().startswith("sub-batches: 2 -> ") and choice.line().endswith(f"chose {chosen.sub_batches}")
-    with pytest.raises(PlanInfeasibleError, match="no candidate of planner.sub_batches gives a plan: 3: "):
+    with pytest.raises(ValueError, match=r"planner.sub_batches=\[3\]: the micro-batch splits into none of them: 3: "
+                                         r"micro_batch=16: .* use a multiple of"):
         choose_sub_batches(analytic(16), (3,))
+    with pytest.raises(PlanInfeasibleError, match="no candidate of planner.sub_batches gives a plan that fits: 2: "
+                                                  "nothing fits: "):
+        choose_sub_batches(analytic(16, memory_limit_bytes=1e6), (2, 3))
     with pytest.raises(ValueError, match="planner.sub_batches: a cost-table file holds one sub-batch count"):
         choose_sub_batches(PlanRequest(None, table_path=str(PROFILES / "gpt_t2_cm8.json")), (2, 4))
 
