@@ -18,9 +18,19 @@ pattern once for attention and once for the MLP)::
     attn_out  (x, y)     -> (x',)          bias, dropout, residual
     mlp_in    (x)        -> (x, h)         norm (pre-LN) or attention norm, duplicate (post-LN)
     mlp_copy             fwd id / bwd AllReduce
-    mlp       (x, h)     -> (x, y_part)    column- then row-parallel
+    mlp       (x, h)     -> (x, y_part)    column- then row-parallel (under sequence parallelism
+                                           two ops: mlp_up -> (x, inner), mlp_down)
     mlp_reduce           fwd AllReduce / bwd id
     mlp_out   (x, y)     -> (x'',)         bias, dropout, residual
+
+Under sequence parallelism the MLP runs as two operators (``mlp_up``: the column-parallel
+linears and the activation; ``mlp_down``: the row-parallel one).  There a block's ReduceScatter
+and the next block's AllGather have only a norm between them, and the other sub-batch can
+start that AllGather only between two of this sub-batch's heavy operators (the merge's hops,
+:func:`oases_ds.schedule.generators.merge`); with one MLP operator the MLP's ReduceScatter
+stayed exposed with two sub-batches.  Without sequence parallelism a collective is never
+that close to the next, so the MLP stays one operator (one fewer step to schedule, and no
+``F/t``-wide output held between two ops until the backward).
 
 ``attn_out`` and ``mlp_out`` save no activation for backward (``saves_nothing``):
 the keyed dropout regenerates its mask, the adds need no values.  So the Oases
@@ -430,9 +440,11 @@ class OperatorModel(nn.Module):
         kv_local = layer.attn.k.out_local // cfg.head_dim
         head_offset = group_rank(attn_group) * nh_local
 
-        def add(name: str, block: str, fn, saves_nothing: bool = False, graph_only_recompute: bool = False) -> None:
+        def add(name: str, block: str, fn, saves_nothing: bool = False, graph_only_recompute: bool = False,
+                parts: tuple[ComputeOp, ...] = ()) -> None:
             out.append(ComputeOp(f"L{i}.{name}", i, block, fn, saves_nothing=saves_nothing,
-                                 graph_only_recompute=graph_only_recompute, light=name.endswith(("_in", "_out"))))
+                                 graph_only_recompute=graph_only_recompute, light=name.endswith(("_in", "_out")),
+                                 parts=parts))
 
         # Post-LN: the previous layer's output norm runs here (see module doc); before
         # layer 0, the embedding's norm and dropout.
@@ -498,13 +510,19 @@ class OperatorModel(nn.Module):
             return (x, x)
 
         def mlp(c: OpContext, a: Acts) -> Acts:
+            return mlp_down(c, mlp_up(c, a))
+
+        def mlp_up(c: OpContext, a: Acts) -> Acts:
             x, h = a
             if cfg.family == "llama":
-                inner = F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h)
-                return (x, layer.mlp.down.partial(inner, values=c.outputs_needed))
+                return (x, F.silu(layer.mlp.gate.partial(h)) * layer.mlp.up.partial(h))
             approximate = "tanh" if cfg.mlp_act == "gelu_tanh" else "none"
-            inner = F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)
-            return (x, layer.mlp.fc2.partial(inner, values=c.outputs_needed))
+            return (x, F.gelu(layer.mlp.fc1.partial(h), approximate=approximate))
+
+        def mlp_down(c: OpContext, a: Acts) -> Acts:
+            x, inner = a
+            row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
+            return (x, row.partial(inner, values=c.outputs_needed))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a
@@ -523,7 +541,8 @@ class OperatorModel(nn.Module):
         add("mlp_in", "mlp", mlp_in)
         mlp_group = mlp_layout.group
         out.append(CommOp(f"L{i}.mlp_copy", i, "mlp", 1, None, "all_reduce", mlp_group))
-        add("mlp", "mlp", mlp, graph_only_recompute=True)
+        add("mlp", "mlp", mlp, graph_only_recompute=True,
+            parts=(ComputeOp("mlp_up", i, "mlp", mlp_up), ComputeOp("mlp_down", i, "mlp", mlp_down, graph_only_recompute=True)))
         out.append(CommOp(f"L{i}.mlp_reduce", i, "mlp", 1, "all_reduce", None, mlp_group))
         add("mlp_out", "mlp", mlp_out, saves_nothing=pre_ln or mlp_norm_deferred)
         return out
@@ -545,11 +564,17 @@ def check_sequence_parallel(cfg: ModelConfig, degree: int, block_degrees: Sequen
 def sequence_parallel_ops(ops: Sequence[Op]) -> list[Op]:
     """``ops`` under sequence parallelism: each ``copy`` (forward identity, backward AllReduce)
     becomes an AllGather along the sequence (backward ReduceScatter) and each ``reduce``
-    (forward AllReduce) a ReduceScatter along it (backward AllGather); compute ops and the
-    reshards between degrees are unchanged.  The one rule :class:`OperatorModel` applies and
+    (forward AllReduce) a ReduceScatter along it (backward AllGather); a compute op with
+    :attr:`~oases_ds.models.ops.ComputeOp.parts` (the MLP) runs as its parts; other compute ops
+    and the reshards between degrees are unchanged.  The one rule :class:`OperatorModel` applies and
     the cost and memory models can apply to :func:`plan_ops`."""
     out: list[Op] = []
     for op in ops:
+        if isinstance(op, ComputeOp) and op.parts:  # the MLP as two ops: a point for the other sub-batch to hop in
+            prefix = op.name.rsplit(".", 1)[0] + "." if "." in op.name else ""
+            out.extend(dataclasses.replace(part, name=prefix + part.name, layer=op.layer, block=op.block)
+                       for part in op.parts)
+            continue
         if isinstance(op, CommOp) and (op.forward, op.backward) == (None, "all_reduce"):
             op = dataclasses.replace(op, forward="all_gather", backward="reduce_scatter", dim=1)
         elif isinstance(op, CommOp) and (op.forward, op.backward) == ("all_reduce", None):
@@ -573,23 +598,28 @@ def reshard_ops(name: str, layer: int, block: str, src: int, dst: int, group: Gr
 
 
 @functools.lru_cache(maxsize=None)
-def one_layer_ops(family: str) -> tuple[Op, ...]:
-    """The operator sequence of a one-layer model of ``family``.
+def one_layer_ops(family: str, sequence_parallel: bool = False) -> tuple[Op, ...]:
+    """The operator sequence of a one-layer model of ``family`` (``sequence_parallel``: as
+    :func:`sequence_parallel_ops` rewrites it, the sequence a profile under sequence
+    parallelism indexes its per-op times by).
 
     The sequence (names, blocks, collectives) depends on the family only, not on
     the sizes, so it is read off a tiny stand-in: the cost and memory models follow
     the real operator list and fail loudly if an operator they cannot price appears.
     """
     stand_in = ModelConfig(family=family, vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=2)
-    return tuple(OperatorModel(stand_in).ops)
+    ops = OperatorModel(stand_in).ops
+    return tuple(sequence_parallel_ops(ops) if sequence_parallel else ops)
 
 
 def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int],
-             devices: int) -> tuple[list[Op], list[int]]:
+             devices: int, sequence_parallel: bool = False) -> tuple[list[Op], list[int]]:
     """The operator sequence a plan builds, and each op's TMP degree (a reshard's: the degree it
     reshards to), with no process group: the one-layer sequence repeated, and :func:`reshard_ops`
     wherever the degree changes, as :class:`OperatorModel` places its own (into each block, and into
-    the head at the full degree).  A paper-size plan is modelled without building the paper-size model."""
+    the head at the full degree).  A paper-size plan is modelled without building the paper-size model.
+    ``sequence_parallel``: rewritten by :func:`sequence_parallel_ops`, each part of a split op at
+    the degree of the op it replaces."""
     if len(attn_degrees) != len(mlp_degrees):
         raise ValueError(f"plan has {len(attn_degrees)} attention and {len(mlp_degrees)} MLP degrees")
     base = one_layer_ops(family)
@@ -613,4 +643,8 @@ def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int
                     degrees.append(degree)
     reshard("head_reshard", len(attn_degrees), "head", devices)
     head = [dataclasses.replace(op, layer=len(attn_degrees)) for op in base if op.block == "head"]
-    return ops + head, degrees + [devices] * len(head)
+    ops, degrees = ops + head, degrees + [devices] * len(head)
+    if not sequence_parallel:
+        return ops, degrees
+    widths = [len(op.parts) if isinstance(op, ComputeOp) and op.parts else 1 for op in ops]
+    return sequence_parallel_ops(ops), [d for d, n in zip(degrees, widths) for _ in range(n)]

@@ -155,6 +155,10 @@ class ComputeOp:
             block's edges), a small fraction of a block's time.  The merge of sub-batch
             streams may run such ops of one sub-batch between two heavy ops of another
             (:func:`~oases_ds.schedule.generators.merge`).
+        parts: the same computation as consecutive ops (their names the suffix after the
+            layer prefix, e.g. ``mlp_up``), which a rewrite of the sequence may run instead
+            of this op (:func:`~oases_ds.models.operator_model.sequence_parallel_ops` does,
+            to give the other sub-batch a point to hop in); empty for an op that is one step.
     """
 
     name: str
@@ -165,6 +169,7 @@ class ComputeOp:
     saves_nothing: bool = False
     graph_only_recompute: bool = False
     light: bool = False
+    parts: tuple["ComputeOp", ...] = ()
     kind: str = field(default="compute", init=False)
 
 

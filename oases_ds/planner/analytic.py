@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import one_layer_ops, sequence_parallel_ops
+from oases_ds.models.operator_model import one_layer_ops
 from oases_ds.models.ops import CommOp, sequence_gather
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
@@ -160,6 +160,8 @@ def op_shapes(cfg: ModelConfig, degree: int) -> dict[str, OpShape]:
         "attn_out": OpShape(0.0),
         "mlp_in": OpShape(0.0),
         "mlp": OpShape(2 * H * F * mlp_matrices / t),
+        "mlp_up": OpShape(2 * H * F * (mlp_matrices - 1) / t),  # the MLP as two ops (sequence parallelism)
+        "mlp_down": OpShape(2 * H * F / t),
         "mlp_out": OpShape(0.0),
     }
 
@@ -170,11 +172,12 @@ def block_forward_flops(cfg: ModelConfig, kind: str, degree: int, tokens: float)
     return sum(shape.flops for i, shape in _shapes_by_op(cfg, degree).items() if ops[i].block == kind) * tokens
 
 
-def _shapes_by_op(cfg: ModelConfig, degree: int) -> dict[int, OpShape]:
-    """Operator index -> shape, for every compute op of an attention or MLP block."""
+def _shapes_by_op(cfg: ModelConfig, degree: int, sequence_parallel: bool = False) -> dict[int, OpShape]:
+    """Operator index -> shape, for every compute op of an attention or MLP block of the one-layer
+    sequence (under ``sequence_parallel``, the rewritten one, whose MLP is two ops)."""
     shapes = op_shapes(cfg, degree)
     out = {}
-    for index, op in enumerate(one_layer_ops(cfg.family)):
+    for index, op in enumerate(one_layer_ops(cfg.family, sequence_parallel)):
         if op.block not in BLOCK_KINDS or isinstance(op, CommOp):
             continue
         short = op.name.split(".", 1)[-1]
@@ -217,7 +220,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
                          "give the spec a LinkModel")
     cfg, link, sub, T = spec.model, spec.link, spec.sub_batches, spec.devices
     sp = spec.sequence_parallel and T > 1
-    ops = sequence_parallel_ops(one_layer_ops(cfg.family)) if sp else list(one_layer_ops(cfg.family))
+    ops = list(one_layer_ops(cfg.family, sp))
     segments = schedule_segments(spec.schedule, ops)
     recomputed = {i for seg in segments if seg.recompute for i in range(seg.start, seg.recompute_end)}
     memory = memory_rows(cfg, spec.schedule, T, spec.micro_batch, spec.degrees(), ACTIVATION_BYTES, sp)
@@ -236,7 +239,7 @@ def analytic_table(spec: ProfileSpec, device: DeviceModel, layers: int) -> CostT
     op_profile: dict[int, DegreeProfile] = {}
     for degree in spec.degrees():
         tokens = spec.micro_batch * degree / T * cfg.seq_len  # this device's replica's share
-        shapes = _shapes_by_op(cfg, degree)
+        shapes = _shapes_by_op(cfg, degree, sp)
         payload = tokens / sub * cfg.hidden_size * ACTIVATION_BYTES  # one sub-batch's activation
         # a block's collective: the AllReduce, or under sequence parallelism one of its halves
         allreduce_ms = link.seconds("all_gather" if sp else "all_reduce", payload, degree) * 1e3

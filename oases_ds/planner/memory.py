@@ -54,12 +54,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from oases_ds.models.blocks import (embed_head_parameter_count, end_parameter_counts, largest_parameter_count,
                                     layer_parameter_counts)
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
+from oases_ds.models.operator_model import plan_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.planner.costs import PRECISIONS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
@@ -137,7 +137,8 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
     inside ``qkv``, so the core sees (and saves) ``H/t``-wide ``k``/``v`` either way
     and the narrower projections die with ``qkv``'s transient.  The GeLU MLP saves
     fc1's output and the GeLU output, the SwiGLU MLP gate, SiLU, up and their
-    product (``F/t`` each).  Post-LN BERT normalises a block's output at the start
+    product (``F/t`` each); the last of these is ``mlp_up``'s output, which
+    ``mlp_down`` saves as its input.  Post-LN BERT normalises a block's output at the start
     of the next op -- only where both blocks share a degree (``neighbour``), else
     at the end of the block's own ``*_out`` op.
     """
@@ -184,6 +185,10 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
         return OpMemory((float(H * e),))
     if short == "mlp":
         return OpMemory((0, float(H * e)), (1,), (4 if fam == "llama" else 2) * F / t * e)
+    if short == "mlp_up":  # hands on the GeLU output / the SwiGLU product, which mlp_down saves
+        return OpMemory((0, F / t * e), (1,), (3 if fam == "llama" else 1) * F / t * e)
+    if short == "mlp_down":
+        return OpMemory((0, float(H * e)), (1,))
     if short == "head_in":
         if fam == "bert":  # [last block's norm,] dense, GeLU, head norm: the tensors saved besides the input
             return OpMemory((float(H * e),), (0,), (3 * H * e + 2 * stats) if moved else (2 * H * e + stats))
@@ -323,7 +328,8 @@ def activation_replay(
             if isinstance(op, CommOp):
                 buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
             else:
-                buffers[("grad", i, sub)] = tuple(new(size[t]) for t in graph_inputs[(i, sub)])
+                buffers[("grad", i, sub)] = _input_grads(table[i], graph_inputs[(i, sub)],
+                                                         buffers.get(("grad", i + 1, sub), ()), size, new)
                 # Autograd frees what the op saved as its backward runs (no retain_graph); the
                 # executor's graph buffer holds only the outputs until it is dropped after this.
                 buffers[("graph", i, sub)] = graph_outputs[(i, sub)]
@@ -347,6 +353,22 @@ def activation_replay(
             buffers.pop(buf, None)
             kind.pop(buf, None)
     return out
+
+
+def _input_grads(mem: OpMemory, inputs: tuple[int, ...], out_grads: tuple[int, ...], size: dict[int, float],
+                 new: Callable[[float], int]) -> tuple[int, ...]:
+    """The tensors an op's backward leaves as its inputs' gradients.  An input the op only hands
+    on (one output is that input, and the op does not save it: ``x`` beside ``qkv``, ``core``,
+    ``proj``, ``mlp_up``, ``mlp_down``) gets its output's gradient itself, the same storage (the
+    executor's grad tap receives the tensor autograd was given); every other input a new tensor."""
+    grads = []
+    for k, t in enumerate(inputs):
+        handed_on = [j for j, o in enumerate(mem.outputs) if isinstance(o, int) and o == k]
+        if len(handed_on) == 1 and k not in mem.saved_inputs and handed_on[0] < len(out_grads):
+            grads.append(out_grads[handed_on[0]])
+        else:
+            grads.append(new(size[t]))
+    return tuple(grads)
 
 
 def _resize(op: CommOp, phase: str, op_degrees: Sequence[int], i: int) -> tuple[int, int]:
@@ -499,13 +521,11 @@ def _ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int], d
          sequence_parallel: bool) -> tuple[list[Op], list[int]]:
     """:func:`plan_ops`, under sequence parallelism rewritten by ``sequence_parallel_ops``
     (refused for mixed degrees, as the model refuses them)."""
-    ops, degrees = plan_ops(family, attn_degrees, mlp_degrees, devices)
-    if not sequence_parallel or devices == 1:
-        return ops, degrees
-    if any(d != devices for d in degrees):
+    sp = sequence_parallel and devices > 1
+    if sp and any(d != devices for d in (*attn_degrees, *mlp_degrees)):
         raise ValueError(f"sequence_parallel needs every block at the full TMP degree {devices}, "
-                         f"got degrees {sorted(set(degrees))}")
-    return sequence_parallel_ops(ops), degrees
+                         f"got degrees {sorted(set((*attn_degrees, *mlp_degrees)))}")
+    return plan_ops(family, attn_degrees, mlp_degrees, devices, sp)
 
 
 def _total(terms: dict[str, float]) -> float:

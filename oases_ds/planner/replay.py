@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from oases_ds.models.operator_model import one_layer_ops, plan_ops, sequence_parallel_ops
+from oases_ds.models.operator_model import one_layer_ops, plan_ops
 from oases_ds.models.ops import CommOp, moves_bytes
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import OpCosts, SimResult, issue_ms_hiding, simulate_step
@@ -89,9 +89,9 @@ def can_replay(table: CostTable) -> bool:
     return table.family is not None and all(degree in table.op_profile for degree in table.degrees)
 
 
-def _one_layer_index(family: str) -> dict[str, int]:
+def _one_layer_index(family: str, sequence_parallel: bool = False) -> dict[str, int]:
     """Op name (layer prefix as ``L0.``) -> its index in the profiled one-layer sequence."""
-    return {op.name: i for i, op in enumerate(one_layer_ops(family))}
+    return {op.name: i for i, op in enumerate(one_layer_ops(family, sequence_parallel))}
 
 
 def _checked_family(table: CostTable) -> str:
@@ -106,7 +106,7 @@ def block_scales(table: CostTable) -> dict[tuple[int, str, str], float]:
     """``(degree, block kind, pass letter F/R/B) -> factor`` that takes rank 0's per-op times of the
     block to the slowest rank's block time (:attr:`~oases_ds.planner.costs.DegreeProfile.block_ms`);
     1 where either side is missing or zero."""
-    ops = one_layer_ops(_checked_family(table))
+    ops = one_layer_ops(_checked_family(table), table.sequence_parallel)
     scales: dict[tuple[int, str, str], float] = {}
     for degree in table.degrees:
         profile = table.op_profile[degree]
@@ -148,15 +148,16 @@ def collective_issue_ms(table: CostTable) -> dict[int, float]:
             per_degree.append((degree, overhead, None, None))
         else:
             per_degree.append((degree, overhead, _frozen(profile.op_ms), profile.payload_bytes))
-    return dict(_issue_ms(family, table.schedule, table.bandwidth_gbps, table.latency_us, tuple(per_degree)))
+    return dict(_issue_ms(family, table.sequence_parallel, table.schedule, table.bandwidth_gbps, table.latency_us,
+                          tuple(per_degree)))
 
 
 @functools.lru_cache(maxsize=512)
-def _issue_ms(family: str, schedule: ScheduleSpec, bandwidth_gbps: float, latency_us: float,
+def _issue_ms(family: str, sequence_parallel: bool, schedule: ScheduleSpec, bandwidth_gbps: float, latency_us: float,
               per_degree: tuple[tuple[int, float, _FrozenTimes | None, int | None], ...]
               ) -> tuple[tuple[int, float], ...]:
     """:func:`collective_issue_ms` on hashable inputs: per degree (degree, overhead, op times, payload)."""
-    ops = one_layer_ops(family)
+    ops = one_layer_ops(family, sequence_parallel)
     program = build_schedule(schedule, ops)
     link = LinkModel(bandwidth_gbps, latency_us)
     issue = []
@@ -178,10 +179,9 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
     family = _checked_family(table)
     check_plan_fits_table(table, plan)
     devices = table.devices
-    ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices)
-    if table.sequence_parallel:  # every block at the full degree; its collectives along the sequence
-        ops = sequence_parallel_ops(ops)
-    index = _one_layer_index(family)
+    # under sequence parallelism every block at the full degree; its collectives along the sequence
+    ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices, table.sequence_parallel)
+    index = _one_layer_index(family, table.sequence_parallel)
     scales = block_scales(table)
     forward: dict[int, float] = {}
     backward: dict[int, float] = {}
@@ -228,7 +228,7 @@ def simulate_profiled_layer(table: CostTable, degree: int, link: LinkModel) -> S
     profile's per-op compute and collective payload replayed over the table's schedule; only the
     link changes (no scaling, no issue time: the layer as rank 0 ran it)."""
     family = _checked_family(table)
-    ops = one_layer_ops(family)
+    ops = one_layer_ops(family, table.sequence_parallel)
     profile = table.op_profile[degree] if degree in table.op_profile else None
     if profile is None:
         raise ValueError(f"table {table.key()} has no profile at degree {degree}; it has {sorted(table.op_profile)}")

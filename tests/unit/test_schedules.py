@@ -231,12 +231,18 @@ def _sp_ops(family: str = "llama", layers: int = 2):
 
 def test_sequence_parallel_ops_gather_before_and_reduce_scatter_after_each_block():
     """Every copy becomes an AllGather of the sequence (gradient: ReduceScatter) and every
-    reduce a ReduceScatter (gradient: AllGather), both along dim 1; nothing else changes."""
+    reduce a ReduceScatter (gradient: AllGather), both along dim 1; the MLP runs as its two
+    parts; nothing else changes."""
     from oases_ds.models.operator_model import plan_ops
 
     plain = plan_ops("gpt", [2, 2], [2, 2], 2)[0]
     sp = _sp_ops("gpt")
-    assert [op.name for op in sp] == [op.name for op in plain]
+    split = {"L0.mlp": ["L0.mlp_up", "L0.mlp_down"], "L1.mlp": ["L1.mlp_up", "L1.mlp_down"]}
+    assert [op.name for op in sp] == [name for op in plain for name in split.get(op.name, [op.name])]
+    assert [(op.name, op.graph_only_recompute) for op in sp if op.name.startswith("L1.mlp_") and op.kind == "compute"] == [
+        ("L1.mlp_in", False), ("L1.mlp_up", False), ("L1.mlp_down", True), ("L1.mlp_out", False)]
+    planned, degrees = plan_ops("gpt", [2, 2], [2, 2], 2, sequence_parallel=True)
+    assert [(op.name, op.kind) for op in planned] == [(op.name, op.kind) for op in sp] and degrees == [2] * len(sp)
     pairs = {op.name: (op.forward, op.backward, op.dim) for op in sp if op.kind == "comm"}
     assert pairs["embed_reduce"] == pairs["L1.attn_reduce"] == ("reduce_scatter", "all_gather", 1)
     assert pairs["L0.mlp_copy"] == pairs["head_copy"] == ("all_gather", "reduce_scatter", 1)
@@ -267,7 +273,7 @@ def test_oases_under_sequence_parallelism_regathers_each_recomputed_block_and_ch
     assert _recompute_collectives(schedule, ops) == []
     held = generators.held_inputs(ops, schedule_segments(gathered, ops))
     assert [ops[i].name for i in held if ops[i].block in ("attn", "mlp")] == [
-        "L0.attn_in", "L0.qkv", "L0.mlp_in", "L0.mlp", "L1.attn_in", "L1.qkv", "L1.mlp_in", "L1.mlp"]
+        "L0.attn_in", "L0.qkv", "L0.mlp_in", "L0.mlp_up", "L1.attn_in", "L1.qkv", "L1.mlp_in", "L1.mlp_up"]
 
 
 def test_checker_allows_only_the_regather_of_a_block_that_does_not_keep_it():
@@ -330,13 +336,20 @@ def test_light_marks_change_no_schedule_without_sequence_parallelism(family):
 
 def test_under_sequence_parallelism_a_sub_batch_hops_in_to_start_its_next_gather():
     """A block's ReduceScatter and the next block's AllGather have only a norm between them: switching
-    sub-batches at collectives alone leaves 16 of the 36 forward collectives of a 2-layer LLaMA with no
-    heavy work of the other sub-batch to hide behind.  Hopping in between two heavy ops leaves the
-    MLP's (its heavy work is one op, nothing to hop into): 9; with 3 sub-batches none."""
+    sub-batches at collectives alone leaves 16 of the 36 forward collectives of a 4-layer LLaMA with no
+    heavy work of the other sub-batch to hide behind.  Hopping in between two heavy ops (the MLP runs
+    as two, mlp_up and mlp_down, so it has such a point) leaves 2 -- the sequence's first, before the
+    other sub-batch has started, and its last -- and none in backward; with 3 sub-batches none at all.
+    Were the MLP one op, hopping would leave 9: its ReduceScatter each time."""
+    from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
+
     ops = _sp_ops(layers=4)
     store = ScheduleSpec("oases", stored_blocks=tuple(range(8)))
     before, after = (_uncovered(build_schedule(store, o), ops) for o in (_dark(ops), ops))
-    assert (before["forward"], after["forward"]) == (16, 9) and after["backward"] < before["backward"]
+    assert (before["forward"], after["forward"], after["backward"]) == (16, 2, 0) and before["backward"] > 0
+    whole = sequence_parallel_ops([replace(op, parts=()) if op.kind == "compute" else op
+                                   for op in plan_ops("llama", [2] * 4, [2] * 4, 2)[0]])
+    assert _uncovered(build_schedule(store, whole), whole)["forward"] == 9
     for spec in (store, ScheduleSpec("oases"), ScheduleSpec("oases", sub_batches=3)):
         check(build_schedule(spec, ops), ops)
     assert _uncovered(build_schedule(ScheduleSpec("oases", sub_batches=3), ops), ops) == {
