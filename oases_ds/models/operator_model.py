@@ -644,6 +644,10 @@ def plan_ops(family: str, attn_degrees: Sequence[int], mlp_degrees: Sequence[int
     reshard("head_reshard", len(attn_degrees), "head", devices)
     head = [dataclasses.replace(op, layer=len(attn_degrees)) for op in base if op.block == "head"]
     ops, degrees = ops + head, degrees + [devices] * len(head)
+    if family == "bert":  # post-LN: before a reshard the block normalises its own output (OperatorModel's
+        for j, op in enumerate(ops):  # ``defers``), so its *_out op saves the norm's input: no kept tail
+            if isinstance(op, CommOp) and "reshard" in op.name and isinstance(ops[j - 1], ComputeOp):
+                ops[j - 1] = dataclasses.replace(ops[j - 1], saves_nothing=False)
     if not sequence_parallel:
         return ops, degrees
     widths = [len(op.parts) if isinstance(op, ComputeOp) and op.parts else 1 for op in ops]

@@ -104,12 +104,21 @@ class OpMemory:
         saved: bytes per token of tensors autograd saves that are neither an
             input nor an output (intermediates such as softmax probabilities).
         fixed: bytes per call independent of the token count (the causal mask).
+        views: its new outputs are views (the attention heads, SDPA's output without RoPE); the
+            executor releases the values of the graph's copies of new outputs right after the
+            forward (``runtime.executor._release_values``), except views, whose base they keep:
+            these stay held by the op's graph until its backward.
+        grad_of: per input, the output whose gradient tensor autograd hands that input as it
+            is (an addition passes its gradient through), ``None`` for a new tensor; inputs past
+            the end follow :func:`_input_grads`' rule for inputs an op only hands on.
     """
 
     outputs: tuple[int | float, ...]
     saved_inputs: tuple[int, ...] = ()
     saved: float = 0.0
     fixed: float = 0.0
+    views: bool = False
+    grad_of: tuple[int | None, ...] = ()
 
 
 def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer: int = 0,
@@ -166,12 +175,13 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
         return OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
     if short in ("attn_in", "mlp_in"):
         return OpMemory((0, float(H * e)), (0,), norm)
-    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway
-        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,))
+    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway; the heads are views
+        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,), views=True)
     if short == "core":
         width = H / t * e  # q, k, v and the output, per token
-        if not drop:  # fused SDPA: q, k, v as given, its output, fp32 logsumexp per head
-            return OpMemory((0, width), (1, 2, 3), width + a / t * NORM_STAT_BYTES)
+        if not drop:  # fused SDPA: q, k, v as given, its output, fp32 logsumexp per head; without RoPE
+            # q arrives as a transposed view, the output comes back in that layout and flattens to a view
+            return OpMemory((0, width), (1, 2, 3), width + a / t * NORM_STAT_BYTES, views=fam != "llama")
         probs = 2 * a / t * s * e  # softmax output, dropped probabilities
         causal = 0.0 if fam == "bert" else float(s * s)  # one bool s x s mask per call
         if fam == "llama":  # RoPE hands k on contiguous: saved as it is; scaled q and v copies new
@@ -182,7 +192,8 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
     if short in ("attn_out", "mlp_out"):
         if fam == "bert" and not moved:  # post-LN norm here: it saves the residual sum and its statistics
             return OpMemory((float(H * e),), saved=H * e + stats)
-        return OpMemory((float(H * e),))
+        # x + bias-dropout(y): the residual's gradient is the output's, and without dropout y's too
+        return OpMemory((float(H * e),), grad_of=(0, None if drop else 0))
     if short == "mlp":
         return OpMemory((0, float(H * e)), (1,), (4 if fam == "llama" else 2) * F / t * e)
     if short == "mlp_up":  # hands on the GeLU output / the SwiGLU product, which mlp_down saves
@@ -318,9 +329,12 @@ def activation_replay(
                 buffers[("act", i + 1, sub)] = outputs
                 if isinstance(ins, Recompute) or ins.keep_graph:
                     saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
-                    buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *outputs, saved)
+                    # the graph's copies of new outputs hold no values (runtime.executor._release_values)
+                    held = tuple(t for t, o in zip(outputs, mem.outputs)
+                                 if isinstance(o, int) or mem.views or op.is_loss)
+                    buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *held, saved)
                     graph_inputs[(i, sub)] = inputs
-                    graph_outputs[(i, sub)] = outputs
+                    graph_outputs[(i, sub)] = held
                     kind[("graph", i, sub)] = "kept" if isinstance(ins, Forward) else "transient"
             if isinstance(ins, Forward) and i in checkpoint_ops:
                 kind[("act", i, sub)] = "checkpoint"
@@ -363,6 +377,9 @@ def _input_grads(mem: OpMemory, inputs: tuple[int, ...], out_grads: tuple[int, .
     executor's grad tap receives the tensor autograd was given); every other input a new tensor."""
     grads = []
     for k, t in enumerate(inputs):
+        if k < len(mem.grad_of) and mem.grad_of[k] is not None and mem.grad_of[k] < len(out_grads):
+            grads.append(out_grads[mem.grad_of[k]])
+            continue
         handed_on = [j for j, o in enumerate(mem.outputs) if isinstance(o, int) and o == k]
         if len(handed_on) == 1 and k not in mem.saved_inputs and handed_on[0] < len(out_grads):
             grads.append(out_grads[handed_on[0]])

@@ -306,6 +306,8 @@ class Executor:
             del taps  # the graph alone decides which input values stay alive
             self._buffers[("graph", ins.op, ins.sub)] = (slots, outputs)
             passed = tuple(t.detach() for t in outputs)
+            if _ENGINE_RUN_BACKWARD is not None and not op.is_loss:
+                _release_values(outputs)
         else:
             with torch.no_grad():
                 passed = op.fn(ctx, inputs)
@@ -387,6 +389,22 @@ class Executor:
                                   _COMM_PHASE[ins.phase])
         dst = ("grad", ins.op, ins.sub) if ins.phase == "backward" else ("act", ins.op + 1, ins.sub)
         self._buffers[dst] = _replace(acts, op.index, result)
+
+
+def _release_values(outputs: Acts) -> None:
+    """Let the graph's own copies of an op's new outputs stop holding their values.
+
+    The op's Backward needs only each output's place in the graph (``grad_fn``), not its
+    values; the values live on in the detached twins handed to the next ops, and in whatever
+    autograd saved, for exactly as long as those need them.  Without this the graph buffer kept
+    every new output until the op's own backward: a row-parallel product after its AllReduce
+    was consumed, an MLP half's output after the other half's backward freed it (Megatron-LM
+    frees pipeline outputs the same way, ``deallocate_output_tensor``).  A view is left as it is
+    (its base would stay alive through it anyway), and only with torch's engine call, which
+    takes an output whose values are gone (:func:`_backward_from`)."""
+    for t in outputs:
+        if t.grad_fn is not None and t._base is None:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _backward_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:

@@ -91,10 +91,12 @@ def test_store_costs_need_a_schedule_that_stores():
         with_store_costs(table, cfg, 8, PROFILE_DTYPE_BYTES)
 
 
-def _analytic_request(limit: float | None, recompute: str = "auto", gbps: float = 25.0) -> PlanRequest:
+def _analytic_request(limit: float | None, recompute: str = "auto", gbps: float = 25.0,
+                      min_degree: int = 1) -> PlanRequest:
     """A GPT-39.1B-wide model (4 layers) on 8 devices over a ``gbps`` link, priced analytically."""
     model = ModelConfig(family="gpt", hidden_size=8192, num_heads=64, num_layers=4, seq_len=1024, vocab_size=51200)
-    spec = ProfileSpec(model=model, devices=8, micro_batch=16, link=LinkModel(gbps, 10.0), cluster=f"eth-{gbps:g}g")
+    spec = ProfileSpec(model=model, devices=8, micro_batch=16, link=LinkModel(gbps, 10.0), cluster=f"eth-{gbps:g}g",
+                       min_degree=min_degree)
     device = DeviceModel(name="v100", peak_tflops=125.0, achieved_fraction=0.5)
     return PlanRequest(profile=spec, cost="analytic", device=device, cache_dir=None, memory_limit_bytes=limit,
                        recompute=recompute)
@@ -110,18 +112,19 @@ def test_auto_recompute_stores_what_the_limit_leaves_room_for():
     """At the all-oases plan's own memory: nothing stored (the same plan as planner.recompute=oases);
     between it and the all-store plan's: a mix, at least as fast.  On this comm-bound 25 Gbit/s link
     storing an attention block gains nothing (its recompute was hiding communication), which the
-    replay shows as a tie."""
-    table = load_table(_analytic_request(None)).table
+    replay shows as a tie.  Every block at degree 8 (``planner.min_degree``), so that the limit is
+    spent on policies: with lower degrees allowed, this model spends it on degree 4 instead."""
+    table = load_table(_analytic_request(None, min_degree=8)).table
     blocks = 2 * table.layers
     top = predict_memory_bytes(table, Plan.from_block_degrees([8] * blocks, 8, ["store"] * blocks))
     bottom = predict_memory_bytes(table, Plan.uniform(8, table.layers, 8))
-    lowest = make_plan(_analytic_request(bottom)).plan
-    assert lowest.stored_blocks() == () and lowest.block_degrees() == make_plan(_analytic_request(bottom, "oases")).plan.block_degrees()
-    middle = make_plan(_analytic_request((top + bottom) / 2))
+    lowest = make_plan(_analytic_request(bottom, min_degree=8)).plan
+    assert lowest.stored_blocks() == () and lowest.block_degrees() == [8] * blocks
+    middle = make_plan(_analytic_request((top + bottom) / 2, min_degree=8))
     assert 0 < len(middle.plan.stored_blocks()) < blocks
     assert middle.plan.predicted_step_ms <= lowest.predicted_step_ms
-    assert middle.memory is not None and middle.memory.peak_bytes > make_plan(_analytic_request(bottom)).memory.peak_bytes
-    lines = plan_lines(middle, _analytic_request((top + bottom) / 2))
+    assert middle.memory is not None and middle.memory.peak_bytes > make_plan(_analytic_request(bottom, min_degree=8)).memory.peak_bytes
+    lines = plan_lines(middle, _analytic_request((top + bottom) / 2, min_degree=8))
     assert any(line.strip().startswith("layers") and " store" in line for line in lines)
     assert any("MiB of it unused" in line for line in lines)
 
