@@ -23,7 +23,7 @@ from oases_ds.utils.io import write_json_atomic
 BLOCK_KINDS: tuple[str, ...] = ("attn", "mlp")
 """Block kinds in the order they run inside one layer."""
 
-COST_MODEL_VERSION = 9
+COST_MODEL_VERSION = 10
 """Bumped when the meaning of a table's numbers changes; part of :meth:`CostTable.key`
 so a cached profile from an older model is re-profiled, never silently reused.
 2: last sub-batch's collective moved from the node to the edge cost; boundary edges.
@@ -41,7 +41,11 @@ AllReduce's, whose fixed cost the collective overhead (v4) already holds.
 (:func:`~oases_ds.planner.replay.block_scales`), as the block rows always were.
 9: the replay spends each collective's overhead as host time on the compute lane where it is
 issued, sized to reproduce the profiled step (:func:`~oases_ds.planner.replay.collective_issue_ms`),
-instead of adding it after the simulation; the profiler is cost model 8's."""
+instead of adding it after the simulation; the profiler is cost model 8's.
+10: memory rows of the executor that releases each op's new outputs after the forward (a table's
+``act_bytes`` and ``fixed_bytes`` are lower); under sequence parallelism the MLP is two operators, so a
+profile's per-op times are indexed by another sequence (an older sequence-parallel profile would be
+read at the wrong operators)."""
 
 TABLE_FORMAT = 2
 """Layout of a table file: 2 has ``family``, the schedule as its settings and the typed ``op_profile``.
@@ -401,6 +405,9 @@ class CostTable:
         if self.gathered_blocks and not self.sequence_parallel:
             raise ValueError("CostTable.gathered_blocks prices policy oases_gathered, which only sequence parallelism "
                              "has; leave it empty or set sequence_parallel")
+        if self.sequence_parallel and self.model.endswith("-sp"):
+            raise ValueError(f"CostTable.model {self.model!r}: a sequence-parallel table from before cost model 10, "
+                             f"whose per-op times follow the older operator sequence (one MLP op); profile it again")
         if self.sequence_parallel and self.degrees != (self.devices,):
             raise ValueError(f"CostTable.sequence_parallel: every block runs at the full degree {self.devices}, "
                              f"but the table has degrees {list(self.degrees)}")

@@ -104,10 +104,10 @@ class OpMemory:
         saved: bytes per token of tensors autograd saves that are neither an
             input nor an output (intermediates such as softmax probabilities).
         fixed: bytes per call independent of the token count (the causal mask).
-        views: its new outputs are views (the attention heads, SDPA's output without RoPE); the
-            executor releases the values of the graph's copies of new outputs right after the
-            forward (``runtime.executor._release_values``), except views, whose base they keep:
-            these stay held by the op's graph until its backward.
+        views: indices of its new outputs that are views (attention heads, SDPA's output
+            without RoPE); the executor releases the values of the graph's copies of new outputs
+            right after the forward (``runtime.executor._release_values``), except views, whose
+            base they keep: these stay held by the op's graph until its backward.
         grad_of: per input, the output whose gradient tensor autograd hands that input as it
             is (an addition passes its gradient through), ``None`` for a new tensor; inputs past
             the end follow :func:`_input_grads`' rule for inputs an op only hands on.
@@ -117,7 +117,7 @@ class OpMemory:
     saved_inputs: tuple[int, ...] = ()
     saved: float = 0.0
     fixed: float = 0.0
-    views: bool = False
+    views: tuple[int, ...] = ()
     grad_of: tuple[int | None, ...] = ()
 
 
@@ -175,13 +175,17 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
         return OpMemory((float(H * e), SAME_AS_PREVIOUS), (0,), stats)
     if short in ("attn_in", "mlp_in"):
         return OpMemory((0, float(H * e)), (0,), norm)
-    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway; the heads are views
-        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,), views=True)
+    if short == "qkv":  # the linear saves h; BERT's h is x, handed on anyway; the heads are views, except
+        # where "half" RoPE concatenates new q and k (k stays a view when GQA repeats it to the query heads)
+        half = fam == "llama" and cfg.rotary == "half"
+        gqa = 0 < cfg.num_kv_heads < a
+        views = (1, 2, 3) if not half else ((2, 3) if gqa else (3,))
+        return OpMemory((0, H / t * e, H / t * e, H / t * e), (1,), views=views)
     if short == "core":
         width = H / t * e  # q, k, v and the output, per token
         if not drop:  # fused SDPA: q, k, v as given, its output, fp32 logsumexp per head; without RoPE
             # q arrives as a transposed view, the output comes back in that layout and flattens to a view
-            return OpMemory((0, width), (1, 2, 3), width + a / t * NORM_STAT_BYTES, views=fam != "llama")
+            return OpMemory((0, width), (1, 2, 3), width + a / t * NORM_STAT_BYTES, views=(1,) if fam != "llama" else ())
         probs = 2 * a / t * s * e  # softmax output, dropped probabilities
         causal = 0.0 if fam == "bert" else float(s * s)  # one bool s x s mask per call
         if fam == "llama":  # RoPE hands k on contiguous: saved as it is; scaled q and v copies new
@@ -330,8 +334,8 @@ def activation_replay(
                 if isinstance(ins, Recompute) or ins.keep_graph:
                     saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
                     # the graph's copies of new outputs hold no values (runtime.executor._release_values)
-                    held = tuple(t for t, o in zip(outputs, mem.outputs)
-                                 if isinstance(o, int) or mem.views or op.is_loss)
+                    held = tuple(t for k, (t, o) in enumerate(zip(outputs, mem.outputs))
+                                 if (isinstance(o, int) and o >= 0) or k in mem.views or op.is_loss)
                     buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *held, saved)
                     graph_inputs[(i, sub)] = inputs
                     graph_outputs[(i, sub)] = held

@@ -195,7 +195,9 @@ class ProfileSpec:
         m = self.model
         label = f"{m.family}-v{m.vocab_size}-h{m.hidden_size}-a{m.num_heads}-f{m.ffn}-s{m.seq_len}-mb{self.micro_batch}"
         label = label if self.min_degree == 1 else f"{label}-tmin{self.min_degree}"
-        return f"{label}-sp" if self.sequence_parallel else label
+        # "-sp2": the sequence-parallel operator sequence whose MLP is two ops (cost model 10); a table
+        # labelled "-sp" indexes its per-op times by the older one (refused by CostTable)
+        return f"{label}-sp2" if self.sequence_parallel else label
 
     def cluster_label(self) -> str:
         if self.link is None:

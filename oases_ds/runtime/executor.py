@@ -115,6 +115,7 @@ class Executor:
         self.record = record
         self.timeline = Timeline()
         self._frees = last_reads(schedule.instructions, self.ops)
+        self._empties: dict[tuple, torch.Tensor] = {}  # _release_values' shared empty tensors
         self.unread_recomputes = unread_recomputes(schedule.instructions, self.ops, self._frees)
         """Recomputes whose output no instruction reads (:func:`~oases_ds.schedule.dataflow.unread_recomputes`).
         They run with ``OpContext.outputs_needed`` off: an op marked ``graph_only_recompute``
@@ -190,7 +191,8 @@ class Executor:
     @property
     def buffers(self) -> Mapping[tuple, object]:
         """Read-only view of the live buffers (activations, graphs, gradients, collectives
-        in flight), keyed like the schedule's dataflow; for hooks that measure memory."""
+        in flight), keyed like the schedule's dataflow; for hooks that measure memory.  A graph
+        buffer's outputs that are not views hold no values (:func:`_release_values`)."""
         return MappingProxyType(self._buffers)
 
     def run(self, batch: dict[str, torch.Tensor], sample_offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
@@ -306,8 +308,8 @@ class Executor:
             del taps  # the graph alone decides which input values stay alive
             self._buffers[("graph", ins.op, ins.sub)] = (slots, outputs)
             passed = tuple(t.detach() for t in outputs)
-            if _ENGINE_RUN_BACKWARD is not None and not op.is_loss:
-                _release_values(outputs)
+            if not op.is_loss:
+                _release_values(outputs, self._empties)
         else:
             with torch.no_grad():
                 passed = op.fn(ctx, inputs)
@@ -391,7 +393,7 @@ class Executor:
         self._buffers[dst] = _replace(acts, op.index, result)
 
 
-def _release_values(outputs: Acts) -> None:
+def _release_values(outputs: Acts, empties: dict[tuple, torch.Tensor]) -> None:
     """Let the graph's own copies of an op's new outputs stop holding their values.
 
     The op's Backward needs only each output's place in the graph (``grad_fn``), not its
@@ -400,11 +402,18 @@ def _release_values(outputs: Acts) -> None:
     every new output until the op's own backward: a row-parallel product after its AllReduce
     was consumed, an MLP half's output after the other half's backward freed it (Megatron-LM
     frees pipeline outputs the same way, ``deallocate_output_tensor``).  A view is left as it is
-    (its base would stay alive through it anyway), and only with torch's engine call, which
-    takes an output whose values are gone (:func:`_backward_from`)."""
+    (its base would stay alive through it anyway).  :func:`_backward_from` calls torch's engine
+    directly, which takes an output whose values are gone.  An op must not return a tensor that
+    autograd also saves (no op here does): its backward would find the values gone and stop with a
+    size error.  ``empties``: one empty tensor per (dtype, device), shared, so releasing allocates
+    nothing per op."""
     for t in outputs:
         if t.grad_fn is not None and t._base is None:
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            key = (t.dtype, t.device)
+            empty = empties.get(key)
+            if empty is None:
+                empty = empties[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+            t.data = empty
 
 
 def _backward_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
@@ -414,15 +423,15 @@ def _backward_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor,
     twin of ``outputs``, so shapes and dtypes match by construction; the public function's
     ``_make_grads`` checks them again through symbolic-shape comparisons, a tenth of the host
     time of a step of small ops (``benchmarks/host_overhead.py``).  torch's own engine call
-    (``torch.autograd.graph._engine_run_backward``, private, tested with torch 2.13) takes them
-    as they are; without it, the public function runs."""
-    if _ENGINE_RUN_BACKWARD is None:
-        torch.autograd.backward(list(outputs), list(grads))
-        return
+    (``torch.autograd.graph._engine_run_backward``, private, tested with torch 2.13; in older
+    torch the engine method it wraps) takes them as they are.  It is also what lets an output
+    whose values :func:`_release_values` released stand for its place in the graph: the engine
+    checks a gradient against the shape the graph recorded, not against the output's values."""
     _ENGINE_RUN_BACKWARD(outputs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_ENGINE_RUN_BACKWARD = (getattr(torch.autograd.graph, "_engine_run_backward", None)
+                        or torch.autograd.Variable._execution_engine.run_backward)  # what it wraps, in older torch
 
 
 def _replace(acts: Acts, index: int, value: torch.Tensor) -> Acts:

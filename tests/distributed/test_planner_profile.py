@@ -93,7 +93,7 @@ def test_a_sequence_parallel_profile_prices_halves_and_the_regather_and_plans_it
     spec = ProfileSpec(model=TINY, devices=2, micro_batch=4, warmup=1, repeats=2, link=link, sequence_parallel=True)
     table, _ = profile(spec, layers=2, cache_dir=None, timeout_s=300)
     assert table.sequence_parallel and table.degrees == (2,) and table.key().startswith(spec.model_label())
-    assert spec.model_label().endswith("-sp")
+    assert spec.model_label().endswith("-sp2")
     payload = 4 // 2 * TINY.seq_len * TINY.hidden_size * 4
     half_ms = 0.05 + payload / 2 * 8 / 0.2e9 * 1e3  # (t-1)/t of the payload on a 2-rank ring
     attn = table.measurements["degrees"]["2"]["blocks"]["attn"]

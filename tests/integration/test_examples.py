@@ -119,7 +119,7 @@ def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     outputs = [done.stdout for done in _run_readme_commands(capfd, tmp_path, commands)]
     assert all(re.search(r"^done: 20 steps", out, re.M) for out in (outputs[0], outputs[2]))
     plan = Plan.from_json(tmp_path / "plan.json")
-    assert "-sp|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
+    assert "-sp2|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
 
 
 @pytest.mark.distributed

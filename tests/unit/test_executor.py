@@ -153,7 +153,7 @@ def test_released_output_values_change_no_gradient_and_free_memory(schedule, mon
     runs = {}
     for release in (True, False):
         if not release:
-            monkeypatch.setattr(executor_module, "_release_values", lambda outputs: None)
+            monkeypatch.setattr(executor_module, "_release_values", lambda outputs, empties: None)
         model = OperatorModel(cfg, seed=3)
         ex = Executor.for_schedule(model, ScheduleSpec(schedule))
         peak = ActivationProbe(ex, model).run({"tokens": tokens, "labels": tokens})

@@ -6,6 +6,7 @@ No rank processes: the table is arithmetic; only the CLI tests start one ``oases
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from oases_ds.models.config import ModelConfig
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner import analytic
 from oases_ds.planner.analytic import DeviceModel, analytic_table, block_forward_flops
-from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION
+from oases_ds.planner.costs import BLOCK_KINDS, COST_MODEL_VERSION, CostTable
 from oases_ds.planner.dp import solve_dp
 from oases_ds.planner.objective import predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
@@ -307,6 +308,19 @@ def test_a_sequence_parallel_table_prices_its_three_policies_at_the_full_degree(
     assert _sp_table(policies=False).policies == ("oases",)  # planner.recompute=oases: policy oases only
 
 
+def test_a_sequence_parallel_table_of_the_older_operator_sequence_is_refused(tmp_path):
+    """Cost model 10 runs the MLP as two ops under sequence parallelism, so a table profiled before it
+    (model label ending in ``-sp``) would be read at the wrong operators: one line, not a wrong plan."""
+    table = _sp_table()
+    assert table.model.endswith("-sp2")
+    table.to_json(tmp_path / "t.json")
+    raw = json.loads((tmp_path / "t.json").read_text())
+    raw["model"] = raw["model"][: -len("-sp2")] + "-sp"
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"CostTable.model '.*-sp': a sequence-parallel table from before cost model 10.*profile it again"):
+        CostTable.from_json(tmp_path / "old.json")
+
+
 def test_oases_plan_plans_sequence_parallelism_and_marks_the_policies(tmp_path):
     """``oases-plan sequence_parallel=true`` as a user runs it: the key names it, every block at the
     full degree with its policy (unbounded memory: nothing recomputes with a re-gather; stored and
@@ -314,7 +328,7 @@ def test_oases_plan_plans_sequence_parallelism_and_marks_the_policies(tmp_path):
     done = plan_cli("cost=analytic", "model=llama_small", "cluster=pcie_3090", "devices=4", "micro_batch=8",
                     "planner.recompute=auto", "sequence_parallel=true", f"out={tmp_path / 'p.json'}")
     assert done.returncode == 0, done.stderr
-    assert "-sp|" in done.stdout and "g: gathered input kept" in done.stdout, done.stdout
+    assert "-sp2|" in done.stdout and "g: gathered input kept" in done.stdout, done.stdout
     plan = Plan.from_json(tmp_path / "p.json")
     assert set(plan.block_degrees()) == {4} and "store" in plan.block_policies()
     assert set(plan.block_policies()) <= {"store", "oases_gathered"}
