@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from oases_ds.models.blocks import (embed_head_parameter_count, end_parameter_counts, largest_parameter_count,
                                     layer_parameter_counts)
@@ -110,7 +110,7 @@ class OpMemory:
             base they keep: these stay held by the op's graph until its backward.
         grad_of: per input, the output whose gradient tensor autograd hands that input as it
             is (an addition passes its gradient through), ``None`` for a new tensor; inputs past
-            the end follow :func:`_input_grads`' rule for inputs an op only hands on.
+            the end follow :func:`_grad_sources`' rule for inputs an op only hands on.
     """
 
     outputs: tuple[int | float, ...]
@@ -297,6 +297,10 @@ def activation_replay(
     table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
     checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
+    # per op, fixed by its table row: which outputs its graph holds after the executor's release
+    # (runtime.executor._release_values), and which output's gradient each input's gradient is
+    graph_held = {i: _graph_held(mem, ops[i].is_loss) for i, mem in table.items()}
+    grad_sources: dict[int, tuple[int | None, ...]] = {}  # filled at each op's first backward (its input count)
 
     ids = itertools.count()
     size: dict[int, float] = {}
@@ -333,9 +337,7 @@ def activation_replay(
                 buffers[("act", i + 1, sub)] = outputs
                 if isinstance(ins, Recompute) or ins.keep_graph:
                     saved = new(mem.saved * tokens[i] + mem.fixed, "logits" if op.is_loss else None)
-                    # the graph's copies of new outputs hold no values (runtime.executor._release_values)
-                    held = tuple(t for k, (t, o) in enumerate(zip(outputs, mem.outputs))
-                                 if (isinstance(o, int) and o >= 0) or k in mem.views or op.is_loss)
+                    held = tuple(outputs[k] for k in graph_held[i])
                     buffers[("graph", i, sub)] = (*(inputs[k] for k in mem.saved_inputs), *held, saved)
                     graph_inputs[(i, sub)] = inputs
                     graph_outputs[(i, sub)] = held
@@ -346,8 +348,10 @@ def activation_replay(
             if isinstance(op, CommOp):
                 buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
             else:
-                buffers[("grad", i, sub)] = _input_grads(table[i], graph_inputs[(i, sub)],
-                                                         buffers.get(("grad", i + 1, sub), ()), size, new)
+                inputs, out_grads = graph_inputs[(i, sub)], buffers.get(("grad", i + 1, sub), ())
+                sources = grad_sources.get(i) or grad_sources.setdefault(i, _grad_sources(table[i], len(inputs)))
+                buffers[("grad", i, sub)] = tuple(out_grads[j] if j is not None and j < len(out_grads) else new(size[t])
+                                                  for t, j in zip(inputs, sources))
                 # Autograd frees what the op saved as its backward runs (no retain_graph); the
                 # executor's graph buffer holds only the outputs until it is dropped after this.
                 buffers[("graph", i, sub)] = graph_outputs[(i, sub)]
@@ -373,23 +377,26 @@ def activation_replay(
     return out
 
 
-def _input_grads(mem: OpMemory, inputs: tuple[int, ...], out_grads: tuple[int, ...], size: dict[int, float],
-                 new: Callable[[float], int]) -> tuple[int, ...]:
-    """The tensors an op's backward leaves as its inputs' gradients.  An input the op only hands
-    on (one output is that input, and the op does not save it: ``x`` beside ``qkv``, ``core``,
-    ``proj``, ``mlp_up``, ``mlp_down``) gets its output's gradient itself, the same storage (the
-    executor's grad tap receives the tensor autograd was given); every other input a new tensor."""
-    grads = []
-    for k, t in enumerate(inputs):
-        if k < len(mem.grad_of) and mem.grad_of[k] is not None and mem.grad_of[k] < len(out_grads):
-            grads.append(out_grads[mem.grad_of[k]])
+def _graph_held(mem: OpMemory, is_loss: bool) -> tuple[int, ...]:
+    """The outputs an op's graph still holds after the forward: inputs it hands on, views, and the
+    loss; the executor releases the graph's copies of every other new output."""
+    return tuple(k for k, o in enumerate(mem.outputs) if (isinstance(o, int) and o >= 0) or k in mem.views or is_loss)
+
+
+def _grad_sources(mem: OpMemory, inputs: int) -> tuple[int | None, ...]:
+    """Per input (``inputs`` of them), the output whose gradient tensor autograd hands that input as it
+    is, else ``None`` (a new tensor).  :attr:`OpMemory.grad_of` says so for additions; an input the
+    op only hands on (one output is that input, and the op does not save it: ``x`` beside ``qkv``,
+    ``core``, ``proj``, ``mlp_up``, ``mlp_down``) gets its output's gradient itself, the same
+    storage (the executor's grad tap receives the tensor autograd was given)."""
+    sources: list[int | None] = []
+    for k in range(inputs):
+        if k < len(mem.grad_of) and mem.grad_of[k] is not None:
+            sources.append(mem.grad_of[k])
             continue
         handed_on = [j for j, o in enumerate(mem.outputs) if isinstance(o, int) and o == k]
-        if len(handed_on) == 1 and k not in mem.saved_inputs and handed_on[0] < len(out_grads):
-            grads.append(out_grads[handed_on[0]])
-        else:
-            grads.append(new(size[t]))
-    return tuple(grads)
+        sources.append(handed_on[0] if len(handed_on) == 1 and k not in mem.saved_inputs else None)
+    return tuple(sources)
 
 
 def _resize(op: CommOp, phase: str, op_degrees: Sequence[int], i: int) -> tuple[int, int]:
