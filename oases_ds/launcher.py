@@ -136,10 +136,13 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-PRELOAD: tuple[str, ...] = ("__main__", "torch", "torch.distributed", "deepspeed", "oases_ds.engine", __name__)
+PRELOAD: tuple[str, ...] = ("__main__", "torch", "torch.distributed", "torch._dynamo", "deepspeed", "oases_ds.engine",
+                             __name__)
 """What the fork server imports once for every rank it forks (``__main__``: the launching
-script, which each rank would otherwise import again as ``__mp_main__``; this module: its
-import in the fork server arranges :func:`_remove_fork_server_socket_at_exit`)."""
+script, which each rank would otherwise import again as ``__mp_main__``; ``torch._dynamo``: the
+first optimizer a rank builds imports it, about 0.8 s of CPU per rank; this module: its import in
+the fork server applies the launcher's ``sys.path`` (:func:`_adopt_launcher_sys_path`) and
+arranges :func:`_remove_fork_server_socket_at_exit`)."""
 
 _START_METHOD_ENV = "OASES_START_METHOD"
 _START_METHODS = ("forkserver", "spawn")
@@ -197,23 +200,41 @@ def start_fork_server_early() -> None:
     threading.Thread(target=start, name="oases-fork-server", daemon=True).start()
 
 
-def _remove_fork_server_socket_at_exit() -> None:
-    """In a fork server (which imports this module, :data:`PRELOAD`), remove the directory of
-    its socket when it exits; elsewhere nothing.
-
-    Why: the socket lives in a ``pymp-*`` directory that the launcher's process removes at
-    its exit, which a SIGKILL skips; the fork server outlives it by a moment (it exits when
-    its launcher's end of a pipe closes) and so can remove it.  The socket is found from the
-    fork server's own arguments (``multiprocessing.forkserver.main(listener_fd, ...)``,
-    whose frame is below this import); if that changes, the directory is left as before."""
-    import atexit
-    import shutil
+def _fork_server_locals() -> dict[str, Any] | None:
+    """The arguments of ``multiprocessing.forkserver.main`` when this module is being imported by a
+    fork server (:data:`PRELOAD`: its frame is below this import), else None."""
     from multiprocessing import forkserver
 
     frame = sys._getframe()
     while frame is not None and frame.f_code is not forkserver.main.__code__:
         frame = frame.f_back
-    listener_fd = frame.f_locals.get("listener_fd") if frame is not None else None
+    return frame.f_locals if frame is not None else None
+
+
+def _adopt_launcher_sys_path(server: dict[str, Any]) -> None:
+    """In a fork server, put the launcher's ``sys.path`` in place before the modules of
+    :func:`preload` are imported (they follow this module in the preload list).
+
+    Why: Python 3.11's fork server receives the launcher's ``sys.path`` (``sys_path``) but does
+    not apply it, so a module found through a path the launcher added (a test suite's helper
+    folder, a script's own directory) failed to import there, silently; then every rank
+    imported it, and what it imports, itself."""
+    path = server.get("sys_path")
+    if isinstance(path, list) and path:
+        sys.path[:] = path
+
+
+def _remove_fork_server_socket_at_exit(server: dict[str, Any]) -> None:
+    """In a fork server, remove the directory of its socket when it exits; elsewhere nothing.
+
+    Why: the socket lives in a ``pymp-*`` directory that the launcher's process removes at
+    its exit, which a SIGKILL skips; the fork server outlives it by a moment (it exits when
+    its launcher's end of a pipe closes) and so can remove it.  The socket is found from the
+    fork server's own arguments (``listener_fd``); if that changes, the directory is left as before."""
+    import atexit
+    import shutil
+
+    listener_fd = server.get("listener_fd")
     if not isinstance(listener_fd, int):
         return
     with contextlib.suppress(OSError), socket.socket(fileno=os.dup(listener_fd)) as listener:
@@ -223,7 +244,15 @@ def _remove_fork_server_socket_at_exit() -> None:
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
-_remove_fork_server_socket_at_exit()
+def _set_up_fork_server() -> None:
+    """What importing this module does in a fork server (:data:`PRELOAD`); elsewhere nothing."""
+    server = _fork_server_locals()
+    if server is not None:
+        _adopt_launcher_sys_path(server)
+        _remove_fork_server_socket_at_exit(server)
+
+
+_set_up_fork_server()
 
 
 def _die_with_parent(lifeline: Connection) -> None:

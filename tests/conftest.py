@@ -13,4 +13,6 @@ os.environ.setdefault("OASES_BACKEND", "gloo")
 from oases_ds import launcher  # noqa: E402
 
 launcher.preload("dist_workers", "engine_workers", "fault_workers", "hf_workers", "lightning_workers",
-                 "pipeline_workers", "portable_workers", "reference_models")
+                 "pipeline_workers", "portable_workers", "reference_models",
+                 # imported inside the HF and Lightning workers: once here, not by each of their ranks
+                 "transformers", "lightning.pytorch")
