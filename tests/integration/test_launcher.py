@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import queue
 import re
@@ -240,6 +241,19 @@ def test_the_fork_server_imports_preloaded_modules_from_the_launchers_path(tmp_p
                           capture_output=True, text=True, timeout=BOUND_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[(True, True), (True, True)]", done.stdout
+
+
+def frozen_and_tracked() -> tuple[int, int]:
+    return gc.get_freeze_count(), len(gc.get_objects())
+
+
+@pytest.mark.distributed
+def test_what_a_rank_starts_with_is_out_of_the_collectors_reach():
+    """The objects a rank is given (torch, DeepSpeed, the preloaded modules) are frozen at its
+    start, so a full collection scans only what the rank made: before, each one scanned some
+    300 thousand objects (0.2 s an oases-train rank)."""
+    for frozen, tracked in launch(frozen_and_tracked, 2, (), timeout_s=120):
+        assert frozen > 10 * tracked, (frozen, tracked)
 
 
 def test_a_rank_that_reported_then_aborted_still_succeeded():
