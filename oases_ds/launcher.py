@@ -52,6 +52,7 @@ Why the ranks die with their launcher, however it ends:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -198,7 +199,25 @@ def start_fork_server_early() -> None:
             _context()
             forkserver.ensure_running()
 
-    threading.Thread(target=start, name="oases-fork-server", daemon=True).start()
+    starter = threading.Thread(target=start, name="oases-fork-server", daemon=True)
+    starter.start()
+    atexit.register(_end_early_fork_server, starter)
+
+
+def _end_early_fork_server(starter: threading.Thread) -> None:
+    """At this process's exit, end the fork server :func:`start_fork_server_early` started.
+
+    Why: it holds this process's stdout and stderr from its start.  After a CLI refused its
+    input (exit 2, before any launch) it would go on importing for seconds, and whatever reads
+    the CLI's output through a pipe (a shell pipeline, a test) would wait for it.  At exit every
+    launch is over, so nothing needs it any more."""
+    from multiprocessing import forkserver
+
+    starter.join(timeout=5.0)  # it returns as soon as the server process exists
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _fork_server_locals() -> dict[str, Any] | None:
@@ -232,7 +251,6 @@ def _remove_fork_server_socket_at_exit(server: dict[str, Any]) -> None:
     its exit, which a SIGKILL skips; the fork server outlives it by a moment (it exits when
     its launcher's end of a pipe closes) and so can remove it.  The socket is found from the
     fork server's own arguments (``listener_fd``); if that changes, the directory is left as before."""
-    import atexit
     import shutil
 
     listener_fd = server.get("listener_fd")

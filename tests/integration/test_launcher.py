@@ -243,6 +243,38 @@ def test_the_fork_server_imports_preloaded_modules_from_the_launchers_path(tmp_p
     assert done.stdout.strip().splitlines()[-1] == "[(True, True), (True, True)]", done.stdout
 
 
+EARLY_SERVER_SCRIPT = """
+import sys
+from oases_ds import launcher
+
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[1])
+    launcher.preload("marks_its_import")  # imported last by the fork server
+    launcher.start_fork_server_early()
+    print("error: refused before any launch", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.distributed
+def test_a_refusal_before_any_launch_ends_the_fork_server_started_early(tmp_path):
+    """``oases-train`` starts its fork server before it checks its input.  When the check refuses
+    it, the process exits at once, and the fork server, which holds its stdout and stderr, is
+    ended with it rather than left importing for seconds (a pipe reading the CLI's output waited
+    for those seconds).  The marker module, the fork server's last import, is never imported."""
+    if start_method() != "forkserver":
+        pytest.skip("ranks are spawned on this build of torch: no fork server")
+    helper = tmp_path / "helpers"
+    helper.mkdir()
+    marker = tmp_path / "fork-server-finished-importing"
+    (helper / "marks_its_import.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "refuse.py").write_text(EARLY_SERVER_SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "refuse.py"), str(helper)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 2 and done.stderr.strip() == "error: refused before any launch", done.stderr
+    assert not marker.exists()
+
+
 def frozen_and_tracked() -> tuple[int, int]:
     return gc.get_freeze_count(), len(gc.get_objects())
 
