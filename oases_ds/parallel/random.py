@@ -62,8 +62,9 @@ def _to_int32(h: torch.Tensor) -> torch.Tensor:
     return (h - ((h >> 31) << 32)).to(torch.int32)
 
 
-def _hash32(x: torch.Tensor, salt: int) -> torch.Tensor:
-    """Full-strength 32-bit hash of non-negative int64 values < 2**62 (int64 arithmetic).
+def _hash32(x: torch.Tensor, salt: int | torch.Tensor) -> torch.Tensor:
+    """Full-strength 32-bit hash of non-negative int64 values < 2**62 (int64 arithmetic); ``salt``
+    (31-bit) is one for all or one per value.
 
     Used on the row and column indices only (a row is all dims but the last), so its
     ~40 int64 passes touch ``rows + cols`` elements, not ``rows * cols``."""
@@ -137,8 +138,12 @@ def keep_mask(
         view[dim] = shape[dim]
         row = row + idx.view(view) * stride
         stride *= int(full_shape[dim])
-    row_h = _hash32(row.reshape(-1), mix_key(key, 7))
-    col_h = _hash32(torch.arange(offsets[-1], offsets[-1] + cols, dtype=torch.int64, device=device), mix_key(key, 11))
+    # Rows and columns hashed in one pass, each with its own salt: the same bits as two passes at
+    # half the op launches, which is most of a small mask's time (some 40 launches per pass).
+    row = row.reshape(-1)
+    col = torch.arange(offsets[-1], offsets[-1] + cols, dtype=torch.int64, device=device)
+    salts = torch.cat([torch.full_like(row, mix_key(key, 7)), torch.full_like(col, mix_key(key, 11))])
+    row_h, col_h = _hash32(torch.cat([row, col]), salts).split([row.numel(), cols])
     flat = out.view(-1, cols)
     rows = flat.shape[0]
     step = max(1, _CHUNK_ELEMS // cols) if device.type == "cpu" else rows
