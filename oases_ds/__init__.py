@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from oases_ds._deepspeed_compat import choose_deepspeed_defaults, quiet_scheduler_start
+from oases_ds._deepspeed_compat import choose_deepspeed_defaults, quiet_deepspeed_deprecations, quiet_scheduler_start
 from oases_ds.config import (OasesConfig, OasesConfigError, check_batch_section, check_deepspeed_section,
                              parse_oases_section)
 from oases_ds.hf import SUPPORTED, HFCheckpoint, is_hf_model
@@ -197,6 +197,7 @@ def initialize(
     check_batch_section(cfg, ctx.dp_size)
     model_mpu = ctx.mpu()
     config_class = DeepSpeedConfig(cfg, model_mpu)
+    quiet_deepspeed_deprecations()
     with quiet_scheduler_start():
         engine = OasesEngine(model=model, mpu=model_mpu, config=cfg, config_class=config_class, oases=oases,
                              parallel_context=ctx, **common)

@@ -27,6 +27,10 @@ Two of DeepSpeed 0.19.8's choices differ by accelerator:
   accelerator, is used only by inference all-reduce; on CPU we skip the build by replacing
   the private ``deepspeed.comm.torch.build_shm_op`` with "not available", the answer
   DeepSpeed gives on platforms without the op.  GPUs do not build it.
+* **A deprecation addressed to DeepSpeed.**  torch 2.13 deprecates
+  ``torch.distributed.all_gather_into_tensor``, which DeepSpeed's ZeRO-2 gathers call: each rank
+  printed a ``FutureWarning`` about code the user cannot change.  :func:`quiet_deepspeed_deprecations`
+  drops that one message.
 * **fp16 on a CPU** without oneDNN fp16 kernels is refused by DeepSpeed; torch computes
   it (slowly), so :func:`allow_cpu_fp16` lets the engine start and logs the cost.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import warnings
 from typing import Iterator
 
 from oases_ds.config import offload_device
@@ -121,3 +126,14 @@ def quiet_scheduler_start() -> Iterator[None]:
         yield
     finally:
         ds_logger.removeFilter(drop)
+
+
+_ALL_GATHER_DEPRECATED = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+
+
+def quiet_deepspeed_deprecations() -> None:
+    """Drop torch's deprecation of the collective DeepSpeed's ZeRO gathers call (module docstring).
+
+    A process-wide filter, since the warning comes at the first training step, not while the
+    engine is built; it matches that one message only."""
+    warnings.filterwarnings("ignore", message=_ALL_GATHER_DEPRECATED, category=FutureWarning)
