@@ -201,6 +201,7 @@ def start_fork_server_early() -> None:
 
     starter = threading.Thread(target=start, name="oases-fork-server", daemon=True)
     starter.start()
+    atexit.unregister(_end_early_fork_server)  # one server per process: end it once, after its latest start
     atexit.register(_end_early_fork_server, starter)
 
 

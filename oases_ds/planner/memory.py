@@ -349,7 +349,9 @@ def activation_replay(
                 buffers[("grad", i, sub)] = buffers[("grad", i + 1, sub)]
             else:
                 inputs, out_grads = graph_inputs[(i, sub)], buffers.get(("grad", i + 1, sub), ())
-                sources = grad_sources.get(i) or grad_sources.setdefault(i, _grad_sources(table[i], len(inputs)))
+                if i not in grad_sources:
+                    grad_sources[i] = _grad_sources(table[i], len(inputs))
+                sources = grad_sources[i]
                 buffers[("grad", i, sub)] = tuple(out_grads[j] if j is not None and j < len(out_grads) else new(size[t])
                                                   for t, j in zip(inputs, sources))
                 # Autograd frees what the op saved as its backward runs (no retain_graph); the

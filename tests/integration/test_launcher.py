@@ -26,7 +26,7 @@ import psutil  # a DeepSpeed dependency, so present wherever Oases is installed
 import pytest
 
 from oases_ds.cli.common import fail_launch
-from oases_ds.launcher import LaunchError, launch, start_method
+from oases_ds.launcher import LaunchError, launch
 from oases_ds.parallel.flight import RUN_DIR_ENV, RUN_ID_ENV, FlightRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -201,6 +201,7 @@ def test_ranks_print_to_the_launchers_stdout_and_stderr_as_they_are_at_launch(ca
             assert f"rank {rank} says {value} on stdout" in out and f"rank {rank} says {value} on stderr" in err
 
 
+FORK_SERVER_ENV = dict(os.environ, OASES_START_METHOD="forkserver")
 PRELOAD_SCRIPT = """
 import sys
 from oases_ds.launcher import launch, preload
@@ -230,15 +231,13 @@ def test_the_fork_server_imports_preloaded_modules_from_the_launchers_path(tmp_p
     not by each rank.  Python 3.11's fork server did not apply the launcher's ``sys.path``, so
     such a module failed to import there, silently, and every rank imported it itself (this
     suite's workers: 0.8 s of CPU per rank for ``torch._dynamo`` alone).  A fresh interpreter,
-    so the fork server is its own; where ranks are spawned (CUDA builds) there is none."""
-    if start_method() != "forkserver":
-        pytest.skip("ranks are spawned on this build of torch: no fork server to preload")
+    so the fork server is its own, chosen on every build (CUDA builds spawn ranks by default)."""
     helper = tmp_path / "helpers"
     helper.mkdir()
     (helper / "preloaded_helper.py").write_text(PRELOADED_HELPER)
     (tmp_path / "launch_preloaded.py").write_text(PRELOAD_SCRIPT)
     done = subprocess.run([sys.executable, str(tmp_path / "launch_preloaded.py"), str(helper)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=BOUND_S)
+                          env=FORK_SERVER_ENV, capture_output=True, text=True, timeout=BOUND_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[(True, True), (True, True)]", done.stdout
 
@@ -261,16 +260,15 @@ def test_a_refusal_before_any_launch_ends_the_fork_server_started_early(tmp_path
     """``oases-train`` starts its fork server before it checks its input.  When the check refuses
     it, the process exits at once, and the fork server, which holds its stdout and stderr, is
     ended with it rather than left importing for seconds (a pipe reading the CLI's output waited
-    for those seconds).  The marker module, the fork server's last import, is never imported."""
-    if start_method() != "forkserver":
-        pytest.skip("ranks are spawned on this build of torch: no fork server")
+    for those seconds).  The marker module, the fork server's last import, is never imported.
+    The fork server is chosen on every build (CUDA builds spawn ranks by default)."""
     helper = tmp_path / "helpers"
     helper.mkdir()
     marker = tmp_path / "fork-server-finished-importing"
     (helper / "marks_its_import.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     (tmp_path / "refuse.py").write_text(EARLY_SERVER_SCRIPT)
     done = subprocess.run([sys.executable, str(tmp_path / "refuse.py"), str(helper)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=BOUND_S)
+                          env=FORK_SERVER_ENV, capture_output=True, text=True, timeout=BOUND_S)
     assert done.returncode == 2 and done.stderr.strip() == "error: refused before any launch", done.stderr
     assert not marker.exists()
 
