@@ -16,7 +16,8 @@ Two of DeepSpeed 0.19.8's choices differ by accelerator:
   With ``zero_optimization.offload_optimizer`` the step runs on the host, and there the
   default is DeepSpeed's CPU Adam (the op ZeRO-Offload is built around: a C++ build of
   about a minute on first use, cached under ``~/.cache/torch_extensions``), unless the
-  config sets ``torch_adam``.
+  config sets ``torch_adam``.  Oases builds that op without debug information
+  (:func:`build_cpu_adam_without_debug_info`): the same ``-O3`` code, a third less build time.
 * **A warning at every start.**  DeepSpeed's ``WarmupLR`` (and its other warm-up
   schedulers) set the optimizer's first learning rate in their constructor by calling
   their own ``get_lr`` before their first step, which logs "Attempting to get learning
@@ -95,6 +96,8 @@ def choose_deepspeed_defaults(config: dict) -> None:
             log.info("oases: optimizer offload steps with DeepSpeed's CPU Adam (a C++ op built at first use, about a "
                      "minute, then cached); set optimizer.params.torch_adam=true for torch's Adam on the host instead")
             params["torch_adam"] = False
+        if not params["torch_adam"]:
+            build_cpu_adam_without_debug_info()
         return
     if name == "cpu" and not params.get("torch_adam", True):
         log.info("oases: CPU run, optimizer.params.torch_adam=false overridden (the fused Adam is a CUDA kernel)")
@@ -106,6 +109,30 @@ def choose_deepspeed_defaults(config: dict) -> None:
     elif not params["torch_adam"] and name != "cpu":
         log.warning("oases: optimizer.params.torch_adam=false on %s runs DeepSpeed's FusedAdam (a JIT build) and, with "
                     "bf16, its fused FP16_Optimizer, a path no Oases test covers", name)
+
+
+def build_cpu_adam_without_debug_info() -> None:
+    """Make DeepSpeed's CPU Adam, when it is first built, compile without ``-g``.
+
+    DeepSpeed compiles the op's two C++ files with ``-O3 -g`` at its first use on a host (and again
+    in every new environment, since the include paths are part of the build).  Nobody debugs the
+    op from an Oases run, and the debug information is a third of the build: measured here, each
+    file 28-29 s with ``-g``, 20 s without, with identical optimisation flags.  The optimizer
+    module looks its builder up by name at construction, so a subclass dropping the flag is put
+    in that name; an op installed ahead of time (``DS_BUILD_CPU_ADAM=1``) is used as before,
+    since the builder's ``load`` imports an installed op without compiling."""
+    cpu_adam = importlib.import_module("deepspeed.ops.adam.cpu_adam")
+    builder = cpu_adam.CPUAdamBuilder
+    if getattr(builder, "oases_without_debug_info", False):
+        return
+
+    class CPUAdamBuilderWithoutDebugInfo(builder):
+        oases_without_debug_info = True
+
+        def cxx_args(self) -> list[str]:
+            return [arg for arg in super().cxx_args() if arg != "-g"]
+
+    cpu_adam.CPUAdamBuilder = CPUAdamBuilderWithoutDebugInfo
 
 
 _SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
