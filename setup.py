@@ -35,7 +35,7 @@ setup(
         # Hugging Face import/export (oases_ds.hf) and tokenizers for oases-data; no model code is used.
         "hf": HF,
         "tensorboard": ["tensorboard>=2.10"],  # oases-train metrics.tensorboard=DIR (CSV needs nothing)
-        "test": ["pytest>=7", *HF],
+        "test": ["pytest>=7", "pytest-xdist>=3.5", *HF],
     },
     entry_points={
         "console_scripts": [

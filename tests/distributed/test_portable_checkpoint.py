@@ -19,6 +19,8 @@ from oases_ds.checkpoint import CheckpointError, CheckpointMeta, check_rank_file
 from oases_ds.launcher import launch
 from oases_ds.planner.plan import Plan
 
+pytestmark = pytest.mark.distributed  # every test here starts ranks, itself or through a fixture
+
 SAVED_AT = dict(tp=2, pp=2, micro=4, gas=2)
 STEPS = 3
 REL = 1e-6

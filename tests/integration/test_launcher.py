@@ -14,12 +14,14 @@ import gc
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil  # a DeepSpeed dependency, so present wherever Oases is installed
@@ -130,9 +132,18 @@ def rank_pids(pid_dir: Path, nprocs: int = 2) -> list[int]:
     return [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(nprocs)]
 
 
-def session_env(tmp_path: Path) -> dict[str, str]:
-    tmpdir = tmp_path / "tmpdir"  # the launcher's TMPDIR: whatever it leaves there is a leak
-    tmpdir.mkdir()
+@pytest.fixture
+def launcher_tmpdir() -> Iterator[Path]:
+    """The launcher's TMPDIR: whatever it leaves there is a leak.  A fresh directory in the
+    system's temporary directory, not under ``tmp_path``: the fork server binds a Unix socket in
+    it, whose path may not pass 107 bytes, and ``tmp_path`` under a pytest-xdist worker with a
+    long test name is longer than that."""
+    path = Path(tempfile.mkdtemp(prefix="oases-launch-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def session_env(tmpdir: Path) -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), TMPDIR=str(tmpdir))
 
 
@@ -147,10 +158,10 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, signum):
+def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, launcher_tmpdir, signum):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    env = session_env(tmp_path)
+    env = session_env(launcher_tmpdir)
     # Output to a file, not a pipe: a surviving rank would hold a pipe open and hang the test's read.
     with open(tmp_path / "stderr.txt", "w") as err_file:
         proc = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(pid_dir)], cwd=ROOT, env=env,
@@ -162,8 +173,10 @@ def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, signum):
         proc.wait(timeout=BOUND_S)
         stderr = (tmp_path / "stderr.txt").read_text()
         wait_until(lambda: not any(alive(pid) for pid in ranks), f"ranks {ranks} ended after the launcher's {signum.name}")
-        # the fork server removes its socket's directory as it exits, a moment after the launcher: wait for it
-        wait_until(lambda: os.listdir(env["TMPDIR"]) == [],
+        # the fork server removes its socket's directory as it exits, a moment after the launcher: wait for it.
+        # (torch's compile cache, torchinductor_<user>, is torch's own: `import torch._dynamo` makes it in
+        # TMPDIR unless TORCHINDUCTOR_CACHE_DIR is set, which a process that used inductor has.)
+        wait_until(lambda: [name for name in os.listdir(env["TMPDIR"]) if not name.startswith("torchinductor_")] == [],
                    f"the launcher's TMPDIR {env['TMPDIR']} emptied after its {signum.name}")
         if signum == signal.SIGTERM:  # it ended its ranks itself and said so with the shell's exit code
             assert proc.returncode == 128 + signal.SIGTERM, stderr
@@ -373,16 +386,16 @@ def test_fail_launch_prints_one_line_and_keeps_the_traceback(tmp_path, capsys, m
     assert ("Traceback" in err) == verbose
 
 
-def run_train(tmp_path: Path, *overrides: str, **popen) -> subprocess.Popen:
+def run_train(tmp_path: Path, tmpdir: Path, *overrides: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", f"hydra.run.dir={tmp_path / 'run'}",
-                             *overrides], cwd=ROOT, env=session_env(tmp_path), text=True,
+                             *overrides], cwd=ROOT, env=session_env(tmpdir), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
 @pytest.mark.distributed
-def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path):
+def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path, launcher_tmpdir):
     (tmp_path / "afile").write_text("")  # stats_out under a regular file: rank 0 fails after training
-    proc = run_train(tmp_path, "steps=1", f"stats_out={tmp_path / 'afile' / 'stats.json'}")
+    proc = run_train(tmp_path, launcher_tmpdir, "steps=1", f"stats_out={tmp_path / 'afile' / 'stats.json'}")
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
@@ -393,14 +406,23 @@ def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path)
 
 
 @pytest.mark.distributed
-def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path):
-    proc = run_train(tmp_path, "steps=100000", "log_every=100000", start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path, launcher_tmpdir):
+    proc = run_train(tmp_path, launcher_tmpdir, "steps=100000", "log_every=100000", start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read_stdout() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # the end of its output: a run that ended early fails here, not at the deadline
+
+    threading.Thread(target=read_stdout, daemon=True).start()
     try:
         deadline = time.monotonic() + 600
-        while not lines.get(timeout=max(1.0, deadline - time.monotonic())).startswith("oases-train:"):
-            pass  # rank 0's header: both ranks joined the process group and are training
+        while True:  # rank 0's header: both ranks joined the process group and are training
+            line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            assert line is not None, f"oases-train ended before training: {proc.stderr.read()[-3000:]}"
+            if line.startswith("oases-train:"):
+                break
         ranks = [c.pid for c in spawned_children(proc.pid)]
         assert len(ranks) == 2
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
