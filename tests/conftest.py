@@ -12,6 +12,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # tiers then run unchanged there, several ranks per GPU included; tests/gpu/ choose their own.
 os.environ.setdefault("OASES_BACKEND", "gloo")
 
+import xdist_split  # noqa: E402  (from tests/, just put on the path)
+
 # Ranks fork from a fork server on CPU builds of torch (oases_ds.launcher.start_method): have
 # it import the modules whose functions the tests launch, so no rank imports them itself.
 from oases_ds import launcher  # noqa: E402
@@ -37,45 +39,20 @@ def loggers_left_enabled() -> Iterator[None]:
             lg.disabled = before.get(name, False)
 
 
-# Two pytest-xdist workers (pytest.ini: ``-n auto``).  The tiers that start ranks
-# (``distributed/``, ``integration/``) run one test after another on one worker, as they would
-# without xdist: each launch sizes its ranks for the host's cores, and two launches at once
-# would slow each other past what the tests were tuned for.  The unit tier's modules run on the
-# second worker meanwhile, in the CPU time the ranks leave idle while they wait on each other
-# (measured: 18% of 2 cores).  A module stays whole on one worker, so its module-scoped
-# fixtures and caches run once.  By directory, not by the ``distributed`` marker: a test that
-# runs ``oases-train`` in this process to see a refusal starts a fork server too.  (A scheduler
-# of our own, not ``--dist loadgroup``: xdist 3.8 marks a group by renaming the test's node id,
-# which pytest 9.2 no longer lets it do, so every group was silently spread over both workers.)
-RANKS_SCOPE = "tiers-that-start-ranks"
-RANKS_TIERS = ("distributed", "integration", "gpu")
-
-
-def xdist_scope(nodeid: str) -> str:
-    """The unit of work a worker takes whole: ``RANKS_SCOPE`` for a test of a tier that starts
-    ranks, its module's path for any other test."""
-    module = nodeid.split("::")[0]
-    parts = module.split("/")
-    tier = parts[1] if parts[0] == "tests" and len(parts) > 2 else parts[0]
-    return RANKS_SCOPE if tier in RANKS_TIERS else module
-
-
+# Two pytest-xdist workers (pytest.ini: ``-n auto``): the rank-starting tiers on one, the unit
+# tier beside them (``xdist_split`` says how and why).
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """2 for a run of directories (the suite, a tier); 0 (this process, ``-s`` and ``--pdb``
-    work) when every argument names a test file or a test, where a second worker has nothing
-    to overlap."""
-    named = [arg for arg in config.args if arg.split("::")[0].endswith(".py")]
-    return 0 if config.args and len(named) == len(config.args) else 2
+    return xdist_split.workers(config.args)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """xdist's scheduler by scope (the largest scope first), with ``xdist_scope``'s scopes."""
+    """xdist's scheduler by scope (the largest scope first), with ``xdist_split.scope``'s scopes."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return xdist_scope(nodeid)
+            return xdist_split.scope(nodeid)
 
     return TierScheduling(config, log)
