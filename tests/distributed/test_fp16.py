@@ -15,6 +15,7 @@ import engine_workers as ew
 from oases_ds.launcher import launch
 
 pytestmark = pytest.mark.distributed  # every test here starts ranks, itself or through a fixture
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One launch of 4 ranks, 3 steps each, an inf put into one gradient element of one rank after

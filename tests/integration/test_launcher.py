@@ -133,18 +133,14 @@ def rank_pids(pid_dir: Path, nprocs: int = 2) -> list[int]:
 
 
 @pytest.fixture
-def launcher_tmpdir() -> Iterator[Path]:
-    """The launcher's TMPDIR: whatever it leaves there is a leak.  A fresh directory in the
-    system's temporary directory, not under ``tmp_path``: the fork server binds a Unix socket in
-    it, whose path may not pass 107 bytes, and ``tmp_path`` under a pytest-xdist worker with a
-    long test name is longer than that."""
-    path = Path(tempfile.mkdtemp(prefix="oases-launch-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def session_env(tmpdir: Path) -> dict[str, str]:
-    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), TMPDIR=str(tmpdir))
+def session_env() -> Iterator[dict[str, str]]:
+    """The environment of a launcher run as a subprocess.  Its TMPDIR is a fresh directory:
+    whatever the launcher leaves there is a leak.  In the system's temporary directory, not under
+    ``tmp_path``: the fork server binds a Unix socket in it, whose path may not pass 107 bytes,
+    and ``tmp_path`` under a pytest-xdist worker with a long test name is longer than that."""
+    tmpdir = tempfile.mkdtemp(prefix="oases-launch-")
+    yield dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), TMPDIR=tmpdir)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -158,10 +154,10 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, launcher_tmpdir, signum):
+def test_ranks_and_temp_files_die_with_the_launcher(tmp_path, session_env, signum):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    env = session_env(launcher_tmpdir)
+    env = session_env
     # Output to a file, not a pipe: a surviving rank would hold a pipe open and hang the test's read.
     with open(tmp_path / "stderr.txt", "w") as err_file:
         proc = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(pid_dir)], cwd=ROOT, env=env,
@@ -386,16 +382,16 @@ def test_fail_launch_prints_one_line_and_keeps_the_traceback(tmp_path, capsys, m
     assert ("Traceback" in err) == verbose
 
 
-def run_train(tmp_path: Path, tmpdir: Path, *overrides: str, **popen) -> subprocess.Popen:
+def run_train(tmp_path: Path, env: dict[str, str], *overrides: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "oases_ds.cli.train", "model=gpt_tiny", f"hydra.run.dir={tmp_path / 'run'}",
-                             *overrides], cwd=ROOT, env=session_env(tmpdir), text=True,
+                             *overrides], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
 @pytest.mark.distributed
-def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path, launcher_tmpdir):
+def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path, session_env):
     (tmp_path / "afile").write_text("")  # stats_out under a regular file: rank 0 fails after training
-    proc = run_train(tmp_path, launcher_tmpdir, "steps=1", f"stats_out={tmp_path / 'afile' / 'stats.json'}")
+    proc = run_train(tmp_path, session_env, "steps=1", f"stats_out={tmp_path / 'afile' / 'stats.json'}")
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
@@ -406,8 +402,8 @@ def test_train_rank_exception_is_one_line_with_the_traceback_in_a_file(tmp_path,
 
 
 @pytest.mark.distributed
-def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path, launcher_tmpdir):
-    proc = run_train(tmp_path, launcher_tmpdir, "steps=100000", "log_every=100000", start_new_session=True)
+def test_ctrl_c_ends_train_and_its_ranks_quietly(tmp_path, session_env):
+    proc = run_train(tmp_path, session_env, "steps=100000", "log_every=100000", start_new_session=True)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read_stdout() -> None:
