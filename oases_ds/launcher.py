@@ -61,6 +61,7 @@ import pickle
 import secrets
 import signal
 import socket
+import tempfile
 import sys
 import threading
 import time
@@ -172,11 +173,37 @@ def start_method() -> str:
     return "spawn" if gpu_build or not sys.platform.startswith("linux") else "forkserver"
 
 
+_UNIX_PATH_MAX = 107
+"""Bytes of a Unix socket's path Linux takes (``sun_path`` is 108 with the terminating NUL)."""
+_LISTENER_NAME = len("/listener-XXXXXXXX")
+"""What multiprocessing adds to its temporary folder to name the fork server's socket."""
+
+
+def check_fork_server_socket_path() -> None:
+    """Refuse, in one line naming ``TMPDIR``, a temporary folder whose path is too long for the fork
+    server's socket.
+
+    Why: the fork server listens on a Unix socket in a ``pymp-*`` folder under ``TMPDIR``, and Linux
+    takes at most 107 bytes for its path; past that the first rank fails to start with a bare
+    ``OSError: AF_UNIX path too long`` from deep inside multiprocessing (a CI job's workspace or a
+    scheduler's per-job TMPDIR is easily that long)."""
+    from multiprocessing import util
+
+    folder = util.get_temp_dir()  # the pymp-* folder the socket goes in (made once per process)
+    if len(os.fsencode(folder)) + _LISTENER_NAME > _UNIX_PATH_MAX:
+        raise LaunchError(f"TMPDIR={tempfile.gettempdir()} is too long for the fork server's socket (its path "
+                          f"{folder}/listener-XXXXXXXX would be {len(os.fsencode(folder)) + _LISTENER_NAME} bytes, "
+                          f"Linux takes {_UNIX_PATH_MAX}); set TMPDIR to a shorter folder (e.g. /tmp) or "
+                          f"{_START_METHOD_ENV}=spawn")
+
+
 def _context() -> Any:
-    """The multiprocessing context ranks start from (:func:`start_method`)."""
+    """The multiprocessing context ranks start from (:func:`start_method`); with a fork server, its
+    socket's path checked first (:func:`check_fork_server_socket_path`)."""
     method = start_method()
     context = mp.get_context(method)
     if method == "forkserver":
+        check_fork_server_socket_path()
         context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *_extra_preload])))
     return context
 
@@ -313,12 +340,17 @@ class _LauncherFd:
 
 
 def _use_launcher_stdio(stdio: tuple[_LauncherFd, _LauncherFd]) -> None:
-    """Point this rank's fds 1 and 2 at the launcher's (:class:`_LauncherFd`)."""
+    """Point this rank's fds 1 and 2 at the launcher's (:class:`_LauncherFd`).
+
+    A spawned rank is passed the launcher's fds under their own numbers, so it may already hold
+    them as 1 and 2: those it keeps (closing the "copy" would close its stdout and stderr, and
+    its first ``print`` would fail with ``OSError: [Errno 22]``)."""
     for stream, target, held in ((sys.stdout, 1, stdio[0]), (sys.stderr, 2, stdio[1])):
         with contextlib.suppress(Exception):
             stream.flush()
-        os.dup2(held.fd, target)
-        os.close(held.fd)
+        if held.fd != target:
+            os.dup2(held.fd, target)
+            os.close(held.fd)
 
 
 def _child(rank: int, world: int, port: int, threads: int, env: dict[str, str], fn, args,

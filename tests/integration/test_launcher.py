@@ -210,6 +210,48 @@ def test_ranks_print_to_the_launchers_stdout_and_stderr_as_they_are_at_launch(ca
             assert f"rank {rank} says {value} on stdout" in out and f"rank {rank} says {value} on stderr" in err
 
 
+SPAWN_PRINT_SCRIPT = """
+import test_launcher
+from oases_ds.launcher import launch
+
+if __name__ == "__main__":
+    print(launch(test_launcher.print_both, 2, (5,), timeout_s=120))
+"""
+
+
+@pytest.mark.distributed
+def test_spawned_ranks_print_to_the_launchers_stdout_and_stderr(tmp_path, session_env):
+    """A spawned rank (the default on CUDA builds) is passed the launcher's fds 1 and 2 as 1 and 2.
+    It used to close them as it "moved" them into place, so its first ``print`` failed with
+    ``OSError: [Errno 22]`` and every ``oases-train`` on a GPU build failed at its first line."""
+    (tmp_path / "launch_spawned.py").write_text(SPAWN_PRINT_SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "launch_spawned.py")], cwd=tmp_path,
+                          env=dict(session_env, OASES_START_METHOD="spawn"), capture_output=True, text=True,
+                          timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[5, 5]", done.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} says 5 on stdout" in done.stdout and f"rank {rank} says 5 on stderr" in done.stderr
+
+
+@pytest.mark.distributed
+def test_a_temp_folder_too_long_for_the_fork_servers_socket_is_refused_in_one_line(tmp_path, session_env):
+    """The fork server's socket lives under TMPDIR and Linux takes 107 bytes of its path.  A longer
+    TMPDIR (a CI workspace, a scheduler's per-job folder) gave a bare ``OSError: AF_UNIX path too
+    long`` from inside multiprocessing; now one line names TMPDIR and both ways out, before any rank."""
+    long_dir = Path(session_env["TMPDIR"]) / ("t" * 80)
+    long_dir.mkdir()
+    (tmp_path / "launch_spawned.py").write_text(SPAWN_PRINT_SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "launch_spawned.py")], cwd=tmp_path,
+                          env=dict(session_env, OASES_START_METHOD="forkserver", TMPDIR=str(long_dir)),
+                          capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"oases_ds.launcher.LaunchError: TMPDIR={long_dir} is too long for the fork server's socket")
+    assert "set TMPDIR to a shorter folder (e.g. /tmp) or OASES_START_METHOD=spawn" in last
+    assert "AF_UNIX" not in done.stderr and "rank 0 says" not in done.stdout
+
+
 FORK_SERVER_ENV = dict(os.environ, OASES_START_METHOD="forkserver")
 PRELOAD_SCRIPT = """
 import sys
