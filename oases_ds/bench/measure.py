@@ -246,6 +246,8 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             timelines = step(executor, mb_of[label])
             _flat_grad_sync(model, executor.comm, ctx.dp_group)
+            if ctx.device.type == "cuda":  # the step's kernels, not only their launches (the limit is CUDA-event time)
+                torch.cuda.synchronize(ctx.device)
             dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
             if rep >= spec["warmup"]:

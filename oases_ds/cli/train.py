@@ -21,11 +21,13 @@ and every rank with ``interrupted`` / ``terminated by SIGTERM`` and exit code 13
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, List, Optional
 
 import hydra
@@ -45,7 +47,7 @@ from oases_ds.hf import HFCheckpoint, hf_config, save_hf
 from oases_ds.launcher import LaunchError, LaunchInterrupted, end_rank, launch, start_fork_server_early
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import check_sequence_parallel
-from oases_ds.parallel.context import check_devices
+from oases_ds.parallel.context import BACKEND_ENV, check_devices
 from oases_ds.parallel.link import link_kwargs
 from oases_ds.parallel.topology import Topology
 from oases_ds.planner.costs import PRECISIONS
@@ -320,7 +322,28 @@ def check_auto_plan(cfg: dict) -> tuple[float, ModelConfig] | None:
     model = model_config(cfg["model"])
     model.check_tp(cfg["tensor_parallel_size"])
     run_topology(cfg)
+    if cuda_ranks():  # the profiling ranks take a GPU each, as the training ranks will
+        check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
     return limit, model
+
+
+@contextlib.contextmanager
+def _profiling_on_the_training_device() -> Iterator[None]:
+    """``plan=auto``'s profiling ranks on the device the training ranks will use.
+
+    Why: the training ranks follow DeepSpeed's accelerator (:func:`cuda_ranks`), the profiling
+    ranks the process-group backend (:func:`~oases_ds.parallel.context.resolve_backend`, NCCL on
+    a CUDA host).  On a GPU host told to train on the CPU (``DS_ACCELERATOR=cpu``) the plan
+    would be priced on the GPUs.  So there the profiling launch gets ``OASES_BACKEND=gloo``
+    (CPU ranks), unless the user set a backend; the launcher hands its environment to ranks."""
+    if cuda_ranks() or BACKEND_ENV in os.environ:
+        yield
+        return
+    os.environ[BACKEND_ENV] = "gloo"
+    try:
+        yield
+    finally:
+        os.environ.pop(BACKEND_ENV, None)
 
 
 def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
@@ -346,7 +369,8 @@ def auto_plan(cfg: dict, model: ModelConfig, limit: float, out: str) -> str:
     print(f"oases-train: plan=auto: planning degrees and recompute policies for memory_limit="
           f"{limit / 2**20:.1f} MiB per device ({spec.key()}) ...", flush=True)
     try:
-        result = make_plan(request)
+        with _profiling_on_the_training_device():
+            result = make_plan(request)
     except PlanInfeasibleError as err:
         raise ValueError(f"memory_limit={cfg['memory_limit']}: {err}") from None
     print("\n".join(plan_lines(result, request)), flush=True)
@@ -454,9 +478,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=True)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if not under_torchrun:
-        start_fork_server_early()  # its imports overlap the checks below
     try:
+        if not under_torchrun:
+            start_fork_server_early()  # its imports overlap the checks below (a bad OASES_START_METHOD: one line)
         auto = check_auto_plan(cfg)
         if auto is not None:
             limit, model = auto

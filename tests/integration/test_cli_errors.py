@@ -255,3 +255,24 @@ def test_plan_auto_under_torchrun_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     line = refused(capsys, monkeypatch, tmp_path, train, "plan=auto", "memory_limit=2GiB")
     assert line.startswith("error: plan=auto profiles with ranks of its own, so it cannot run under torchrun")
+
+
+def test_plan_auto_on_a_cuda_host_with_too_few_gpus_is_one_line_before_profiling(capsys, monkeypatch, tmp_path):
+    """The profiling ranks take a GPU each, as the training ranks do: the GPU count is checked
+    before they start, not (as before) only after the plan, by a LaunchError from every rank."""
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(train.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    line = refused(capsys, monkeypatch, tmp_path, train, "plan=auto", "memory_limit=2GiB")
+    assert line.startswith("error: 2 ranks on this host need 2 GPUs (NCCL takes one per rank) but it has 1")
+    assert "planning degrees" not in capsys.readouterr().out and not (tmp_path / ".oases").exists()
+
+
+def test_a_bad_start_method_is_one_line(capsys, monkeypatch, tmp_path):
+    """``OASES_START_METHOD`` is read as the fork server starts early, which came before the
+    refusals' ``try``: a typo printed Hydra's traceback."""
+    monkeypatch.setenv("OASES_START_METHOD", "fork")
+    line = refused(capsys, monkeypatch, tmp_path, train)
+    assert line == "error: OASES_START_METHOD='fork' is not a start method; set it to forkserver or spawn, or unset it"

@@ -2,9 +2,12 @@
 ``oases-train`` decide on a CUDA host, checked here with CUDA's answers mocked (no GPU needed)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from oases_ds.models.config import ModelConfig
 from oases_ds.parallel import context
 from oases_ds.parallel.context import check_devices, rank_device, resolve_backend, uses_cuda
 
@@ -79,3 +82,38 @@ def test_oases_train_with_more_ranks_than_gpus_is_one_line_before_launch(cuda_ho
         validate(cfg)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # DeepSpeed on its CPU accelerator: CPU ranks, any number
     validate(cfg)
+
+
+@pytest.mark.parametrize("accelerator, preset, inside", [
+    ("cpu", None, "gloo"),  # told to train on the CPU: the plan is profiled there too
+    ("cuda", None, "cpu:gloo,cuda:nccl"),  # GPU training: GPU profiling
+    ("cpu", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),  # the user's backend is kept
+])
+def test_plan_auto_profiles_on_the_device_the_training_ranks_use(cuda_host, monkeypatch, accelerator, preset, inside):
+    """The training ranks follow ``DS_ACCELERATOR``; the profiling ranks' backend did not, so on a
+    GPU host a run told to train on the CPU priced its plan on the GPU.  ``auto_plan`` profiles
+    inside :func:`_profiling_on_the_training_device`; the launcher hands ranks its environment."""
+    from oases_ds.cli import train
+    from oases_ds.planner import planning
+    from oases_ds.planner.plan import PlanInfeasibleError
+
+    monkeypatch.setenv("DS_ACCELERATOR", accelerator)
+    if preset is not None:
+        monkeypatch.setenv("OASES_BACKEND", preset)
+    seen = []
+
+    def make_plan(request):  # what a profiling rank would resolve, then no plan (nothing launched)
+        seen.append(resolve_backend())
+        raise PlanInfeasibleError("stop here")
+
+    monkeypatch.setattr(planning, "make_plan", make_plan)
+    cfg = {"tensor_parallel_size": 2, "micro_batch": 4, "schedule": {"name": "oases"}, "cluster": {"name": "local"},
+           "sequence_parallel": False, "memory_limit": "1GiB", "zero_stage": 0, "offload": False, "bf16": False,
+           "fp16": False, "nprocs": 2, "pipeline_stages": 1, "timeout_s": 60.0}
+    monkeypatch.setattr(train, "precision", lambda cfg: "fp32")
+    monkeypatch.setattr(train, "run_topology", lambda cfg: type("T", (), {"dp_size": 1})())
+    with pytest.raises(ValueError, match="stop here"):
+        train.auto_plan(cfg, ModelConfig(family="gpt", vocab_size=8, hidden_size=8, num_heads=2, num_layers=1,
+                                         seq_len=4), 2**30, "unused.json")
+    assert seen == [inside]
+    assert os.environ.get("OASES_BACKEND") == preset  # restored
