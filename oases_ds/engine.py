@@ -118,7 +118,8 @@ USE_TRAIN_BATCH = ("OasesEngine runs forward, backward and step as one schedule:
 def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec:
     """``oases.schedule_spec()`` storing the blocks ``oases.plan`` gives policy ``store``
     (:meth:`Plan.stored_blocks <oases_ds.planner.plan.Plan.stored_blocks>`), at the plan's sub-batches
-    where it records them (:attr:`Plan.sub_batches`): what the executor runs.
+    where it records them (:attr:`Plan.sub_batches`), its hops ordered by the times it was priced
+    with where it carries them (:attr:`Plan.hop_costs`): what the executor runs.
     A plan that stores blocks under a schedule that cannot store them is an
     :class:`OasesConfigError` naming both and the fix (``prefix``: how it names the plan key,
     ``oases.`` in a DeepSpeed JSON, nothing on the ``oases-train`` line)."""
@@ -138,7 +139,9 @@ def planned_schedule(oases: OasesConfig, prefix: str = "oases.") -> ScheduleSpec
                                    f"schedule={spec.name}, fine_grained_recompute={str(spec.fine_grained_recompute).lower()}: "
                                    f"use that schedule or a plan without {policy} policies")
     sub_batches = plan.sub_batches or spec.sub_batches  # the plan was chosen at its own sub-batches: they run
-    return replace(spec, stored_blocks=stored, gathered_blocks=gathered, sub_batches=sub_batches)
+    # and its hops in the order its replay priced (sequence parallelism; None otherwise)
+    return replace(spec, stored_blocks=stored, gathered_blocks=gathered, sub_batches=sub_batches,
+                   hop_costs=plan.hop_costs)
 
 
 def overridden_sub_batches(oases: OasesConfig, spec: ScheduleSpec) -> str | None:

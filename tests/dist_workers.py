@@ -7,12 +7,14 @@ from __future__ import annotations
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel
+from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel, one_layer_ops
+from oases_ds.models.ops import CommOp
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.grads import average_data_parallel_grads
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.executor import Executor
+from oases_ds.schedule.costed_merge import HopCosts, op_key
 from oases_ds.schedule.generators import ScheduleSpec
 
 # (label, spec): the five schedules plus Oases' two ablations.
@@ -44,6 +46,31 @@ EXTRA_VARIANTS = [
     ("oases-k4-store-all", ScheduleSpec("oases", sub_batches=4, stored_blocks=tuple(range(8)))),
 ]
 """Run only where a test names them (``variants``), not in every parity sweep."""
+
+
+def synthetic_hop_costs() -> HopCosts:
+    """Per-op times shaped like a large model's under sequence parallelism (an MLP's up projection
+    longer than a collective, the attention projection shorter), for every op name of the three
+    families' sequence-parallel layer: the hops then fall elsewhere than the time-blind merge puts
+    them (``test_sequence_parallel`` checks that they do), so a plan's order runs in the parity sweep."""
+    heavy = {"qkv": 1.8, "core": 1.2, "proj": 0.6, "mlp_up": 3.2, "mlp_down": 1.6, "mlp": 4.8, "head_in": 1.0, "loss": 1.0}
+    compute, link = {}, {}
+    for family in ("gpt", "bert", "llama"):
+        for op in one_layer_ops(family, True):
+            key = op_key(op)
+            if isinstance(op, CommOp):
+                link[key] = (key, 2.5)
+            else:
+                forward = heavy.get(key, 0.0)
+                compute[key] = (key, forward, forward, 2 * forward)
+    return HopCosts(tuple(compute.values()), tuple(link.values()))
+
+
+EXTRA_VARIANTS += [  # under sequence parallelism, hops ordered by per-op times (a plan's hop_costs)
+    ("oases-hops", ScheduleSpec("oases", hop_costs=synthetic_hop_costs())),
+    ("oases-gathered-mixed-hops", ScheduleSpec("oases", stored_blocks=(2,), gathered_blocks=(0, 3),
+                                               hop_costs=synthetic_hop_costs())),
+]
 
 
 def variant_spec(label: str) -> ScheduleSpec:

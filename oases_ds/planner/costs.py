@@ -463,7 +463,7 @@ class CostTable:
         payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         payload["table_format"] = TABLE_FORMAT
         payload["degrees"] = list(self.degrees)
-        payload["schedule"] = {key: value for key, value in dataclasses.asdict(self.schedule).items()
+        payload["schedule"] = {key: value for key, value in self.schedule.to_mapping().items()
                                if key not in ("stored_blocks", "gathered_blocks") or value}  # none in a profile: the old layout
         for name in ("blocks", "store_blocks", "gathered_blocks"):
             payload[name] = {
@@ -498,7 +498,7 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
     label = data.get("schedule")
     if isinstance(label, str):
-        data["schedule"] = dataclasses.asdict(_schedule_of_label(label))
+        data["schedule"] = _schedule_of_label(label).to_mapping()
     prefix = str(data.get("model", "")).split("-", 1)[0]
     data.setdefault("family", prefix if prefix in FAMILIES else None)
     measurements = dict(data.get("measurements", {}))

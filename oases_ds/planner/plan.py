@@ -13,6 +13,7 @@ from typing import Sequence
 
 from oases_ds.planner.costs import check_degree
 from oases_ds.planner.jsonio import load_dataclass
+from oases_ds.schedule.costed_merge import HopCosts
 from oases_ds.schedule.generators import RECOMPUTE_POLICIES
 from oases_ds.utils.io import read_json_input, write_json_atomic
 
@@ -60,6 +61,10 @@ class Plan:
     sub_batches: int | None = None
     """The sub-batches the plan was chosen for among several (``oases-plan planner.sub_batches=[2,4]``,
     :func:`~oases_ds.planner.planning.choose_sub_batches`); the run takes them.  None: the schedule's own."""
+    hop_costs: HopCosts | None = None
+    """Under sequence parallelism, the per-op times the plan was priced with: its run orders the
+    sub-batches' hops by them, as the replay that priced it did (:mod:`oases_ds.schedule.costed_merge`).
+    None: the time-blind order (no sequence parallelism, a hand-made plan, every plan written before)."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -76,6 +81,11 @@ class Plan:
             for layer, degree in enumerate(getattr(self, name)):
                 check_degree(f"Plan.{name}[{layer}]", degree, self.devices)
         self._check_policies()
+        if self.hop_costs is not None:
+            try:
+                object.__setattr__(self, "hop_costs", HopCosts.from_value(self.hop_costs))
+            except ValueError as err:
+                raise ValueError(f"Plan.{err}") from None
         if self.sub_batches is not None and (isinstance(self.sub_batches, bool) or not isinstance(self.sub_batches, int)
                                              or self.sub_batches < 1):
             raise ValueError(f"Plan.sub_batches must be an int >= 1, got {self.sub_batches!r}")

@@ -271,7 +271,7 @@ def make_plan(request: PlanRequest, loaded: LoadedTable | None = None) -> PlanRe
         spec = request.profile
         dtype = ACTIVATION_BYTES if request.cost == "analytic" else PROFILE_DTYPE_BYTES
         schedule = dataclasses.replace(spec.schedule, stored_blocks=plan.stored_blocks(),
-                                       gathered_blocks=plan.gathered_blocks())
+                                       gathered_blocks=plan.gathered_blocks(), hop_costs=plan.hop_costs)
         memory = estimate_memory(dataclasses.replace(spec.model, num_layers=table.layers), plan.attn_degrees,
                                  plan.mlp_degrees, plan.devices, spec.micro_batch, schedule, dtype, table.sequence_parallel,
                                  request.model_states.bytes_per_param())

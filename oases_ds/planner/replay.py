@@ -46,12 +46,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from oases_ds.models.operator_model import one_layer_ops, plan_ops
-from oases_ds.models.ops import CommOp, moves_bytes
+from oases_ds.models.ops import CommOp, Op, moves_bytes
 from oases_ds.parallel.link import LinkModel
 from oases_ds.planner.costmodel import OpCosts, SimResult, issue_ms_hiding, simulate_step
 from oases_ds.planner.costs import PASS_LETTERS, CostTable, OpTimes, reshard_collective
 from oases_ds.planner.objective import check_plan_fits_table, fits_memory, predict_memory_bytes, predict_step_ms
 from oases_ds.planner.plan import Plan
+from oases_ds.schedule.costed_merge import HopCosts, hop_costs_from
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule
 from oases_ds.schedule.instructions import StartAsync
 
@@ -170,17 +171,10 @@ def _issue_ms(family: str, sequence_parallel: bool, schedule: ScheduleSpec, band
     return tuple(issue)
 
 
-def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanReplay:
-    """Replay ``plan``'s step under the table's schedule from its per-op profile (module doc).
-
-    ``overhead=False`` leaves out the per-collective overhead: the ablation the
-    accuracy check reports beside the score.
-    """
+def _op_costs(table: CostTable, ops: Sequence[Op], degrees: Sequence[int], plan_label: object) -> OpCosts:
+    """The simulator's inputs for ``ops`` at ``degrees`` (module doc): each op's profiled times,
+    scaled to the slowest rank, each collective's payload, a reshard's AllGather."""
     family = _checked_family(table)
-    check_plan_fits_table(table, plan)
-    devices = table.devices
-    # under sequence parallelism every block at the full degree; its collectives along the sequence
-    ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, devices, table.sequence_parallel)
     index = _one_layer_index(family, table.sequence_parallel)
     scales = block_scales(table)
     forward: dict[int, float] = {}
@@ -196,7 +190,7 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
             continue
         source = index.get(_LAYER_PREFIX.sub("L0.", op.name))
         if source is None:
-            raise ValueError(f"op {op.name} of plan {plan.block_degrees()} is not in the profiled one-layer model")
+            raise ValueError(f"op {op.name} of plan {plan_label} is not in the profiled one-layer model")
         profile = table.op_profile[degree]
         for letter, into in (("F", forward), ("B", backward), ("R", recompute)):
             measured = profile.op_ms.of_pass(letter)
@@ -206,12 +200,46 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
             comm_bytes[i], ranks[i] = profile.payload_bytes, degree
             if table.sequence_parallel:  # a ReduceScatter or an AllGather of the payload: (t-1)/t of it on a ring
                 kind[i] = "all_gather"
-    costs = OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
-                    ranks=ranks, kind=kind, default_ranks=devices)
+    return OpCosts(forward_ms=forward, backward_ms=backward, recompute_ms=recompute, comm_bytes=comm_bytes,
+                   ranks=ranks, kind=kind, default_ranks=table.devices)
+
+
+def hop_costs_of(table: CostTable, overhead: bool = True) -> HopCosts | None:
+    """The per-op times a sequence-parallel plan on ``table`` orders its hops by
+    (:mod:`oases_ds.schedule.costed_merge`), as the replay prices them: every op of the one-layer
+    sequence at the full degree (the only one under sequence parallelism), each collective's link
+    time and host issue time.  ``None`` without sequence parallelism (nothing hops there) or
+    without a per-op profile."""
+    if not table.sequence_parallel or not can_replay(table) or table.devices not in table.op_profile:
+        return None
+    ops = one_layer_ops(_checked_family(table), True)
+    costs = _op_costs(table, ops, [table.devices] * len(ops), "one layer")
+    link = LinkModel(table.bandwidth_gbps, table.latency_us)
+    link_ms = {i: link.seconds(costs.kind.get(i, "all_reduce"), nbytes, costs.ranks.get(i, table.devices)) * 1e3
+               for i, nbytes in costs.comm_bytes.items()}
+    issue = collective_issue_ms(table).get(table.devices, 0.0) if overhead else 0.0
+    return hop_costs_from(ops, costs.forward_ms, costs.recompute_ms, costs.backward_ms, link_ms, issue)
+
+
+def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanReplay:
+    """Replay ``plan``'s step under the table's schedule from its per-op profile (module doc).
+    Under sequence parallelism the schedule orders its hops by the same times
+    (:func:`hop_costs_of`), as the plan's run will (:attr:`Plan.hop_costs`).
+
+    ``overhead=False`` leaves out the per-collective overhead: the ablation the
+    accuracy check reports beside the score.
+    """
+    family = _checked_family(table)
+    check_plan_fits_table(table, plan)
+    # under sequence parallelism every block at the full degree; its collectives along the sequence
+    ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, table.devices, table.sequence_parallel)
+    costs = _op_costs(table, ops, degrees, plan.block_degrees())
     program = build_schedule(dataclasses.replace(table.schedule, stored_blocks=plan.stored_blocks(),
-                                                 gathered_blocks=plan.gathered_blocks()), ops)
+                                                 gathered_blocks=plan.gathered_blocks(),
+                                                 hop_costs=hop_costs_of(table, overhead)), ops)
     issue = collective_issue_ms(table) if overhead else {}
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
+    comm_bytes, ranks = costs.comm_bytes, costs.ranks
     issued = [ranks[ins.op] for ins in program.instructions
               if isinstance(ins, StartAsync) and comm_bytes.get(ins.op) and moves_bytes(ops[ins.op], ins.phase)]
     grad = sum(table.blocks[k][d].grad_sync_ms for k, d in zip(table.block_kinds(), plan.block_degrees()))
@@ -265,7 +293,8 @@ def rank_by_replay(table: CostTable, solved: Plan,
     chosen = Plan.from_block_degrees(best.block_degrees(), table.devices, best.block_policies(), predicted_step_ms=ms,
                                      solver_ms=solved.solver_ms,
                                      solver_name=solved.solver_name if same else f"{solved.solver_name}+replay",
-                                     memory_bytes=predict_memory_bytes(table, best), table_key=solved.table_key)
+                                     memory_bytes=predict_memory_bytes(table, best), table_key=solved.table_key,
+                                     hop_costs=hop_costs_of(table))
     return chosen, priced
 
 

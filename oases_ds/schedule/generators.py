@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from oases_ds.models.ops import CommOp, Op, backward_collective, forward_collective, sequence_gather
 from oases_ds.schedule.closed_forms import BLOCKING, BLOCKING_RECOMPUTE, OASES, SPLIT_OVERLAP, ClosedForm
+from oases_ds.schedule.costed_merge import HopCosts, costed_merge
 from oases_ds.schedule.instructions import (
     Backward,
     CommPhase,
@@ -211,6 +212,11 @@ class ScheduleSpec:
         gathered_blocks: likewise, the blocks of policy ``oases_gathered``: under sequence
             parallelism their recomputation starts from the gathered input instead of
             re-gathering it (:data:`RECOMPUTE_POLICIES`); no effect without it.
+        hop_costs: per-op times, normally the ones a plan was priced with
+            (:attr:`Plan.hop_costs <oases_ds.planner.plan.Plan.hop_costs>`): under sequence
+            parallelism the merge then orders its hops by them
+            (:mod:`oases_ds.schedule.costed_merge`); no effect without it.  Not a setting of
+            its own: not in a table's label, not in the Hydra ``schedule`` group.
     """
 
     name: str = "oases"
@@ -219,8 +225,11 @@ class ScheduleSpec:
     fine_grained_recompute: bool = True
     stored_blocks: tuple[int, ...] = ()
     gathered_blocks: tuple[int, ...] = ()
+    hop_costs: HopCosts | None = None
 
     def __post_init__(self) -> None:
+        if self.hop_costs is not None and not isinstance(self.hop_costs, HopCosts):
+            raise ValueError(f"schedule.hop_costs must be HopCosts or None, got {type(self.hop_costs).__name__}")
         if not isinstance(self.name, str) or self.name not in _REGISTRY:
             raise ValueError(f"schedule.name={self.name!r} unknown; choose one of {', '.join(_REGISTRY)}")
         if isinstance(self.sub_batches, bool) or not isinstance(self.sub_batches, int):
@@ -258,6 +267,11 @@ class ScheduleSpec:
             raise ValueError(f"schedule.name: missing; choose one of {', '.join(_REGISTRY)}")
         return cls(**dict(mapping))
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_mapping`: the settings, as a Hydra ``schedule`` group and a cost
+        table's file hold them (``hop_costs`` is a plan's, not a setting)."""
+        return {key: getattr(self, key) for key in _SPEC_KEYS}
+
     @property
     def effective_sub_batches(self) -> int:
         """Sub-batches the schedule really runs: ``sub_batches`` for a sub-batched
@@ -268,7 +282,7 @@ class ScheduleSpec:
     def label(self) -> str:
         """The name, plus the settings when a sub-batched schedule runs non-default
         ones (``oases[sb=4,cross=0,fine=1]``); names cost tables and cache files."""
-        if not _REGISTRY[self.name].sub_batched or self == ScheduleSpec(self.name):
+        if not _REGISTRY[self.name].sub_batched or dataclasses.replace(self, hop_costs=None) == ScheduleSpec(self.name):
             return self.name
         policies = "".join(f",{name}={'.'.join(map(str, blocks))}"
                            for name, blocks in (("store", self.stored_blocks), ("gathered", self.gathered_blocks)) if blocks)
@@ -508,14 +522,21 @@ def _backward_pass(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_It
     return out
 
 
-def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool) -> list[Instruction]:
+def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool,
+            hop_costs: HopCosts | None = None) -> list[Instruction]:
     light = _light_rule(ops)
+
+    def merged(streams: list[list[_Item]]) -> list[Instruction]:
+        if light is None or hop_costs is None or len(streams) < 2:
+            return merge(streams, light)
+        return costed_merge(streams, light, ops, hop_costs, lambda: merge(streams, light))
+
     if cross_pass:
-        return merge([_forward_stream(ops, segs, sub) + _backward_pass(ops, segs, sub) for sub in range(subs)], light)
-    out = merge([_forward_stream(ops, segs, sub) for sub in range(subs)], light)
+        return merged([_forward_stream(ops, segs, sub) + _backward_pass(ops, segs, sub) for sub in range(subs)])
+    out = merged([_forward_stream(ops, segs, sub) for sub in range(subs)])
     for seg in reversed(segs):
-        out += merge([_recompute_stream(ops, seg, sub) for sub in range(subs)], light)
-        out += merge([_backward_stream(ops, seg, sub) for sub in range(subs)], light)
+        out += merged([_recompute_stream(ops, seg, sub) for sub in range(subs)])
+        out += merged([_backward_stream(ops, seg, sub) for sub in range(subs)])
     return out
 
 
@@ -632,7 +653,7 @@ def _megatron_selective(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSp
                    closed_form=SPLIT_OVERLAP)
 def _split_overlap(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
-    return Schedule(spec.name, tuple(_passes(ops, segs, subs, False)), subs, False)
+    return Schedule(spec.name, tuple(_passes(ops, segs, subs, False, spec.hop_costs)), subs, False)
 
 
 def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
@@ -644,8 +665,8 @@ def _oases_segments(ops: Sequence[Op], spec: ScheduleSpec) -> list[Segment]:
 @register_schedule("oases", segments=_oases_segments, sub_batched=True, closed_form=OASES)
 def _oases(ops: Sequence[Op], segs: list[Segment], spec: ScheduleSpec) -> Schedule:
     subs = spec.effective_sub_batches
-    return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass)), subs, spec.fine_grained_recompute,
-                    spec.stored_blocks, spec.gathered_blocks)
+    return Schedule(spec.name, tuple(_passes(ops, segs, subs, spec.cross_pass, spec.hop_costs)), subs,
+                    spec.fine_grained_recompute, spec.stored_blocks, spec.gathered_blocks)
 
 
 SCHEDULES = registered_schedules()

@@ -17,6 +17,7 @@ Checked against the same unsharded single-process reference as ``test_parity`` (
   with guard mode on; bf16 trains;
 * a checkpoint saved without it resumes with it, and back.
 """
+import dataclasses
 import math
 
 import pytest
@@ -25,11 +26,15 @@ import dist_workers
 import engine_workers as ew
 import pipeline_workers
 from oases_ds.launcher import launch
+from oases_ds.models.operator_model import plan_ops
+from oases_ds.schedule.checker import check
+from oases_ds.schedule.generators import build_schedule
 
 TOL = 1e-5
 # GPT, BERT and LLaMA with grouped-query attention (2 k/v heads: sharded at TMP 2, replicated at TMP 4)
 MODELS = {"gpt": dict(family="gpt"), "bert": dict(family="bert"), "llama_gqa": dict(family="llama", num_kv_heads=2)}
-ALL_VARIANTS = [label for label, _ in dist_workers.VARIANTS] + ["oases-gathered-mixed", "oases-gathered-all"]
+ALL_VARIANTS = [label for label, _ in dist_workers.VARIANTS] + ["oases-gathered-mixed", "oases-gathered-all",
+                                                                "oases-hops", "oases-gathered-mixed-hops"]
 LAYOUTS = {  # name: (tp, world, variants)
     "tp2_dp2": (2, 4, ALL_VARIANTS),
     "tp4": (4, 4, ["none", "megatron", "oases", "oases-gathered-mixed"]),  # the rest run at TMP 2 above
@@ -54,6 +59,20 @@ def test_every_schedule_and_policy_matches_the_reference(layout, model):
             r = per_rank[(model, variant)]
             assert r["grad_err"] <= TOL, f"rank {rank} {variant}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
             assert r["loss_err"] <= TOL, f"rank {rank} {variant}: loss rel err {r['loss_err']:.2e}"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("variant", ["oases-hops", "oases-gathered-mixed-hops"])
+def test_the_hop_variants_run_another_order_than_the_time_blind_merge(model, variant):
+    """The ``-hops`` variants above carry per-op times (a plan's ``hop_costs``): their parity means
+    something only if those times move hops.  Shown on the sequence a TMP-2 rank of the sweep runs
+    (``plan_ops``: the operator model's sequence without building its process groups)."""
+    cfg = dist_workers.tiny_config(**MODELS[model])
+    ops, _ = plan_ops(cfg.family, [2] * cfg.num_layers, [2] * cfg.num_layers, 2, sequence_parallel=True)
+    spec = dist_workers.variant_spec(variant)
+    timed = build_schedule(spec, ops)
+    check(timed, ops)
+    assert timed.instructions != build_schedule(dataclasses.replace(spec, hop_costs=None), ops).instructions
 
 
 @pytest.mark.distributed
