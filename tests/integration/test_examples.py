@@ -113,13 +113,15 @@ def _run_readme_commands(capfd, cwd, commands: list[str]) -> list:
 def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     """The commands of "Fit a larger model", in a fresh directory, as written: oases-train with
     sequence parallelism, oases-plan choosing per-block policies for it, and oases-train running
-    that plan with sequence parallelism (its blocks stored, re-gathering or keeping the gather)."""
+    that plan with sequence parallelism (its blocks stored, re-gathering or keeping the gather, its
+    hops in the order of the per-op times the plan carries)."""
     commands = _readme_block("Fit a larger model")
     assert [c.split()[0] for c in commands] == ["oases-train", "oases-plan", "oases-train"]
     outputs = [done.stdout for done in _run_readme_commands(capfd, tmp_path, commands)]
     assert all(re.search(r"^done: 20 steps", out, re.M) for out in (outputs[0], outputs[2]))
     plan = Plan.from_json(tmp_path / "plan.json")
     assert "-sp2|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
+    assert plan.hop_costs is not None  # the times it was priced with, which the last run orders its hops by
 
 
 @pytest.mark.distributed
