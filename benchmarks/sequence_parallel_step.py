@@ -62,9 +62,10 @@ def spec_of(model: dict, gbps: float | None, repeats: int, warmup: int, variants
     base = spec["variants"][0]
     every = list(range(2 * model["num_layers"]))
 
-    def variant(label: str, policy: str, sp: bool, sub_batches: int | None = None, overlap: bool = False) -> dict:
+    def variant(label: str, policy: str, sp: bool, sub_batches: int | None = None, overlap: bool = False,
+                hop_costs: dict | None = None) -> dict:
         return {**base, "label": label, "sequence_parallel": sp, "sub_batches": sub_batches or base["sub_batches"],
-                "overlap_micro_batches": overlap,
+                "overlap_micro_batches": overlap, "hop_costs": hop_costs,
                 "stored_blocks": every if policy == "store" else [],
                 "gathered_blocks": every if policy == "oases_gathered" else []}
 
@@ -79,17 +80,47 @@ def wire_bytes(comm: dict) -> float:
                if key.split("/")[0] in ("forward", "recompute", "backward", "loss"))
 
 
-def run(model: dict, repeats: int, warmup: int) -> dict:
+TIMED_VARIANTS = (  # --timed: the plain variants of store and oases beside the same with per-op times
+    ("store", "store", False), ("store+sp", "store", True), ("store+sp+timed", "store", True),
+    ("oases", "oases", False), ("oases+sp", "oases", True), ("oases+sp+timed", "oases", True),
+)
+
+
+def profiled_hop_costs(model: dict, gbps: float) -> dict:
+    """The per-op times a plan for ``model`` with sequence parallelism on this link would carry
+    (``Plan.hop_costs``): the planner's profile of one layer at TMP 2 on this machine (``cost=profile``),
+    its collectives priced on the link model at ``gbps``, as ``oases-plan`` would price them."""
+    import dataclasses
+
+    from oases_ds.models.config import ModelConfig
+    from oases_ds.planner.profile import ProfileSpec, profile
+    from oases_ds.planner.replay import hop_costs_of
+
+    spec = ProfileSpec(model=ModelConfig(**model), devices=TP, micro_batch=MICRO_BATCH, link=LinkModel(gbps, 0.0),
+                       cluster=f"emulated_{gbps:g}g", min_degree=TP, sequence_parallel=True)
+    table, _ = profile(spec, model["num_layers"], cache_dir=None)
+    return dataclasses.asdict(hop_costs_of(table))
+
+
+def run(model: dict, repeats: int, warmup: int, timed: bool = False) -> dict:
     from oases_ds.bench.measure import measure_rank
     from oases_ds.launcher import launch
 
     out: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
                  "machine": machine(), "model": model, "tensor_parallel_size": TP, "micro_batch": MICRO_BATCH,
                  "dtype": "fp32", "repeats": repeats, "warmup": warmup, "links": {}}
+    variants = TIMED_VARIANTS if timed else VARIANTS
     for link, gbps in LINKS.items():
-        ranks = launch(measure_rank, TP, (spec_of(model, gbps, repeats, warmup),), timeout_s=3600, threads_per_rank=1)
+        spec = spec_of(model, gbps, repeats, warmup, variants)
+        if timed:
+            hop_costs = profiled_hop_costs(model, gbps)
+            out.setdefault("hop_costs", {})[link] = hop_costs
+            for v in spec["variants"]:
+                if v["label"].endswith("+timed"):
+                    v["hop_costs"] = hop_costs
+        ranks = launch(measure_rank, TP, (spec,), timeout_s=3600, threads_per_rank=1)
         rows = {}
-        for label, policy, sp in VARIANTS:
+        for label, policy, sp in variants:
             steps = [max(ts) for ts in zip(*(r["variants"][label]["step_s"] for r in ranks))]
             comm = ranks[0]["variants"][label]["comm_bytes"]
             rows[label] = {"policy": policy, "sequence_parallel": sp, "step_s": steps,
@@ -131,11 +162,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=RESULTS, help="result file; its name also names its table in the report")
     parser.add_argument("--note", default="", help="what this run is (stored with it, shown above its table)")
+    parser.add_argument("--timed", action="store_true",
+                        help="store and oases with sequence parallelism also with the per-op times a plan would carry "
+                             "(profiled here first, per link): the hop order of oases_ds/schedule/costed_merge.py")
     args = parser.parse_args()
 
     def measure() -> dict:
         quick = args.quick
-        return {**run(QUICK if quick else MODEL, 1 if quick else args.repeats, 0 if quick else 1), "note": args.note}
+        return {**run(QUICK if quick else MODEL, 1 if quick else args.repeats, 0 if quick else 1, args.timed),
+                "note": args.note}
 
     if args.quick:
         stored_or_measured(False, args.out, measure)

@@ -57,6 +57,7 @@ from oases_ds.models.stages import split_stages
 from oases_ds.runtime.executor import Executor
 from oases_ds.runtime.pipeline import PipelineExecutor, StageLinks
 from oases_ds.runtime.timeline import Timeline, exposed_by_phase_of
+from oases_ds.schedule.costed_merge import HopCosts
 from oases_ds.schedule.generators import ScheduleSpec
 from oases_ds.schedule.pipeline import OVERLAP
 from oases_ds.utils.rounds import rotated
@@ -165,10 +166,13 @@ def measure_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     def build(variant: dict, link) -> tuple[Executor, OperatorModel]:
         """A variant's executor; besides the schedule keys it may name ``stored_blocks`` /
-        ``gathered_blocks`` (per-block policies), ``sequence_parallel`` and ``overlap_micro_batches``."""
+        ``gathered_blocks`` (per-block policies), ``hop_costs`` (per-op times the sequence-parallel merge
+        orders its hops by, as a plan file holds them), ``sequence_parallel`` and ``overlap_micro_batches``."""
+        hop_costs = variant.get("hop_costs")
         schedule = ScheduleSpec(variant["schedule"], variant["sub_batches"], variant["cross_pass"],
                                 variant["fine_grained_recompute"], tuple(variant.get("stored_blocks", ())),
-                                tuple(variant.get("gathered_blocks", ())))
+                                tuple(variant.get("gathered_blocks", ())),
+                                HopCosts.from_value(hop_costs) if hop_costs is not None else None)
         sp = bool(variant.get("sequence_parallel"))
         if variant.get("overlap_micro_batches"):  # one stage, the step's micro-batches as one merge
             if stage is not None:

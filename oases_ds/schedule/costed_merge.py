@@ -102,7 +102,7 @@ class HopCosts:
         rows = {}
         for field in ("compute_ms", "link_ms"):
             table = value.get(field, [])
-            if not isinstance(table, list) or not all(isinstance(row, list) for row in table):
+            if not isinstance(table, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in table):
                 raise ValueError(f"hop_costs.{field} must be a list of rows, got {table!r}")
             rows[field] = tuple(tuple(row) for row in table)
         return cls(rows["compute_ms"], rows["link_ms"], value.get("issue_ms", 0.0))
