@@ -264,5 +264,5 @@ def padding_mask_worker(tp: int) -> dict:
     def worst(g: dict[str, torch.Tensor]) -> float:
         return max(float((g[n] - r).norm() / max(float(r.norm()), floor)) for n, r in ref_grads.items())
 
-    return {"ref": float(ref), "eager": float(eager), "scheduled": float(scheduled), "unmasked": unmasked,
-            "eager_grad_err": worst(eager_grads), "sched_grad_err": worst(sched_grads)}
+    return {"ref": float(ref.detach()), "eager": float(eager.detach()), "scheduled": float(scheduled.detach()),
+            "unmasked": unmasked, "eager_grad_err": worst(eager_grads), "sched_grad_err": worst(sched_grads)}

@@ -140,7 +140,7 @@ def hf_loss_and_grads(path: str, batch: dict[str, torch.Tensor]) -> tuple[float,
     loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
     loss.backward()
     # an untied BertForMaskedLM never reads cls.predictions.bias: no gradient to compare
-    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:

@@ -412,6 +412,9 @@ def plan_lines(result: PlanResult, request: PlanRequest) -> list[str]:
               *(f"  {row}" for row in plan.as_table().splitlines()),
               f"predicted step {plan.predicted_step_ms:.3f} ms | memory {plan.memory_bytes / 2**20:.3f} MiB per device "
               f"({_limit_text(limit, 3)}{unused})"]
+    if plan.hop_costs is not None:
+        lines.append("sequence parallelism: the plan carries its per-op times (hop_costs); a run with it orders the "
+                     "sub-batches' collectives by them, as this step was priced")
     if result.memory is not None:
         lines += memory_lines(result.memory)
     if result.best_uniform is None:

@@ -122,6 +122,7 @@ def test_the_readme_fits_a_larger_model_as_written(tmp_path, capfd):
     plan = Plan.from_json(tmp_path / "plan.json")
     assert "-sp2|" in outputs[1] and {"store", "oases_gathered"} <= set(plan.block_policies())
     assert plan.hop_costs is not None  # the times it was priced with, which the last run orders its hops by
+    assert "sequence parallelism: the plan carries its per-op times (hop_costs)" in outputs[1]
 
 
 @pytest.mark.distributed
