@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import hf_workers
 from oases_ds import hf
-from oases_ds.hf import config_from_hf, hf_config, load_hf, save_hf
+from oases_ds.hf import config_from_hf, load_hf, save_hf
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import OperatorModel
 from oases_ds.parallel.layers import rotary_inverse_frequencies
