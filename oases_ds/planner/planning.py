@@ -414,7 +414,8 @@ def plan_lines(result: PlanResult, request: PlanRequest) -> list[str]:
               f"({_limit_text(limit, 3)}{unused})"]
     if plan.hop_costs is not None:
         lines.append("sequence parallelism: the plan carries its per-op times (hop_costs); a run with it orders the "
-                     "sub-batches' collectives by them, as this step was priced")
+                     "sub-batches' collectives by them, as this step was priced (overlap_micro_batches keeps the "
+                     "time-blind order)")
     if result.memory is not None:
         lines += memory_lines(result.memory)
     if result.best_uniform is None:

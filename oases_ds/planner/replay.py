@@ -222,9 +222,9 @@ def hop_costs_of(table: CostTable, overhead: bool = True) -> HopCosts | None:
 
 
 def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanReplay:
-    """Replay ``plan``'s step under the table's schedule from its per-op profile (module doc).
-    Under sequence parallelism the schedule orders its hops by the same times
-    (:func:`hop_costs_of`), as the plan's run will (:attr:`Plan.hop_costs`).
+    """Replay ``plan``'s step under the table's schedule from its per-op profile (module doc), in the
+    order its run builds: under sequence parallelism, hops ordered by the times the plan carries
+    (:attr:`Plan.hop_costs`, :func:`hop_costs_of` for plans the planner makes), time-blind without them.
 
     ``overhead=False`` leaves out the per-collective overhead: the ablation the
     accuracy check reports beside the score.
@@ -235,8 +235,7 @@ def replay_plan(table: CostTable, plan: Plan, overhead: bool = True) -> PlanRepl
     ops, degrees = plan_ops(family, plan.attn_degrees, plan.mlp_degrees, table.devices, table.sequence_parallel)
     costs = _op_costs(table, ops, degrees, plan.block_degrees())
     program = build_schedule(dataclasses.replace(table.schedule, stored_blocks=plan.stored_blocks(),
-                                                 gathered_blocks=plan.gathered_blocks(),
-                                                 hop_costs=hop_costs_of(table, overhead)), ops)
+                                                 gathered_blocks=plan.gathered_blocks(), hop_costs=plan.hop_costs), ops)
     issue = collective_issue_ms(table) if overhead else {}
     sim = simulate_step(program, ops, costs, LinkModel(table.bandwidth_gbps, table.latency_us), issue_ms=issue)
     comm_bytes, ranks = costs.comm_bytes, costs.ranks
@@ -279,6 +278,8 @@ def rank_by_replay(table: CostTable, solved: Plan,
     if "store" in table.policies:  # and every degree with every block stored
         candidates += [Plan.from_block_degrees([d] * blocks, table.devices, ["store"] * blocks, solver_name="uniform")
                        for d in table.degrees]
+    hop = hop_costs_of(table)  # each candidate priced as it would run: with the times the chosen one carries
+    candidates = [dataclasses.replace(plan, hop_costs=hop) for plan in candidates]
     seen: set[tuple] = set()
     priced: list[tuple[Plan, float]] = []
     for plan in candidates:
@@ -294,7 +295,7 @@ def rank_by_replay(table: CostTable, solved: Plan,
                                      solver_ms=solved.solver_ms,
                                      solver_name=solved.solver_name if same else f"{solved.solver_name}+replay",
                                      memory_bytes=predict_memory_bytes(table, best), table_key=solved.table_key,
-                                     hop_costs=hop_costs_of(table))
+                                     hop_costs=hop)
     return chosen, priced
 
 
