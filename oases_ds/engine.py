@@ -438,9 +438,9 @@ class OasesEngine(DeepSpeedEngine):
         error.  Megatron avoids it by broadcasting each batch in the TP group; here each rank
         hashes what it was given (keys, shapes, dtypes, bytes; on the host, before the batch
         moves: a batch already on the GPU, as Lightning hands it, is copied back for it, a few
-        hundred KiB of token ids) and one all-gather of 8 bytes per rank compares the hashes.  Its read-back is
-        a host sync at the step's start, while the device is idle (the previous step ended on
-        its loss).  Counted as ``metrics``, not as the schedule's TMP traffic."""
+        hundred KiB of token ids) and one all-gather of 8 bytes per rank compares the hashes.
+        Its read-back is a host sync at the step's start, while the device is idle (the
+        previous step ended on its loss).  Counted as ``metrics``, not as the schedule's TMP traffic."""
         group = self.module.group
         if group_size(group) == 1:
             return

@@ -190,9 +190,10 @@ def check_fork_server_socket_path() -> None:
     from multiprocessing import util
 
     folder = util.get_temp_dir()  # the pymp-* folder the socket goes in (made once per process)
-    if len(os.fsencode(folder)) + _LISTENER_NAME > _UNIX_PATH_MAX:
+    length = len(os.fsencode(folder)) + _LISTENER_NAME
+    if length > _UNIX_PATH_MAX:
         raise LaunchError(f"TMPDIR={tempfile.gettempdir()} is too long for the fork server's socket (its path "
-                          f"{folder}/listener-XXXXXXXX would be {len(os.fsencode(folder)) + _LISTENER_NAME} bytes, "
+                          f"{folder}/listener-XXXXXXXX would be {length} bytes, "
                           f"Linux takes {_UNIX_PATH_MAX}); set TMPDIR to a shorter folder (e.g. /tmp) or "
                           f"{_START_METHOD_ENV}=spawn")
 

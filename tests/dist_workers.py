@@ -8,13 +8,13 @@ import torch
 
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel, one_layer_ops
-from oases_ds.models.ops import CommOp
+from oases_ds.models.ops import CommOp, short_name
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
 from oases_ds.parallel.grads import average_data_parallel_grads
 from oases_ds.parallel.random import RNGTracker
 from oases_ds.runtime.executor import Executor
-from oases_ds.schedule.costed_merge import HopCosts, op_key
+from oases_ds.schedule.costed_merge import HopCosts
 from oases_ds.schedule.generators import ScheduleSpec
 
 # (label, spec): the five schedules plus Oases' two ablations.
@@ -57,7 +57,7 @@ def synthetic_hop_costs() -> HopCosts:
     compute, link = {}, {}
     for family in ("gpt", "bert", "llama"):
         for op in one_layer_ops(family, True):
-            key = op_key(op)
+            key = short_name(op)
             if isinstance(op, CommOp):
                 link[key] = (key, 2.5)
             else:

@@ -215,6 +215,12 @@ def cuda_ranks() -> bool:
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
+def check_gpu_count(cfg: dict) -> None:
+    """On GPU ranks (:func:`cuda_ranks`), one GPU per rank of this host (:func:`check_devices`)."""
+    if cuda_ranks():
+        check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
+
+
 def validate(cfg: dict) -> None:
     """Fail before launching anything, with one line naming the field: a rank that finds a
     bad value fails alone, after every other rank has started and waits for it."""
@@ -238,8 +244,7 @@ def validate(cfg: dict) -> None:
     check_csv(cfg["metrics"]["csv"])
     check_tensorboard(cfg["metrics"]["tensorboard"])
     topology = run_topology(cfg)
-    if cuda_ranks():
-        check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
+    check_gpu_count(cfg)
     if not oases.plan:
         model.check_tp(oases.tensor_parallel_size)
     stages = oases.stages(model.num_layers)
@@ -322,8 +327,7 @@ def check_auto_plan(cfg: dict) -> tuple[float, ModelConfig] | None:
     model = model_config(cfg["model"])
     model.check_tp(cfg["tensor_parallel_size"])
     run_topology(cfg)
-    if cuda_ranks():  # the profiling ranks take a GPU each, as the training ranks will
-        check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", cfg["nprocs"])), torch.cuda.device_count())
+    check_gpu_count(cfg)  # the profiling ranks take a GPU each, as the training ranks will
     return limit, model
 
 

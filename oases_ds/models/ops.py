@@ -240,6 +240,12 @@ class CommOp:
 Op = ComputeOp | CommOp
 
 
+def short_name(op: Op) -> str:
+    """``op``'s name without its layer prefix (``L3.qkv`` -> ``qkv``; ``embed`` stays ``embed``): what
+    every layer's copy of an operator shares, the key of the per-op tables (memory, FLOPs, times)."""
+    return op.name.split(".", 1)[-1]
+
+
 def forward_collective(op: Op) -> bool:
     return isinstance(op, CommOp) and op.forward is not None
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import one_layer_ops
-from oases_ds.models.ops import CommOp, sequence_gather
+from oases_ds.models.ops import CommOp, sequence_gather, short_name
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
 from oases_ds.planner.memory import memory_rows
@@ -180,7 +180,7 @@ def _shapes_by_op(cfg: ModelConfig, degree: int, sequence_parallel: bool = False
     for index, op in enumerate(one_layer_ops(cfg.family, sequence_parallel)):
         if op.block not in BLOCK_KINDS or isinstance(op, CommOp):
             continue
-        short = op.name.split(".", 1)[-1]
+        short = short_name(op)
         if short not in shapes:
             raise ValueError(f"the analytic cost model has no FLOP/size entry for operator {op.name!r} "
                              f"({cfg.family}); add it to oases_ds.planner.analytic.op_shapes")

@@ -60,7 +60,7 @@ from oases_ds.models.blocks import (embed_head_parameter_count, end_parameter_co
                                     layer_parameter_counts)
 from oases_ds.models.config import ModelConfig
 from oases_ds.models.operator_model import plan_ops
-from oases_ds.models.ops import CommOp, Op, moves_bytes
+from oases_ds.models.ops import CommOp, Op, moves_bytes, short_name
 from oases_ds.planner.costs import PRECISIONS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
 from oases_ds.schedule.generators import ScheduleSpec, build_schedule, schedule_segments
@@ -222,7 +222,7 @@ def _neighbours(ops: Sequence[Op], op_degrees: Sequence[int]) -> dict[int, int]:
     compute = [i for i, op in enumerate(ops) if not isinstance(op, CommOp)]
     found: dict[int, int] = {}
     for n, i in enumerate(compute):
-        short = _short(ops[i])
+        short = short_name(ops[i])
         if short in ("attn_in", "mlp_in", "head_in") and n > 0:
             found[i] = op_degrees[compute[n - 1]]
         elif short in ("embed_out", "attn_out", "mlp_out") and n + 1 < len(compute):
@@ -260,10 +260,6 @@ class MemoryEstimate:
                 "checkpoint_peak_bytes": self.checkpoint_peak_bytes}
 
 
-def _short(op: Op) -> str:
-    return op.name.split(".", 1)[-1]
-
-
 def activation_replay(
     cfg: ModelConfig,
     ops: Sequence[Op],
@@ -294,7 +290,7 @@ def activation_replay(
     tokens = [micro_batch / subs * cfg.seq_len * t / devices for t in op_degrees]
     tokens = [n / t if sliced else n for n, t, sliced in zip(tokens, op_degrees, sequence_sliced(ops))]
     neighbours = _neighbours(ops, op_degrees)
-    table = {i: op_memory(_short(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
+    table = {i: op_memory(short_name(op), cfg, op_degrees[i], dtype_bytes, op.layer, neighbours.get(i))
              for i, op in enumerate(ops) if not isinstance(op, CommOp)}
     checkpoint_ops = {seg.start for seg in schedule_segments(spec, ops) if seg.recompute}
     # per op, fixed by its table row: which outputs its graph holds after the executor's release

@@ -204,7 +204,7 @@ def _op_costs(table: CostTable, ops: Sequence[Op], degrees: Sequence[int], plan_
                    ranks=ranks, kind=kind, default_ranks=table.devices)
 
 
-def hop_costs_of(table: CostTable, overhead: bool = True) -> HopCosts | None:
+def hop_costs_of(table: CostTable) -> HopCosts | None:
     """The per-op times a sequence-parallel plan on ``table`` orders its hops by
     (:mod:`oases_ds.schedule.costed_merge`), as the replay prices them: every op of the one-layer
     sequence at the full degree (the only one under sequence parallelism), each collective's link
@@ -217,7 +217,7 @@ def hop_costs_of(table: CostTable, overhead: bool = True) -> HopCosts | None:
     link = LinkModel(table.bandwidth_gbps, table.latency_us)
     link_ms = {i: link.seconds(costs.kind.get(i, "all_reduce"), nbytes, costs.ranks.get(i, table.devices)) * 1e3
                for i, nbytes in costs.comm_bytes.items()}
-    issue = collective_issue_ms(table).get(table.devices, 0.0) if overhead else 0.0
+    issue = collective_issue_ms(table).get(table.devices, 0.0)
     return hop_costs_from(ops, costs.forward_ms, costs.recompute_ms, costs.backward_ms, link_ms, issue)
 
 

@@ -22,25 +22,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from oases_ds.models.ops import CommOp, Op, moves_bytes
+from oases_ds.models.ops import CommOp, Op, moves_bytes, short_name
 from oases_ds.schedule.instructions import Backward, Forward, Instruction, Recompute, StartAsync, Sync
 
 BEAM_WIDTH = 4
-"""States kept per level of the search.  On LLaMA-7B / 13B (seq 4096, 8 x 3090) and GPT-39.1B
-(4 stages) planned analytically, widths 1 to 64 found the same steps to 0.1 ms; 4 leaves room."""
-
-_LAYER_PREFIX = re.compile(r"^L\d+\.")
-
-
-def op_key(op: Op) -> str:
-    """The name :class:`HopCosts` keys an op by: its name without the layer prefix (``L3.qkv`` -> ``qkv``);
-    under sequence parallelism every block runs at the one TMP degree, so every layer's op costs the same."""
-    return _LAYER_PREFIX.sub("", op.name)
-
+"""States kept per level of the search.  On LLaMA-7B (seq 4096, 8 x 3090, every block stored)
+planned analytically, widths 1 to 64 found the same step to 0.1 ms; 4 leaves room."""
 
 def _finite(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -50,11 +40,13 @@ def _finite(where: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class HopCosts:
-    """Per-op times (ms per sub-batch) a sequence-parallel merge orders its hops by.
+    """Per-op times (ms per sub-batch) a sequence-parallel merge orders its hops by, each op named by
+    :func:`~oases_ds.models.ops.short_name`: under sequence parallelism every block runs at the one TMP
+    degree, so every layer's copy of an op costs the same.
 
     Attributes:
-        compute_ms: per compute op (:func:`op_key`): its Forward, Recompute and Backward time.
-        link_ms: per communication op (:func:`op_key`): the link's time for one of its collectives
+        compute_ms: per compute op: its Forward, Recompute and Backward time.
+        link_ms: per communication op: the link's time for one of its collectives
             that moves bytes (under sequence parallelism an AllGather or a ReduceScatter of the
             block's activation, the same bytes either way).
         issue_ms: the compute lane's host time to issue one such collective
@@ -114,7 +106,7 @@ class HopCosts:
         link = dict(self.link_ms)
         times, links = [], []
         for op in ops:
-            key = op_key(op)
+            key = short_name(op)
             if isinstance(op, CommOp):
                 if key not in link:
                     return None
@@ -338,11 +330,11 @@ def costed_merge(streams: Sequence[Sequence[Any]], light: Callable[[int], bool],
 def hop_costs_from(ops: Sequence[Op], forward_ms: Mapping[int, float], recompute_ms: Mapping[int, float],
                    backward_ms: Mapping[int, float], link_ms: Mapping[int, float], issue_ms: float = 0.0) -> HopCosts:
     """:class:`HopCosts` from per-op-index times over ``ops`` (a recompute time missing: the forward's,
-    as the replay takes it); the first op of each :func:`op_key` gives its times."""
+    as the replay takes it); the first op of each short name gives its times."""
     compute: dict[str, tuple[str, float, float, float]] = {}
     links: dict[str, tuple[str, float]] = {}
     for i, op in enumerate(ops):
-        key = op_key(op)
+        key = short_name(op)
         if isinstance(op, CommOp):
             links.setdefault(key, (key, float(link_ms.get(i, 0.0))))
         else:
