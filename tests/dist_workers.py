@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import IGNORE_INDEX, OperatorModel, one_layer_ops
+from oases_ds.models.operator_model import IGNORE_INDEX, MLP_UP_CHUNKS, OperatorModel, one_layer_ops
 from oases_ds.models.ops import CommOp, short_name
 from oases_ds.parallel.collectives import start_all_reduce
 from oases_ds.parallel.context import ParallelContext
@@ -53,7 +53,8 @@ def synthetic_hop_costs() -> HopCosts:
     longer than a collective, the attention projection shorter), for every op name of the three
     families' sequence-parallel layer: the hops then fall elsewhere than the time-blind merge puts
     them (``test_sequence_parallel`` checks that they do), so a plan's order runs in the parity sweep."""
-    heavy = {"qkv": 1.8, "core": 1.2, "proj": 0.6, "mlp_up": 3.2, "mlp_down": 1.6, "mlp": 4.8, "head_in": 1.0, "loss": 1.0}
+    heavy = {"qkv": 1.8, "core": 1.2, "proj": 0.6, "mlp_down": 1.6, "mlp": 4.8, "head_in": 1.0, "loss": 1.0,
+             **{f"mlp_up{k}": 3.2 / MLP_UP_CHUNKS for k in range(MLP_UP_CHUNKS)}}
     compute, link = {}, {}
     for family in ("gpt", "bert", "llama"):
         for op in one_layer_ops(family, True):

@@ -155,8 +155,11 @@ class ComputeOp:
             block's edges), a small fraction of a block's time.  The merge of sub-batch
             streams may run such ops of one sub-batch between two heavy ops of another
             (:func:`~oases_ds.schedule.generators.merge`).
+        continues: the second or a later chunk of one computation split into consecutive ops (the
+            sequence-parallel MLP's ``mlp_up1`` ..): the time-blind merge does not let another
+            sub-batch hop in before it, so its order is the one it had with the computation whole.
         parts: the same computation as consecutive ops (their names the suffix after the
-            layer prefix, e.g. ``mlp_up``), which a rewrite of the sequence may run instead
+            layer prefix, e.g. ``mlp_up0``), which a rewrite of the sequence may run instead
             of this op (:func:`~oases_ds.models.operator_model.sequence_parallel_ops` does,
             to give the other sub-batch a point to hop in); empty for an op that is one step.
     """
@@ -169,6 +172,7 @@ class ComputeOp:
     saves_nothing: bool = False
     graph_only_recompute: bool = False
     light: bool = False
+    continues: bool = False
     parts: tuple["ComputeOp", ...] = ()
     kind: str = field(default="compute", init=False)
 

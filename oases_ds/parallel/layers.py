@@ -11,7 +11,7 @@ want a TMP layer.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,37 @@ class _GraphOnlyLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+class _ChunkedLinear(torch.autograd.Function):
+    """``F.linear(torch.cat(chunks, dim), weight)`` without the concatenation: forward, each chunk's
+    product, concatenated (or, ``values=False``, :class:`_GraphOnlyLinear`'s placeholder); backward,
+    each chunk's input gradient and the weight gradient summed over the chunks.
+
+    Why not ``cat`` then ``F.linear``: the linear would save the concatenation, a second copy of
+    inputs that autograd already keeps (the sequence-parallel MLP's up-projection chunks, held
+    by their own ops' graphs until the backward)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, values: bool, dim: int, *chunks: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight, *chunks)
+        ctx.dim = dim
+        if not values:
+            first = chunks[0]
+            shape = list(first.shape[:-1]) + [weight.shape[0]]
+            shape[dim] = sum(c.shape[dim] for c in chunks)
+            return first.new_zeros(()).expand(*shape)
+        return torch.cat([F.linear(c, weight) for c in chunks], dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        weight, *chunks = ctx.saved_tensors
+        grads = grad.split([c.shape[ctx.dim] for c in chunks], ctx.dim)
+        grad_chunks = [g.matmul(weight) if ctx.needs_input_grad[3 + k] else None for k, g in enumerate(grads)]
+        grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_w = sum(c.reshape(-1, c.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])) for c, g in zip(chunks, grads)).t()
+        return (grad_w, None, None, *grad_chunks)
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by input columns; ``partial`` returns this
     rank's summand (bias excluded), which an AllReduce completes.  The bias is
@@ -171,6 +202,15 @@ class RowParallelLinear(nn.Module):
         if not values and torch.is_grad_enabled():
             return _GraphOnlyLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
+
+    def partial_of_chunks(self, chunks: Sequence[torch.Tensor], dim: int, values: bool = True) -> torch.Tensor:
+        """This rank's summand for the concatenation of ``chunks`` along ``dim``, which it does not
+        build (:class:`_ChunkedLinear`); ``values`` as for :meth:`partial`."""
+        if len(chunks) == 1:
+            return self.partial(chunks[0], values)
+        if not torch.is_grad_enabled():
+            return torch.cat([F.linear(c, self.weight) for c in chunks], dim)
+        return _ChunkedLinear.apply(self.weight, values, dim, *chunks)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias

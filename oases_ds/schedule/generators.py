@@ -411,7 +411,8 @@ def _backward_stream(ops: Sequence[Op], seg: Segment, sub: int) -> list[_Item]:
 
 # -- merge ----------------------------------------------------------------------
 def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | None = None,
-          gates: Mapping[tuple[int, int], tuple[int, int]] | None = None) -> list[Instruction]:
+          gates: Mapping[tuple[int, int], tuple[int, int]] | None = None,
+          continues: Callable[[Instruction], bool] | None = None) -> list[Instruction]:
     """Interleave sub-batch streams, switching sub-batch at every collective.
 
     A sub-batch runs until it reaches a collective, starts it and yields; when
@@ -427,7 +428,11 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
     ReduceScatter and the next begins with an AllGather, with only a norm between; switching
     at collectives alone leaves one of the two with nothing but that norm to hide behind.
     The generators pass ``light`` only for a sequence-parallel operator sequence; every other
-    keeps the merge it was planned, profiled and measured with.
+    keeps the merge it was planned, profiled and measured with.  ``continues(item)``: a heavy item that
+    continues the one before it in its stream (a chunk of one computation after its first,
+    :attr:`~oases_ds.models.ops.ComputeOp.continues`; in a backward, the chunks run last first) is
+    neither a point to hop in nor a heavy op's time for this rule: the chunks merge as the
+    computation did whole.
 
     ``gates[(j, p)] = (i, q)``: stream ``j`` emits its item ``p`` only once stream ``i`` has emitted
     its first ``q`` items; until then ``j`` yields as at a collective.  Why: a step that runs several
@@ -491,7 +496,7 @@ def merge(streams: Sequence[Sequence[_Item]], light: Callable[[int], bool] | Non
                     out.append(StartAsync(item.op, item.sub, item.phase))
                     pending[sub], started[sub] = item, heavy
                     break
-                if light is not None and not light(item.op):
+                if light is not None and not light(item.op) and not (continues is not None and continues(item)):
                     hops(sub)  # before this item counts as emitted: a gate waiting on it stays closed
                     heavy += 1
                 pos[sub] += 1
@@ -514,6 +519,17 @@ def _light_rule(ops: Sequence[Op]) -> Callable[[int], bool] | None:
     return marked if any(sequence_gather(op) for op in ops) else None
 
 
+def _continues_rule(ops: Sequence[Op]) -> Callable[[Instruction], bool]:
+    """The merge's ``continues`` test: the item's op continues the one before it
+    (:attr:`~oases_ds.models.ops.ComputeOp.continues`), or in a backward, which runs the chunks
+    last first, the op after it continues this one."""
+    def marked(item: Instruction) -> bool:
+        if isinstance(item, Backward):
+            return item.op + 1 < len(ops) and bool(getattr(ops[item.op + 1], "continues", False))
+        return bool(getattr(ops[item.op], "continues", False))
+    return marked
+
+
 def _backward_pass(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_Item]:
     """One sub-batch's recomputation and backward, last segment first (the cross-pass stream's tail)."""
     out: list[_Item] = []
@@ -526,10 +542,12 @@ def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool,
             hop_costs: HopCosts | None = None) -> list[Instruction]:
     light = _light_rule(ops)
 
+    continues = _continues_rule(ops)
+
     def merged(streams: list[list[_Item]]) -> list[Instruction]:
         if light is None or hop_costs is None or len(streams) < 2:
-            return merge(streams, light)
-        return costed_merge(streams, light, ops, hop_costs, lambda: merge(streams, light))
+            return merge(streams, light, continues=continues)
+        return costed_merge(streams, light, ops, hop_costs, lambda: merge(streams, light, continues=continues))
 
     if cross_pass:
         return merged([_forward_stream(ops, segs, sub) + _backward_pass(ops, segs, sub) for sub in range(subs)])
@@ -600,7 +618,7 @@ def micro_batch_merge(spec: ScheduleSpec, ops: Sequence[Op], micro_batches: int)
         for m in range(1, micro_batches):
             gates[(b, (m - 1) * f_len)] = (a, f_len + (m - 1) * b_len)  # F(m) starts once B(m-1) has
             gates[(a, f_len + m * b_len)] = (b, m * f_len)  # B(m) waits for the end of F(m)
-    merged = merge(lane_a + lane_b, _light_rule(ops), gates)
+    merged = merge(lane_a + lane_b, _light_rule(ops), gates, _continues_rule(ops))
     return [(ins.sub // k, dataclasses.replace(ins, sub=ins.sub % k)) for ins in merged]
 
 

@@ -51,7 +51,9 @@ def store_all(layers: int) -> Plan:
 
 def test_the_replay_orders_hops_by_time_and_prices_the_7b_step_lower(sp_table):
     """Every block stored: the time-blind order replays at 1874.6 ms (the 1.144x of the report
-    before), the timed one at 1794.8 ms, the same instructions otherwise (the checker proves it)."""
+    before), the timed one at 1744.8 ms (1794.8 ms with the MLP's up projection as one op: its
+    chunks are the points the timed order needs), the same instructions otherwise (the checker
+    proves it)."""
     plan = dataclasses.replace(store_all(32), hop_costs=hop_costs_of(sp_table))
     timed = replay_plan(sp_table, plan).step_ms
     assert replay_plan(sp_table, store_all(32)).step_ms == pytest.approx(1874.6, abs=0.1)  # no times: as it would run
@@ -60,7 +62,7 @@ def test_the_replay_orders_hops_by_time_and_prices_the_7b_step_lower(sp_table):
     blind = build_schedule(spec, ops)
     costs = _op_costs(sp_table, ops, degrees, "store all")
     blind_ms = simulate_step(blind, ops, costs, PCIE).step_ms
-    assert blind_ms == pytest.approx(1874.6, abs=0.1) and timed == pytest.approx(1794.8, abs=0.1)
+    assert blind_ms == pytest.approx(1874.6, abs=0.1) and timed == pytest.approx(1744.8, abs=0.1)
     hop = hop_costs_of(sp_table)
     program = build_schedule(dataclasses.replace(spec, hop_costs=hop), ops)
     check(program, ops)
@@ -72,7 +74,7 @@ def test_the_planned_sequence_parallel_7b_plan_carries_its_times_and_its_run_bui
     result = make_plan(request(True))
     plan = result.plan
     assert plan.hop_costs == hop_costs_of(sp_table) and plan.hop_costs is not None
-    assert plan.block_policies() == ["store"] * 64 and plan.predicted_step_ms == pytest.approx(1794.8, abs=0.1)
+    assert plan.block_policies() == ["store"] * 64 and plan.predicted_step_ms == pytest.approx(1744.8, abs=0.1)
     path = tmp_path / "plan.json"
     plan.to_json(path)
     assert Plan.from_json(path) == plan

@@ -231,16 +231,19 @@ def _sp_ops(family: str = "llama", layers: int = 2):
 
 def test_sequence_parallel_ops_gather_before_and_reduce_scatter_after_each_block():
     """Every copy becomes an AllGather of the sequence (gradient: ReduceScatter) and every
-    reduce a ReduceScatter (gradient: AllGather), both along dim 1; the MLP runs as its two
-    parts; nothing else changes."""
-    from oases_ds.models.operator_model import plan_ops
+    reduce a ReduceScatter (gradient: AllGather), both along dim 1; the MLP runs as its parts
+    (MLP_UP_CHUNKS chunks of the up projection, then the down projection); nothing else changes."""
+    from oases_ds.models.operator_model import MLP_UP_CHUNKS, plan_ops
 
     plain = plan_ops("gpt", [2, 2], [2, 2], 2)[0]
     sp = _sp_ops("gpt")
-    split = {"L0.mlp": ["L0.mlp_up", "L0.mlp_down"], "L1.mlp": ["L1.mlp_up", "L1.mlp_down"]}
+    ups = [f"mlp_up{k}" for k in range(MLP_UP_CHUNKS)]
+    split = {f"L{i}.mlp": [f"L{i}.{name}" for name in [*ups, "mlp_down"]] for i in range(2)}
     assert [op.name for op in sp] == [name for op in plain for name in split.get(op.name, [op.name])]
-    assert [(op.name, op.graph_only_recompute) for op in sp if op.name.startswith("L1.mlp_") and op.kind == "compute"] == [
-        ("L1.mlp_in", False), ("L1.mlp_up", False), ("L1.mlp_down", True), ("L1.mlp_out", False)]
+    assert [(op.name, op.graph_only_recompute, op.continues) for op in sp
+            if op.name.startswith("L1.mlp_") and op.kind == "compute"] == [
+        ("L1.mlp_in", False, False), *((f"L1.{name}", False, k > 0) for k, name in enumerate(ups)),
+        ("L1.mlp_down", True, False), ("L1.mlp_out", False, False)]
     planned, degrees = plan_ops("gpt", [2, 2], [2, 2], 2, sequence_parallel=True)
     assert [(op.name, op.kind) for op in planned] == [(op.name, op.kind) for op in sp] and degrees == [2] * len(sp)
     pairs = {op.name: (op.forward, op.backward, op.dim) for op in sp if op.kind == "comm"}
@@ -273,7 +276,7 @@ def test_oases_under_sequence_parallelism_regathers_each_recomputed_block_and_ch
     assert _recompute_collectives(schedule, ops) == []
     held = generators.held_inputs(ops, schedule_segments(gathered, ops))
     assert [ops[i].name for i in held if ops[i].block in ("attn", "mlp")] == [
-        "L0.attn_in", "L0.qkv", "L0.mlp_in", "L0.mlp_up", "L1.attn_in", "L1.qkv", "L1.mlp_in", "L1.mlp_up"]
+        "L0.attn_in", "L0.qkv", "L0.mlp_in", "L0.mlp_up0", "L1.attn_in", "L1.qkv", "L1.mlp_in", "L1.mlp_up0"]
 
 
 def test_checker_allows_only_the_regather_of_a_block_that_does_not_keep_it():
@@ -338,7 +341,7 @@ def test_under_sequence_parallelism_a_sub_batch_hops_in_to_start_its_next_gather
     """A block's ReduceScatter and the next block's AllGather have only a norm between them: switching
     sub-batches at collectives alone leaves 16 of the 36 forward collectives of a 4-layer LLaMA with no
     heavy work of the other sub-batch to hide behind.  Hopping in between two heavy ops (the MLP runs
-    as two, mlp_up and mlp_down, so it has such a point) leaves 2 -- the sequence's first, before the
+    as several, its up-projection chunks and mlp_down, so it has such a point) leaves 2 -- the sequence's first, before the
     other sub-batch has started, and its last -- and none in backward; with 3 sub-batches none at all.
     Were the MLP one op, hopping would leave 9: its ReduceScatter each time."""
     from oases_ds.models.operator_model import plan_ops, sequence_parallel_ops
