@@ -24,8 +24,9 @@ pattern once for attention and once for the MLP)::
     mlp_out   (x, y)     -> (x'',)         bias, dropout, residual
 
 Under sequence parallelism the MLP runs as :data:`MLP_UP_CHUNKS` + 1 operators: ``mlp_up0`` ..
-``mlp_up3``, the column-parallel linears and the activation, each on a quarter of the gathered
-sequence (the MLP is per token), and ``mlp_down``, the row-parallel one on their concatenation.
+``mlp_up3``, the column-parallel linears and the activation, each on a part of the gathered
+sequence (the MLP is per token; up to four equal parts of at least :data:`MIN_CHUNK_TOKENS`,
+:func:`mlp_up_chunk_bounds`), and ``mlp_down``, the row-parallel one on all of them.
 There a block's ReduceScatter and the next block's AllGather have only a norm between them, and
 the other sub-batch can start that AllGather only between two of this sub-batch's heavy operators
 (the merge's hops, :func:`oases_ds.schedule.generators.merge`); with one MLP operator the MLP's
@@ -94,11 +95,45 @@ IGNORE_INDEX = -100
 
 MLP_UP_CHUNKS = 4
 """Under sequence parallelism the MLP's column-parallel half runs as this many operators, each on
-a quarter of the gathered sequence (module doc): points where the other sub-batch can start its
-next collective.  Priced on LLaMA-7B at seq 4096 on 8 x 3090 (``cost=analytic``, every block stored,
-hops ordered by the plan's times), 1, 2, 3 and 4 equal chunks replayed 1794.8, 1794.8, 1760.7 and
-1744.8 ms, and 8 chunks as 4 (on links of 60 to 160 Gbit/s, 4 chunks never slower than 1 or 3).
-The time-blind order, which does not hop between chunks, is the same with any number (1874.6 ms)."""
+a part of the gathered sequence (module doc, :func:`mlp_up_chunk_bounds`): points where the other
+sub-batch can start its next collective.  Priced on LLaMA-7B at seq 4096 on 8 x 3090 (``cost=analytic``,
+every block stored, hops ordered by the plan's times), 1, 2, 3 and 4 equal chunks replayed 1794.8,
+1794.8, 1760.7 and 1744.8 ms, and 8 chunks as 4 (on links of 60 to 160 Gbit/s, 4 chunks never
+slower than 1 or 3).  The time-blind order, which does not hop between chunks, is the same with any
+number (1874.6 ms)."""
+
+MIN_CHUNK_TOKENS = 1024
+"""The fewest tokens per sample a chunk of the up projection gets (:func:`mlp_up_chunk_bounds`).
+Why: small chunks cost on a CPU.  Timed on this project's 2-core host (LLaMA h1024, FFN 2816 at
+TMP 2, 2 x 512 tokens, fp32, one thread, autograd forward and backward of the MLP alone), four
+256-token chunks took 1.10x the whole projection (the down projection over the chunks 1.2x, the up
+projection's chunks 1.04-1.13x).  On emulated links, with four chunks at seq 512, the timed hop
+order was 1.042x the time-blind one at 1 Gbit/s (``benchmarks/reports/sequence_parallel_step-2026-12-08.md``),
+against 0.976x without chunks in the 2026-12-07 run."""
+
+
+def mlp_up_chunk_count(seq_len: int) -> int:
+    """How many of the :data:`MLP_UP_CHUNKS` up-projection chunks run tokens at a sequence length of
+    ``seq_len``: ``seq_len // MIN_CHUNK_TOKENS``, 1 to ``MLP_UP_CHUNKS``."""
+    return max(1, min(MLP_UP_CHUNKS, seq_len // MIN_CHUNK_TOKENS))
+
+
+def mlp_up_chunk_bounds(tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of the :data:`MLP_UP_CHUNKS` up-projection chunks over the ``tokens``
+    gathered tokens of a sub-batch (flattened, samples after one another: each chunk a contiguous
+    view, which the linears save as it is), :func:`mlp_up_chunk_count` equal parts and the rest empty.
+    The op sequence is the same at every length (the cost tables and the schedule index it); a short
+    sequence runs its up projection in the first chunk."""
+    n = mlp_up_chunk_count(seq_len)
+    edges = [tokens * k // n for k in range(n + 1)]
+    return [(edges[k], edges[k + 1]) if k < n else (tokens, tokens) for k in range(MLP_UP_CHUNKS)]
+
+
+def mlp_up_chunk_share(seq_len: int, chunk: int) -> float:
+    """The fraction of the tokens chunk ``chunk`` of the up projection runs (:func:`mlp_up_chunk_bounds`):
+    what the cost and memory models scale the whole projection's FLOPs and bytes by."""
+    n = mlp_up_chunk_count(seq_len)
+    return 1.0 / n if chunk < n else 0.0
 # Dropout sites: fixed integers so that a reference model can use the same keys.
 SITE_EMBED = 0
 
@@ -532,18 +567,24 @@ class OperatorModel(nn.Module):
             return F.gelu(layer.mlp.fc1.partial(h), approximate=approximate)
 
         def mlp_up_chunk(k: int) -> Callable[[OpContext, Acts], Acts]:
-            """Chunk ``k`` of the column-parallel half on the gathered sequence: ``(x, h, inner_0 ..
-            inner_{k-1}) -> (x, h, inner_0 .. inner_k)``, the last chunk without ``h``."""
+            """Chunk ``k`` of the column-parallel half on the gathered tokens: ``(x, h, inner_0 ..
+            inner_{k-1}) -> (x, h, inner_0 .. inner_k)``, the last chunk without ``h``; each ``inner``
+            ``[tokens, F/t]``, the sub-batch's tokens flattened."""
             def up(c: OpContext, a: Acts) -> Acts:
                 x, h, *done = a
-                inner = mlp_inner(h.tensor_split(MLP_UP_CHUNKS, dim=1)[k])
+                flat = h.reshape(-1, h.shape[-1])
+                start, end = mlp_up_chunk_bounds(flat.shape[0], h.shape[1])[k]
+                inner = mlp_inner(flat[start:end])
                 return (x, *done, inner) if k == MLP_UP_CHUNKS - 1 else (x, h, *done, inner)
             return up
 
         def mlp_down(c: OpContext, a: Acts) -> Acts:
-            x, *inners = a  # one inner, or the sequence-parallel chunks along the sequence
+            x, *inners = a
             row = layer.mlp.down if cfg.family == "llama" else layer.mlp.fc2
-            return (x, row.partial_of_chunks(inners, dim=1, values=c.outputs_needed))
+            if len(inners) == 1:
+                return (x, row.partial(inners[0], values=c.outputs_needed))
+            # the sequence-parallel chunks of the flattened tokens; y is [b, s, H] (x is [b, s/t, H])
+            return (x, row.partial_of_chunks(inners, x.shape[0], values=c.outputs_needed))
 
         def mlp_out(c: OpContext, a: Acts) -> Acts:
             x, y = a

@@ -154,33 +154,38 @@ class _GraphOnlyLinear(torch.autograd.Function):
 
 
 class _ChunkedLinear(torch.autograd.Function):
-    """``F.linear(torch.cat(chunks, dim), weight)`` without the concatenation: forward, each chunk's
-    product, concatenated (or, ``values=False``, :class:`_GraphOnlyLinear`'s placeholder); backward,
-    each chunk's input gradient and the weight gradient summed over the chunks.
+    """``F.linear(torch.cat(chunks), weight)`` over 2-D ``[rows, in]`` chunks without the
+    concatenation: forward, each chunk's product written into its rows of the output (or,
+    ``values=False``, :class:`_GraphOnlyLinear`'s placeholder); backward, each chunk's input
+    gradient and the weight gradient summed over the chunks.
 
     Why not ``cat`` then ``F.linear``: the linear would save the concatenation, a second copy of
     inputs that autograd already keeps (the sequence-parallel MLP's up-projection chunks, held
     by their own ops' graphs until the backward)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, values: bool, dim: int, *chunks: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, weight: torch.Tensor, values: bool, samples: int, *chunks: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(weight, *chunks)
-        ctx.dim = dim
+        rows = sum(c.shape[0] for c in chunks)
+        shape = (samples, rows // samples, weight.shape[0])  # the output as a tensor of its own, not a view
         if not values:
-            first = chunks[0]
-            shape = list(first.shape[:-1]) + [weight.shape[0]]
-            shape[dim] = sum(c.shape[dim] for c in chunks)
-            return first.new_zeros(()).expand(*shape)
-        return torch.cat([F.linear(c, weight) for c in chunks], dim)
+            return chunks[0].new_zeros(()).expand(*shape)
+        out = chunks[0].new_empty(shape)
+        flat, start = out.view(rows, -1), 0
+        for c in chunks:
+            torch.mm(c, weight.t(), out=flat[start:start + c.shape[0]])
+            start += c.shape[0]
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         weight, *chunks = ctx.saved_tensors
-        grads = grad.split([c.shape[ctx.dim] for c in chunks], ctx.dim)
-        grad_chunks = [g.matmul(weight) if ctx.needs_input_grad[3 + k] else None for k, g in enumerate(grads)]
+        grads = grad.reshape(-1, grad.shape[-1]).split([c.shape[0] for c in chunks])
+        grad_chunks = [g.mm(weight) if ctx.needs_input_grad[3 + k] else None for k, g in enumerate(grads)]
         grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_w = sum(c.reshape(-1, c.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])) for c, g in zip(chunks, grads)).t()
+            for c, g in zip(chunks, grads):
+                grad_w = g.t().mm(c) if grad_w is None else grad_w.addmm_(g.t(), c)
         return (grad_w, None, None, *grad_chunks)
 
 
@@ -203,14 +208,13 @@ class RowParallelLinear(nn.Module):
             return _GraphOnlyLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
 
-    def partial_of_chunks(self, chunks: Sequence[torch.Tensor], dim: int, values: bool = True) -> torch.Tensor:
-        """This rank's summand for the concatenation of ``chunks`` along ``dim``, which it does not
-        build (:class:`_ChunkedLinear`); ``values`` as for :meth:`partial`."""
-        if len(chunks) == 1:
-            return self.partial(chunks[0], values)
+    def partial_of_chunks(self, chunks: Sequence[torch.Tensor], samples: int, values: bool = True) -> torch.Tensor:
+        """This rank's summand ``[samples, tokens, out]`` for the concatenation of the 2-D ``chunks``
+        (rows of the ``samples``' tokens, one after another), which it does not build
+        (:class:`_ChunkedLinear`); ``values`` as for :meth:`partial`."""
         if not torch.is_grad_enabled():
-            return torch.cat([F.linear(c, self.weight) for c in chunks], dim)
-        return _ChunkedLinear.apply(self.weight, values, dim, *chunks)
+            return torch.cat([F.linear(c, self.weight) for c in chunks]).view(samples, -1, self.weight.shape[0])
+        return _ChunkedLinear.apply(self.weight, values, samples, *chunks)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from oases_ds.models.blocks import layer_parameter_counts
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import MLP_UP_CHUNKS, one_layer_ops
+from oases_ds.models.operator_model import MLP_UP_CHUNKS, mlp_up_chunk_share, one_layer_ops
 from oases_ds.models.ops import CommOp, sequence_gather, short_name
 from oases_ds.planner.costmodel import BlockTiming, pipelined_comm_ms
 from oases_ds.planner.costs import BLOCK_KINDS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, DegreeProfile, OpTimes, PassTimes
@@ -152,10 +152,9 @@ def op_shapes(cfg: ModelConfig, degree: int) -> dict[str, OpShape]:
     attention context are this shard's ``H/t`` heads."""
     H, F, s, t = cfg.hidden_size, cfg.ffn, cfg.seq_len, degree
     mlp_matrices = 3 if cfg.family == "llama" else 2
-    # under sequence parallelism the MLP's column-parallel half runs in chunks of the sequence
-    up_chunk = OpShape(2 * H * F * (mlp_matrices - 1) / t / MLP_UP_CHUNKS)
+    up = 2 * H * F * (mlp_matrices - 1) / t  # under sequence parallelism in chunks of the sequence
     return {
-        **{f"mlp_up{k}": up_chunk for k in range(MLP_UP_CHUNKS)},
+        **{f"mlp_up{k}": OpShape(up * mlp_up_chunk_share(s, k)) for k in range(MLP_UP_CHUNKS)},
         "attn_in": OpShape(0.0),
         "qkv": OpShape(2 * H * 3 * H / t),
         "core": OpShape(2 * 2 * s * H / t),

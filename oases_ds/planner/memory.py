@@ -59,7 +59,7 @@ from typing import Sequence
 from oases_ds.models.blocks import (embed_head_parameter_count, end_parameter_counts, largest_parameter_count,
                                     layer_parameter_counts)
 from oases_ds.models.config import ModelConfig
-from oases_ds.models.operator_model import MLP_UP_CHUNKS, plan_ops
+from oases_ds.models.operator_model import MLP_UP_CHUNKS, mlp_up_chunk_share, plan_ops
 from oases_ds.models.ops import CommOp, Op, moves_bytes, short_name
 from oases_ds.planner.costs import PRECISIONS, STATE_BYTES_PER_PARAM, BlockCost, CostTable, ModelStates
 from oases_ds.schedule.dataflow import initial_buffers, last_reads, unread_recomputes
@@ -203,9 +203,10 @@ def op_memory(short: str, cfg: ModelConfig, degree: int, dtype_bytes: int, layer
     if short.startswith("mlp_up"):  # chunk k of MLP_UP_CHUNKS (sequence parallelism): it saves its slice of
         # h, a view that keeps h whole; hands on x, h but at the last, the chunks before it and a new
         # GeLU output / SwiGLU product on its share of the tokens
-        k, n = int(short[len("mlp_up"):]), MLP_UP_CHUNKS
-        handed = (0,) + ((1,) if k < n - 1 else ()) + tuple(range(2, 2 + k))
-        return OpMemory((*handed, F / t * e / n), (1,), (3 if fam == "llama" else 1) * F / t * e / n)
+        k = int(short[len("mlp_up"):])
+        share = mlp_up_chunk_share(s, k)  # of the tokens
+        handed = (0,) + ((1,) if k < MLP_UP_CHUNKS - 1 else ()) + tuple(range(2, 2 + k))
+        return OpMemory((*handed, F / t * e * share), (1,), (3 if fam == "llama" else 1) * F / t * e * share)
     if short == "mlp_down":  # saves its inputs, mlp_up's output or (sequence parallelism) its chunks
         return OpMemory((0, float(H * e)), tuple(range(1, 1 + MLP_UP_CHUNKS)))
     if short == "head_in":

@@ -40,3 +40,21 @@ def test_mixed_degree_plans_on_tmp_2_and_4_match_the_prediction_per_rank():
                 # (a mixed-degree plan's segment that starts at a reshard is charged to another term by the model)
                 checkpoints = rank["measured_checkpoint_bytes"], rank["predicted_checkpoint_bytes"]
                 assert abs(checkpoints[1] - checkpoints[0]) <= TOLERANCE * checkpoints[0], (row, rank["rank"], checkpoints)
+
+
+@pytest.mark.distributed
+def test_the_up_projection_in_chunks_matches_the_prediction_per_rank():
+    """At seq 2048 the sequence-parallel MLP's up projection runs as two chunks (``mlp_up_chunk_bounds``):
+    the chunks' outputs are handed on to the down projection, which saves them (no concatenation), and
+    the memory model counts them so.  LLaMA h64, 2 layers, TMP 2, stored and re-gathering blocks."""
+    from oases_ds.launcher import launch
+    from oases_ds.bench.memory import plan_memory_rank
+    from oases_ds.models.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, seq_len=2048,
+                      dropout=0.0)
+    case = {"family": "llama", "devices": 2, "attn": (2, 2), "mlp": (2, 2), "schedule": "oases",
+            "sequence_parallel": True, "stored": (1, 2)}
+    for rank in launch(plan_memory_rank, 2, (case, 4, 300, cfg), timeout_s=300, threads_per_rank=1):
+        measured, predicted = rank["measured_activation_bytes"], rank["predicted_activation_bytes"]
+        assert abs(predicted / measured - 1) <= TOLERANCE, (rank["rank"], measured, predicted)

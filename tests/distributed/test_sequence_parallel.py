@@ -26,7 +26,7 @@ import dist_workers
 import engine_workers as ew
 import pipeline_workers
 from oases_ds.launcher import launch
-from oases_ds.models.operator_model import plan_ops
+from oases_ds.models.operator_model import mlp_up_chunk_count, plan_ops
 from oases_ds.schedule.checker import check
 from oases_ds.schedule.generators import build_schedule
 
@@ -59,6 +59,25 @@ def test_every_schedule_and_policy_matches_the_reference(layout, model):
             r = per_rank[(model, variant)]
             assert r["grad_err"] <= TOL, f"rank {rank} {variant}: worst gradient {r['worst_param']} rel err {r['grad_err']:.2e}"
             assert r["loss_err"] <= TOL, f"rank {rank} {variant}: loss rel err {r['loss_err']:.2e}"
+
+
+@pytest.mark.distributed
+def test_a_long_sequence_runs_the_up_projection_in_chunks_and_matches_the_reference():
+    """A long sequence runs the MLP's up projection in chunks of 1024 tokens (``mlp_up_chunk_count``:
+    four at seq 4096, two at 2048; the sweep above, at seq 8, runs it in the first): the chunks and the
+    down projection over them (``_ChunkedLinear``) against the same reference, TMP 2, LLaMA with GQA
+    and GPT (biases), dropout 0 (the fused attention), 2 SGD steps; schedules that re-gather, keep the
+    gathered input or store, and order hops by time."""
+    long = {"llama_gqa_s4096": dict(family="llama", num_kv_heads=2, seq_len=4096),
+            "gpt_s2048": dict(family="gpt", seq_len=2048)}
+    assert [mlp_up_chunk_count(kw["seq_len"]) for kw in long.values()] == [4, 2]
+    variants = ["oases-gathered-mixed", "oases-hops"]  # hops over re-gathering blocks; kept inputs and stores
+    for rank, per_rank in enumerate(launch(dist_workers.parity_worker, 2, (2, [], 2, 2, 0.05, None, variants, 0.0,
+                                                                           long, True), timeout_s=600)):
+        for (model, variant), r in per_rank.items():
+            assert r["grad_err"] <= TOL, f"rank {rank} {model} {variant}: {r['worst_param']} rel err {r['grad_err']:.2e}"
+            assert r["loss_err"] <= TOL, f"rank {rank} {model} {variant}: loss rel err {r['loss_err']:.2e}"
+        assert len(per_rank) == len(long) * len(variants)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
