@@ -121,19 +121,24 @@ def mlp_up_chunk_count(seq_len: int) -> int:
 def mlp_up_chunk_bounds(tokens: int, seq_len: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each of the :data:`MLP_UP_CHUNKS` up-projection chunks over the ``tokens``
     gathered tokens of a sub-batch (flattened, samples after one another: each chunk a contiguous
-    view, which the linears save as it is), :func:`mlp_up_chunk_count` equal parts and the rest empty.
-    The op sequence is the same at every length (the cost tables and the schedule index it); a short
-    sequence runs its up projection in the first chunk."""
+    view, which the linears save as it is): empty chunks first, then :func:`mlp_up_chunk_count` equal
+    parts.  The op sequence is the same at every length (the cost tables and the schedule index it);
+    a short sequence runs its up projection in the last chunk.  Why last: a chunk's output is handed
+    on by the chunk ops after it, whose graphs hold it until their backward, so a whole projection
+    in the first chunk would be held past the down projection's backward (measured on ranks at seq
+    512, LLaMA h1024: a tenth more peak activation memory for re-gathering blocks, as the memory model
+    predicted); empty chunks hand on nothing but empty tensors."""
     n = mlp_up_chunk_count(seq_len)
     edges = [tokens * k // n for k in range(n + 1)]
-    return [(edges[k], edges[k + 1]) if k < n else (tokens, tokens) for k in range(MLP_UP_CHUNKS)]
+    empty = MLP_UP_CHUNKS - n
+    return [(0, 0) if k < empty else (edges[k - empty], edges[k - empty + 1]) for k in range(MLP_UP_CHUNKS)]
 
 
 def mlp_up_chunk_share(seq_len: int, chunk: int) -> float:
     """The fraction of the tokens chunk ``chunk`` of the up projection runs (:func:`mlp_up_chunk_bounds`):
     what the cost and memory models scale the whole projection's FLOPs and bytes by."""
     n = mlp_up_chunk_count(seq_len)
-    return 1.0 / n if chunk < n else 0.0
+    return 1.0 / n if chunk >= MLP_UP_CHUNKS - n else 0.0
 # Dropout sites: fixed integers so that a reference model can use the same keys.
 SITE_EMBED = 0
 

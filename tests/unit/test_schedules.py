@@ -361,17 +361,19 @@ def test_under_sequence_parallelism_a_sub_batch_hops_in_to_start_its_next_gather
 
 def test_the_up_projection_chunks_cover_the_sequence_in_parts_of_at_least_min_chunk_tokens():
     """``mlp_up_chunk_bounds``: consecutive, covering every gathered token once, equal non-empty parts
-    (one per MIN_CHUNK_TOKENS of the sequence, at least one), the rest empty; the cost and memory
-    models' shares add up to the whole projection."""
+    (one per MIN_CHUNK_TOKENS of the sequence, at least one) after the empty ones; the cost and
+    memory models' shares add up to the whole projection."""
     from oases_ds.models.operator_model import MIN_CHUNK_TOKENS, MLP_UP_CHUNKS, mlp_up_chunk_bounds, mlp_up_chunk_share
 
     for seq in (2, 8, 512, MIN_CHUNK_TOKENS, 2 * MIN_CHUNK_TOKENS, 3000, 4 * MIN_CHUNK_TOKENS, 10000):
         for samples in (1, 2, 3):
             tokens = samples * seq
             bounds = mlp_up_chunk_bounds(tokens, seq)
-            assert len(bounds) == MLP_UP_CHUNKS and bounds[0][0] == 0 and bounds[-1][1] == tokens
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-            sizes = [end - start for start, end in bounds if end > start]
+            real = [(start, end) for start, end in bounds if end > start]
+            assert len(bounds) == MLP_UP_CHUNKS and real[0][0] == 0 and real[-1][1] == tokens
+            assert all(a[1] == b[0] for a, b in zip(real, real[1:]))
+            assert bounds[MLP_UP_CHUNKS - len(real):] == real  # the empty chunks first
+            sizes = [end - start for start, end in real]
             assert len(sizes) == max(1, min(MLP_UP_CHUNKS, seq // MIN_CHUNK_TOKENS)) and max(sizes) - min(sizes) <= 1
             assert len(sizes) == 1 or min(sizes) >= samples * MIN_CHUNK_TOKENS
         assert sum(mlp_up_chunk_share(seq, k) for k in range(MLP_UP_CHUNKS)) == pytest.approx(1.0)
