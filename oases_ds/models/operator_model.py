@@ -33,9 +33,9 @@ the other sub-batch can start that AllGather only between two of this sub-batch'
 ReduceScatter stayed exposed with two sub-batches.  The chunks are finer points for a merge that
 knows the ops' times (:mod:`oases_ds.schedule.costed_merge`): in a link-bound forward the up
 projection outlasts the other sub-batch's collective, and with one operator the link idled for the
-difference; the time-blind merge does not hop between chunks (``ComputeOp.continues``).  Without sequence parallelism a collective is never
-that close to the next, so the MLP stays one operator (one fewer step to schedule, and no
-``F/t``-wide output held between two ops until the backward).
+difference; the time-blind merge does not hop between chunks (``ComputeOp.continues``).  Without
+sequence parallelism a collective is never that close to the next, so the MLP stays one operator
+(one fewer step to schedule, and no ``F/t``-wide output held between two ops until the backward).
 
 ``attn_out`` and ``mlp_out`` save no activation for backward (``saves_nothing``):
 the keyed dropout regenerates its mask, the adds need no values.  So the Oases
@@ -106,8 +106,8 @@ MIN_CHUNK_TOKENS = 1024
 """The fewest tokens per sample a chunk of the up projection gets (:func:`mlp_up_chunk_bounds`).
 Why: small chunks cost on a CPU.  Timed on this project's 2-core host (LLaMA h1024, FFN 2816 at
 TMP 2, 2 x 512 tokens, fp32, one thread, autograd forward and backward of the MLP alone), four
-256-token chunks took 1.10x the whole projection (the down projection over the chunks 1.2x, the up
-projection's chunks 1.04-1.13x).  On emulated links, with four chunks at seq 512, the timed hop
+256-token chunks took 1.10x the whole MLP (with a first version of the down projection over the
+chunks, which concatenated its output).  On emulated links, with four chunks at seq 512, the timed hop
 order was 1.042x the time-blind one at 1 Gbit/s (``benchmarks/reports/sequence_parallel_step-2026-12-08.md``),
 against 0.976x without chunks in the 2026-12-07 run."""
 
@@ -139,6 +139,8 @@ def mlp_up_chunk_share(seq_len: int, chunk: int) -> float:
     what the cost and memory models scale the whole projection's FLOPs and bytes by."""
     n = mlp_up_chunk_count(seq_len)
     return 1.0 / n if chunk >= MLP_UP_CHUNKS - n else 0.0
+
+
 # Dropout sites: fixed integers so that a reference model can use the same keys.
 SITE_EMBED = 0
 
