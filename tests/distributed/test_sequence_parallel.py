@@ -64,10 +64,10 @@ def test_every_schedule_and_policy_matches_the_reference(layout, model):
 @pytest.mark.distributed
 def test_a_long_sequence_runs_the_up_projection_in_chunks_and_matches_the_reference():
     """A long sequence runs the MLP's up projection in chunks of 1024 tokens (``mlp_up_chunk_count``:
-    four at seq 4096, two at 2048; the sweep above, at seq 8, runs it in the last): the chunks and the
-    down projection over them (``_ChunkedLinear``) against the same reference, TMP 2, LLaMA with GQA
-    and GPT (biases), dropout 0 (the fused attention), 2 SGD steps; schedules that re-gather, keep the
-    gathered input or store, and order hops by time."""
+    four at seq 4096, two at 2048; the sweep above, at seq 8, runs it in the last chunk): the chunks
+    and the down projection over them (``_ChunkedLinear``) against the same reference, TMP 2, LLaMA
+    with GQA and GPT (biases), dropout 0 (the fused attention), 2 SGD steps; schedules that re-gather,
+    keep the gathered input or store, and order hops by time."""
     long = {"llama_gqa_s4096": dict(family="llama", num_kv_heads=2, seq_len=4096),
             "gpt_s2048": dict(family="gpt", seq_len=2048)}
     assert [mlp_up_chunk_count(kw["seq_len"]) for kw in long.values()] == [4, 2]
