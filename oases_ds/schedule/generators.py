@@ -540,9 +540,7 @@ def _backward_pass(ops: Sequence[Op], segs: list[Segment], sub: int) -> list[_It
 
 def _passes(ops: Sequence[Op], segs: list[Segment], subs: int, cross_pass: bool,
             hop_costs: HopCosts | None = None) -> list[Instruction]:
-    light = _light_rule(ops)
-
-    continues = _continues_rule(ops)
+    light, continues = _light_rule(ops), _continues_rule(ops)
 
     def merged(streams: list[list[_Item]]) -> list[Instruction]:
         if light is None or hop_costs is None or len(streams) < 2:
